@@ -1,0 +1,282 @@
+"""Typed model configuration read from a Hugging Face ``config.json``.
+
+Handles both rope spellings (``rope_scaling`` + ``rope_theta`` as published, and
+``rope_parameters`` as transformers 5 saves them) and configs that wrap the language
+model in ``text_config`` (Kimi K2.5 / K2.6).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+BUILTIN_CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default" or "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    interleave: bool = True  # DeepSeek rotates adjacent pairs (x0, x1), (x2, x3), ...
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """What the checkpoint says about quantized weights (planner input; the engine loads bf16/fp16/fp32)."""
+
+    method: str  # "fp8", "compressed-tensors", ...
+    weight_bits: int
+    group_size: int | None = None  # INT4 group quantization
+    block_size: tuple[int, int] | None = None  # FP8 block quantization
+    ignore: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    n_group: int
+    topk_group: int
+    topk_method: str
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0
+    torch_dtype: str | None = None
+    quantization: QuantizationConfig | None = None
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    # ---- derived shapes: every shape anywhere comes from here, never from a buffer ----
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_latent_dim(self) -> int:
+        """Width of one cached token per layer: compressed latent plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def is_v3(self) -> bool:
+        return self.architecture == "DeepseekV3ForCausalLM"
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        scale = self.qk_head_dim ** -0.5
+        if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
+            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+        return parse_model_config(data)
+
+    @classmethod
+    def from_pretrained(cls, model: str | Path) -> "ModelConfig":
+        return load_model_config(model)
+
+
+def _rope_from(d: dict[str, Any], max_pos: int, interleave: bool) -> RopeConfig:
+    params = d.get("rope_parameters") or {}
+    scaling = d.get("rope_scaling") or {}
+    merged: dict[str, Any] = {**scaling, **params}
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    if rope_type not in ("default", "yarn"):
+        raise ValueError(f"unsupported rope type {rope_type!r}: moeserve supports 'default' and 'yarn'")
+    if rope_type == "default":
+        return RopeConfig(theta=float(theta), interleave=interleave)
+    orig = merged.get("original_max_position_embeddings")
+    if orig is None:
+        raise ValueError("yarn rope needs 'original_max_position_embeddings' in rope_scaling/rope_parameters")
+    factor = merged.get("factor")
+    if factor is None:
+        factor = max_pos / orig
+    return RopeConfig(
+        theta=float(theta),
+        rope_type="yarn",
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        beta_fast=float(merged.get("beta_fast") or 32),
+        beta_slow=float(merged.get("beta_slow") or 1),
+        mscale=merged.get("mscale"),
+        mscale_all_dim=merged.get("mscale_all_dim"),
+        attention_factor=merged.get("attention_factor"),
+        truncate=bool(merged.get("truncate", True)),
+        interleave=interleave,
+    )
+
+
+def _quantization_from(d: dict[str, Any]) -> QuantizationConfig | None:
+    q = d.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method", "unknown")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        return QuantizationConfig(
+            method="fp8", weight_bits=8, block_size=tuple(block) if block else None
+        )
+    if method == "compressed-tensors":
+        groups = q.get("config_groups") or {}
+        weights = next(iter(groups.values()), {}).get("weights", {}) if groups else {}
+        return QuantizationConfig(
+            method=method,
+            weight_bits=int(weights.get("num_bits", 8)),
+            group_size=weights.get("group_size"),
+            ignore=tuple(q.get("ignore", ())),
+        )
+    return QuantizationConfig(method=method, weight_bits=int(q.get("bits", q.get("num_bits", 16))))
+
+
+def _required(d: dict[str, Any], key: str) -> Any:
+    if key not in d:
+        raise ValueError(f"config.json is missing required field {key!r}")
+    return d[key]
+
+
+def parse_model_config(data: dict[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from the dict of a config.json (unwrapping ``text_config``)."""
+    d = data
+    if "text_config" in d and isinstance(d["text_config"], dict):
+        text = dict(d["text_config"])
+        # Outer fields (token ids, tying) apply to the language model when the inner one lacks them.
+        for key in ("eos_token_id", "bos_token_id", "tie_word_embeddings"):
+            if key not in text and key in d:
+                text[key] = d[key]
+        d = text
+    archs = d.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        model_type = d.get("model_type", "")
+        arch = {
+            "deepseek_v3": "DeepseekV3ForCausalLM",
+            "kimi_k2": "DeepseekV3ForCausalLM",
+            "deepseek_v2": "DeepseekV2ForCausalLM",
+        }.get(model_type)
+    if arch is None:
+        raise ValueError(
+            f"unsupported architecture {archs or d.get('model_type')!r}; "
+            f"moeserve serves {', '.join(SUPPORTED_ARCHITECTURES)} (and text_config wrappers of them)"
+        )
+    is_v3 = arch == "DeepseekV3ForCausalLM"
+    max_pos = int(d.get("max_position_embeddings", 4096))
+    eos = d.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+    n_routed = int(d.get("n_routed_experts") or 0)
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=int(_required(d, "vocab_size")),
+        hidden_size=int(_required(d, "hidden_size")),
+        intermediate_size=int(_required(d, "intermediate_size")),
+        moe_intermediate_size=int(d.get("moe_intermediate_size", 0)),
+        num_hidden_layers=int(_required(d, "num_hidden_layers")),
+        num_attention_heads=int(_required(d, "num_attention_heads")),
+        q_lora_rank=d.get("q_lora_rank"),
+        kv_lora_rank=int(_required(d, "kv_lora_rank")),
+        qk_nope_head_dim=int(_required(d, "qk_nope_head_dim")),
+        qk_rope_head_dim=int(_required(d, "qk_rope_head_dim")),
+        v_head_dim=int(_required(d, "v_head_dim")),
+        n_routed_experts=n_routed,
+        n_shared_experts=int(d.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+        first_k_dense_replace=int(d.get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(d.get("moe_layer_freq", 1) or 1),
+        n_group=int(d.get("n_group") or 1),
+        topk_group=int(d.get("topk_group") or 1),
+        topk_method=d.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"),
+        scoring_func=d.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"),
+        norm_topk_prob=bool(d.get("norm_topk_prob", is_v3)),
+        routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_pos,
+        # V2 always rotates interleaved pairs; V3 says so in `rope_interleave` (default True).
+        rope=_rope_from(d, max_pos, interleave=bool(d.get("rope_interleave", True)) if is_v3 else True),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+        attention_bias=bool(d.get("attention_bias", False)),
+        hidden_act=d.get("hidden_act", "silu"),
+        bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0) or 0),
+        torch_dtype=d.get("torch_dtype") or d.get("dtype"),
+        quantization=_quantization_from(d),
+        raw=data,
+    )
+
+
+def builtin_model_names() -> list[str]:
+    return sorted(p.name for p in BUILTIN_CONFIG_DIR.iterdir() if (p / "config.json").exists())
+
+
+def resolve_config_path(model: str | Path) -> Path:
+    """A checkpoint dir, a config.json path, or a built-in name (e.g. ``moonlight-16b-a3b``)."""
+    p = Path(model)
+    if p.is_file():
+        return p
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.exists():
+            raise FileNotFoundError(f"{p} has no config.json")
+        return cfg
+    builtin = BUILTIN_CONFIG_DIR / str(model).lower() / "config.json"
+    if builtin.exists():
+        return builtin
+    raise FileNotFoundError(
+        f"unknown model {str(model)!r}: not a directory with config.json and not a built-in name "
+        f"({', '.join(builtin_model_names())})"
+    )
+
+
+def load_model_config(model: str | Path) -> ModelConfig:
+    path = resolve_config_path(model)
+    with open(path) as f:
+        return parse_model_config(json.load(f))
