@@ -1,0 +1,40 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from moeserve.cache.kv_pool import StageKVPool
+from moeserve.engine.context import StepContext
+
+
+@dataclass
+class MLAWeights:
+    """The per-head up-projection of the latent, split into its key and value halves.
+
+    w_uk: [H, qk_nope_head_dim, kv_lora_rank], w_uv: [H, v_head_dim, kv_lora_rank]
+    (views of ``kv_b_proj.weight``; H is this rank's heads).
+    """
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, weights: MLAWeights,
+                pool: StageKVPool, ctx: StepContext, scale: float) -> torch.Tensor:
+        """q_nope: [T, H, nope], q_pe: [T, H, rope] -> [T, H, v_head_dim].
+
+        The new tokens' latents are already in ``pool`` for ``layer_id`` (global id)."""
+        ...
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name == "reference":
+        from moeserve.attention.reference import ReferenceMLABackend
+
+        return ReferenceMLABackend()
+    raise ValueError(f"unknown attention backend {name!r} (available: reference)")

@@ -1,0 +1,56 @@
+"""Engine settings (the knobs a vLLM user knows, under the same names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device == "cpu":
+            return torch.float32
+        return DTYPES.get(checkpoint_dtype or "bfloat16", torch.bfloat16)
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}; got {dtype!r}") from None
+
+
+@dataclass
+class EngineConfig:
+    model: str | None
+    dtype: str | torch.dtype = "auto"
+    device: str = "auto"
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    page_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_pages: int | None = None  # explicit KV size, overrides gpu_memory_utilization
+    backend: str = "auto"  # "auto" or "reference"
+    tokenizer: str | None = None
+    trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    pp_layer_partition: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.num_kv_pages is not None and self.num_kv_pages < 1:
+            raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")

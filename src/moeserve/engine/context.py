@@ -1,0 +1,48 @@
+"""Per-step batch facts, set once per forward pass and read by attention backends."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class StepContext:
+    positions: torch.Tensor  # [T] position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] KV slot (page * page_size + offset) each new token writes
+    query_lens: list[int]  # new tokens per sequence, in batch order
+    context_lens: list[int]  # tokens in the cache per sequence after this step
+    page_tables: torch.Tensor  # [B, max_pages] page ids (padded with 0)
+    cu_query_lens: torch.Tensor  # [B + 1] offsets of each sequence's tokens in the flat batch
+    logits_indices: torch.Tensor  # [S] flat indices whose logits the step needs
+    page_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(n == 1 for n in self.query_lens)
+
+
+_CTX: StepContext | None = None
+
+
+def get_context() -> StepContext:
+    if _CTX is None:
+        raise RuntimeError("no step context is set: forward passes run inside `step_context(...)`")
+    return _CTX
+
+
+@contextmanager
+def step_context(ctx: StepContext) -> Iterator[StepContext]:
+    global _CTX
+    prev, _CTX = _CTX, ctx
+    try:
+        yield ctx
+    finally:
+        _CTX = prev

@@ -1,0 +1,29 @@
+"""Executors run steps on the model ranks. One rank: the runner lives in this process."""
+
+from __future__ import annotations
+
+from moeserve.config import ModelConfig
+from moeserve.engine.config import EngineConfig
+from moeserve.engine.model_runner import ModelRunner
+from moeserve.engine.sampler import SampleResult
+from moeserve.engine.step_input import StepInput
+
+
+class LocalExecutor:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig):
+        self.runner = ModelRunner(model_config, config)
+        self.kv_capacity_pages = self.runner.pool.num_pages
+        self.page_size = self.runner.page_size
+
+    def execute(self, step: StepInput) -> SampleResult:
+        return self.runner.execute(step)
+
+    def describe(self) -> list[str]:
+        r = self.runner
+        return [f"rank 0: layers [{r.stage.start_layer}, {r.stage.end_layer}), "
+                f"weights {r.weight_bytes / 1e9:.3f} GB, KV {r.pool.capacity_tokens} tokens "
+                f"({r.pool.num_pages} pages of {r.page_size}), backend {r.backend.name}, "
+                f"{r.dtype}, {r.device}"]
+
+    def shutdown(self) -> None:
+        pass

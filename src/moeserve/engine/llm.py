@@ -1,0 +1,101 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))`` as in vLLM."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from moeserve.config import load_model_config
+from moeserve.engine.config import EngineConfig
+from moeserve.engine.llm_engine import LLMEngine, PromptType
+from moeserve.engine.tokenizer import load_tokenizer
+from moeserve.outputs import RequestOutput
+from moeserve.sampling_params import SamplingParams
+
+log = logging.getLogger("moeserve")
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    from moeserve.demo import ensure_demo_model
+
+    if config.model is None:
+        config.model = str(ensure_demo_model())
+    model_config = load_model_config(config.model)
+    world = config.tensor_parallel_size * config.pipeline_parallel_size
+    if world > 1 or config.expert_parallel_size > 1:
+        from moeserve.parallel.executor import MultiProcessExecutor
+
+        executor = MultiProcessExecutor(model_config, config)
+    else:
+        from moeserve.engine.executor import LocalExecutor
+
+        executor = LocalExecutor(model_config, config)
+    try:
+        tokenizer = load_tokenizer(config.tokenizer or config.model, config.trust_remote_code)
+        engine = LLMEngine(model_config, config, executor, tokenizer)
+    except BaseException:
+        executor.shutdown()
+        raise
+    for line in executor.describe():
+        log.info(line)
+    return engine
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.config = EngineConfig(model=model, **kwargs)
+        self.engine = build_engine(self.config)
+        self.tokenizer = self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Validate everything first so a bad prompt leaves nothing half-submitted.
+        prepared = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                text, ids = self.engine.tokenize(prompt)
+                self.engine.validate(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
+        rids = [self.engine.add_request(prompt, p) for prompt, p in prepared]
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm)
+        try:
+            while len(results) < len(rids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in rids:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in rids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[r] for r in rids]
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()

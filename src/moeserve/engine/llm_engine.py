@@ -1,0 +1,256 @@
+"""The engine loop: requests in, one scheduled step at a time, outputs back.
+
+Plain Python over the scheduler; the model work happens in an executor (this process for
+one rank, worker processes for TP/PP/EP layouts)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from moeserve.cache.allocator import PagedAllocator
+from moeserve.config import ModelConfig
+from moeserve.engine.config import EngineConfig
+from moeserve.engine.detokenizer import IncrementalDetokenizer
+from moeserve.engine.sampler import SampleResult
+from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from moeserve.engine.sequence import Sequence, SeqStatus
+from moeserve.engine.step_input import StepInput, build_step_input
+from moeserve.outputs import CompletionOutput, RequestOutput
+from moeserve.sampling_params import SamplingParams
+
+log = logging.getLogger("moeserve")
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class Executor(Protocol):
+    """Runs steps on the model ranks."""
+
+    kv_capacity_pages: int
+    page_size: int
+
+    def execute(self, step: StepInput) -> SampleResult: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_token_time: float | None = None
+    aborted: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class LLMEngine:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, executor: Executor,
+                 tokenizer: Any | None):
+        self.model_config = model_config
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        capacity = executor.kv_capacity_pages * executor.page_size
+        max_len = config.max_model_len
+        if max_len is None:
+            max_len = min(model_config.max_position_embeddings, capacity)
+        elif max_len > capacity:
+            raise ValueError(f"max_model_len {max_len} is larger than the KV cache capacity of {capacity} "
+                             f"tokens; lower max_model_len or give the KV cache more memory")
+        self.max_model_len = max_len
+        self.allocator = PagedAllocator(executor.kv_capacity_pages, executor.page_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len), self.allocator)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._finished_seq_ids: list[int] = []
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(tokenizer.eos_token_id)
+
+    # ---- requests ----
+    def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model directory has no tokenizer: pass prompts as token ids "
+                                 "(a list of ints or {'prompt_token_ids': [...]})")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        V = self.model_config.vocab_size
+        bad = next((t for t in token_ids if t < 0 or t >= V), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {V}) (vocab_size)")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room for one output "
+                             f"token within max_model_len={self.max_model_len}")
+        params.validate()
+        if params.stop_list and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model directory has none")
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+        text, token_ids = self.tokenize(prompt)
+        self.validate(token_ids, params)
+        rid = request_id if request_id is not None else str(next(self._request_ids))
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        seqs = []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params)
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[rid] = Request(rid, text, token_ids, params, seqs)
+        return rid
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.aborted = True
+        for seq in req.seqs:
+            if not seq.finished and not seq.in_flight:
+                self._finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    @property
+    def num_running(self) -> int:
+        return len({s.request_id for s in self.scheduler.running})
+
+    @property
+    def num_waiting(self) -> int:
+        return len({s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running})
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.allocator.usage
+
+    # ---- the loop ----
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the requests that changed (finished ones last time)."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
+        self._finished_seq_ids = []
+        try:
+            result = self.executor.execute(step)
+        except BaseException:
+            for seq in batch.seqs:
+                seq.in_flight = False
+            raise
+        return self.process_result(batch, step, result)
+
+    def process_result(self, batch: ScheduledBatch, step: StepInput, result: SampleResult) -> list[RequestOutput]:
+        self.scheduler.finish_step(batch)
+        touched: dict[str, Request] = {}
+        by_id = {s.seq_id: s for s in batch.seqs}
+        now = time.monotonic()
+        for j, seq_id in enumerate(step.sample_seq_ids):
+            seq = by_id[seq_id]
+            req = self.requests[seq.request_id]
+            if seq.finished:
+                continue
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
+            touched[req.request_id] = req
+        for seq in batch.seqs:  # aborted while in flight
+            req = self.requests[seq.request_id]
+            if req.aborted and not seq.finished:
+                self._finish(seq, "abort")
+                touched[req.request_id] = req
+        outputs = [self._output(req) for req in touched.values()]
+        for req in touched.values():
+            if req.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
+                      sampled_logprob: float) -> None:
+        seq.token_ids.append(token)
+        seq.cumulative_logprob += sampled_logprob
+        if seq.params.logprobs is not None:
+            seq.logprobs.append(logprobs or {})
+        p = seq.params
+        n_out = seq.num_output_tokens
+        stop_token = None
+        if n_out > p.min_tokens:
+            if token in p.stop_token_ids:
+                stop_token = token
+            elif not p.ignore_eos and token in self.eos_token_ids:
+                stop_token = token
+        if seq.detok is not None:
+            text_before = len(seq.text)
+            if stop_token is None or p.include_stop_str_in_output:
+                seq.text += seq.detok.add(token)
+            if p.stop_list and n_out > p.min_tokens and self._check_stop_strings(seq, text_before):
+                return
+        if stop_token is not None:
+            self._finish(seq, "stop", stop_token if token in p.stop_token_ids else None)
+        elif self._hits_length(seq):
+            self._finish(seq, "length")
+
+    def _hits_length(self, seq: Sequence) -> bool:
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or \
+            seq.num_tokens >= self.max_model_len
+
+    def _check_stop_strings(self, seq: Sequence, text_before: int) -> bool:
+        longest = max(len(s) for s in seq.params.stop_list)
+        search_from = max(0, text_before - longest + 1)
+        hits = [(seq.text.find(s, search_from), s) for s in seq.params.stop_list]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        i, s = min(hits)
+        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
+        self._finish(seq, "stop", s, flush=False)
+        return True
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
+                flush: bool = True) -> None:
+        if seq.detok is not None and flush and reason != "abort":
+            seq.text += seq.detok.flush()
+        self.scheduler.finish(seq, reason, stop_reason)
+        self._finished_seq_ids.append(seq.seq_id)
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [CompletionOutput(
+            index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+            cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
+            stop_reason=s.stop_reason) for s in req.seqs]
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,80 @@
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Logprobs are those of the model's raw distribution (before temperature and filtering), as
+vLLM reports them by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    token_ids: list[int]
+    logprobs: list[dict[int, float] | None]  # per row: {token_id: logprob} for top-N plus the sampled one
+    sampled_logprobs: list[float]
+
+
+def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p on [B, V] float32 logits (rows not greedy)."""
+    dev = logits.device
+    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    logits = logits / temps[:, None]
+    V = logits.shape[-1]
+    top_ks = [p.top_k if p.top_k and p.top_k > 0 else V for p in params]
+    top_ps = [p.top_p for p in params]
+    min_ps = [p.min_p for p in params]
+    if any(m > 0 for m in min_ps):
+        probs = logits.softmax(-1)
+        thresh = torch.tensor(min_ps, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        logits = logits.masked_fill(probs < thresh, float("-inf"))
+    if any(k < V for k in top_ks) or any(p < 1 for p in top_ps):
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(V, device=dev)[None, :]
+        drop = ranks >= torch.tensor(top_ks, device=dev)[:, None]
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass of strictly better tokens
+        drop |= before >= torch.tensor(top_ps, device=dev)[:, None]
+        drop[:, 0] = False  # the best token always survives
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> SampleResult:
+    """logits: [B, V] float32, one row per sequence that samples this step."""
+    B = logits.shape[0]
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        idx = torch.tensor(random_rows, device=logits.device)
+        probs = _filter(logits[idx], [params[i] for i in random_rows]).softmax(-1)
+        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
+        # seeded row use its own generator.
+        noise = torch.empty_like(probs)
+        for j, i in enumerate(random_rows):
+            noise[j].exponential_(generator=generators[i])
+        tokens[idx] = (probs / noise).argmax(dim=-1)
+    token_list = tokens.tolist()
+    logprob_rows: list[dict[int, float] | None] = [None] * B
+    want = [p.logprobs for p in params]
+    logp = torch.log_softmax(logits, dim=-1)
+    sampled = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    top_n = max((n for n in want if n is not None), default=None)
+    if top_n is not None:
+        top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1) if top_n > 0 else (None, None)
+        for i, n in enumerate(want):
+            if n is None:
+                continue
+            row = {token_list[i]: sampled[i]}
+            if n > 0:
+                for t, v in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()):
+                    row.setdefault(t, v)
+            logprob_rows[i] = row
+    return SampleResult(token_list, logprob_rows, sampled)

@@ -1,0 +1,150 @@
+"""Continuous batching with chunked prefill and preemption by recomputation.
+
+Each step takes a token budget (``max_num_batched_tokens``). Running sequences go first
+(one token each when decoding, a chunk when their prefill is unfinished), then waiting ones
+are admitted while the budget, ``max_num_seqs`` and free KV pages allow. When pages run out
+the most recently admitted running sequence is preempted: its pages are freed and it goes
+back to the front of the queue to be recomputed later. Nothing is ever dropped.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from moeserve.cache.allocator import PagedAllocator
+from moeserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4096
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i reaches its last known token this step (so a new token is sampled)."""
+        s = self.seqs[i]
+        return s.num_computed + self.num_new_tokens[i] == s.num_tokens
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, allocator: PagedAllocator):
+        self.config = config
+        self.allocator = allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            if seq.in_flight:
+                i += 1
+                continue
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if not self._make_room(seq, n):
+                preempted = True
+                break
+            self._add_to(batch, seq, n)
+            budget -= n
+            i += 1
+        while (self.waiting and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            if self._pages_needed(seq, n) > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._add_to(batch, seq, n)
+            budget -= n
+        return batch
+
+    def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+        self._grow(seq, n)
+        seq.in_flight = True  # also keeps it from being picked as a preemption victim this step
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+
+    def _pages_needed(self, seq: Sequence, n: int) -> int:
+        return max(0, self.allocator.pages_for(seq.num_computed + n) - len(seq.pages))
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        seq.pages.extend(self.allocator.allocate(self._pages_needed(seq, n)))
+
+    def _make_room(self, seq: Sequence, n: int) -> bool:
+        """Free pages by preempting the newest other running sequences; False if ``seq`` itself
+        had to be preempted."""
+        while self._pages_needed(seq, n) > self.allocator.num_free:
+            victim = next((s for s in reversed(self.running) if not s.in_flight), None)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.allocator.free(seq.pages)
+        seq.pages = []
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish_step(self, batch: ScheduledBatch) -> None:
+        """The batch's forward pass is done: its tokens are in the cache."""
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.in_flight = False
+            seq.num_computed += n
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.status = SeqStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.allocator.free(seq.pages)
+        seq.pages = []
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)

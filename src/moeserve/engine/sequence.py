@@ -1,0 +1,53 @@
+"""A sequence being generated: its tokens, its KV pages and how far its cache is filled."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from moeserve.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    token_ids: list[int]
+    num_prompt_tokens: int
+    params: SamplingParams
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed: int = 0  # tokens whose KV is in the cache
+    pages: list[int] = field(default_factory=list)
+    in_flight: bool = False  # part of a batch whose result has not come back (pipeline micro-batches)
+    num_preemptions: int = 0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""
+    detok: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
+    generator: Any = None  # torch.Generator for seeded sampling
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

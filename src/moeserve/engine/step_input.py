@@ -1,0 +1,54 @@
+"""What every rank needs to run one step: plain, picklable data built by the scheduler's
+process and sent to each rank (or handed over directly with one process)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeserve.engine.scheduler import ScheduledBatch
+from moeserve.sampling_params import SamplingParams
+
+
+@dataclass
+class StepInput:
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    page_tables: list[list[int]]
+    logits_indices: list[int]  # flat token index of each sampling sequence's last token
+    sample_seq_ids: list[int]
+    sample_params: list[SamplingParams]
+    sample_seed_offsets: list[int]  # the completion index: seed + index seeds its generator
+    finished_seq_ids: list[int] = field(default_factory=list)  # drop their sampler state
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.input_ids)
+
+
+def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: list[int]) -> StepInput:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_idx: list[int] = []
+    context_lens: list[int] = []
+    sample_ids: list[int] = []
+    sample_params: list[SamplingParams] = []
+    offsets: list[int] = []
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        start = seq.num_computed
+        ids.extend(seq.token_ids[start:start + n])
+        for pos in range(start, start + n):
+            positions.append(pos)
+            slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
+        context_lens.append(start + n)
+        if batch.samples(i):
+            logits_idx.append(len(ids) - 1)
+            sample_ids.append(seq.seq_id)
+            sample_params.append(seq.params)
+            offsets.append(seq.index)
+    return StepInput(ids, positions, slots, list(batch.num_new_tokens), context_lens,
+                     [list(s.pages) for s in batch.seqs], logits_idx, sample_ids, sample_params,
+                     offsets, list(finished_seq_ids))

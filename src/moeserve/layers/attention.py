@@ -1,0 +1,64 @@
+"""Multi-head Latent Attention (MLA): low-rank queries, a compressed KV latent shared by all
+heads plus one shared rope key; the cache stores only the latent and the rope key."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from moeserve.attention.backend import AttentionBackend, MLAWeights
+from moeserve.cache.kv_pool import StageKVPool
+from moeserve.config import ModelConfig
+from moeserve.engine.context import get_context
+from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.parallel.comm import tp_group
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        c = config
+        tp = tp_group().size
+        if c.num_attention_heads % tp:
+            raise ValueError(f"{c.num_attention_heads} attention heads cannot be split over tp={tp} ranks")
+        self.layer_id = layer_id
+        self.num_heads = c.num_attention_heads // tp
+        self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
+        self.kv_lora_rank = c.kv_lora_rank
+        self.scale = c.softmax_scale
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(c.hidden_size, [q_out])
+        else:
+            self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=1e-6)
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, [q_out])
+        self.q_lora = c.q_lora_rank is not None
+        self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_latent_dim, bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = ColumnParallelLinear(
+            c.kv_lora_rank, [c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)])
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.v_head_dim, c.hidden_size,
+                                        bias=c.attention_bias)
+        self.rotary = rotary
+        self.pool: StageKVPool | None = None
+        self.backend: AttentionBackend | None = None
+
+    def mla_weights(self) -> MLAWeights:
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return MLAWeights(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:])
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        T = hidden.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
+        q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
+        q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+        ctx = get_context()
+        self.pool.write(self.layer_id, ctx.slot_mapping, latent, k_pe)
+        out = self.backend.forward(self.layer_id, q_nope, q_pe, self.mla_weights(), self.pool, ctx, self.scale)
+        return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))

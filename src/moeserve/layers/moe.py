@@ -1,0 +1,157 @@
+"""Mixture-of-Experts block: router, routed experts (expert-parallel) and shared experts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_checked, replicated_loader
+from moeserve.parallel.comm import tp_all_reduce, tp_group
+
+
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP, TP-split over its intermediate size (dense layers, shared experts)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = True):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """Top-k expert choice; float32 throughout, as the reference does.
+
+    V3 (``noaux_tc``): sigmoid scores, selection on scores + ``e_score_correction_bias`` within the
+    ``topk_group`` best groups (a group scores the sum of its top two). V2: softmax scores,
+    ``greedy`` or ``group_limited_greedy`` (a group scores its max)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size,
+                                               dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = replicated_loader
+        self.weight.keep_fp32 = True
+        self.e_score_correction_bias = None
+        if config.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False)
+            self.e_score_correction_bias.weight_loader = replicated_loader
+            self.e_score_correction_bias.keep_fp32 = True
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
+        c = self.config
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+        E, G = c.n_routed_experts, c.n_group
+        if c.topk_method == "noaux_tc":
+            choice = scores + self.e_score_correction_bias
+            group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = self._mask_groups(choice, group_scores, float("-inf"))
+            ids = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+        else:
+            choice = scores
+            if c.topk_method == "group_limited_greedy":
+                group_scores = scores.view(-1, G, E // G).max(dim=-1).values
+                choice = self._mask_groups(scores, group_scores, 0.0)
+            weights, ids = torch.topk(choice, k=c.num_experts_per_tok, dim=-1, sorted=False)
+        if c.norm_topk_prob and c.num_experts_per_tok > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * c.routed_scaling_factor, ids
+
+    def _mask_groups(self, choice: torch.Tensor, group_scores: torch.Tensor, fill: float) -> torch.Tensor:
+        c = self.config
+        E, G = c.n_routed_experts, c.n_group
+        group_idx = torch.topk(group_scores, k=c.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        keep = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E).bool()
+        return choice.masked_fill(~keep, fill)
+
+
+def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+    """Reference routed-expert computation over this rank's experts.
+
+    x: [T, hidden]; w13: [E_local, 2 * I_local, hidden] (gate rows then up rows);
+    w2: [E_local, hidden, I_local]; experts outside ``[first_expert, first_expert + E_local)``
+    contribute nothing here (another rank holds them)."""
+    out = torch.zeros_like(x)
+    local_ids = topk_ids - first_expert
+    for e in torch.unique(local_ids).tolist():
+        if e < 0 or e >= w13.shape[0]:
+            continue
+        token_idx, k_pos = torch.where(local_ids == e)
+        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, y.to(out.dtype))
+    return out
+
+
+class RoutedExperts(nn.Module):
+    """This rank's experts: ``n_routed / ep`` whole experts, each split ``tp / ep`` ways."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        g = tp_group()
+        E, I, H = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
+        if E % g.ep_size:
+            raise ValueError(f"{E} routed experts cannot be split evenly over ep={g.ep_size} ranks")
+        if I % g.expert_tp_size:
+            raise ValueError(f"moe_intermediate_size {I} is not divisible by tp/ep = {g.expert_tp_size}")
+        self.num_local = E // g.ep_size
+        self.first_expert = g.ep_rank * self.num_local
+        self.i_local = I // g.expert_tp_size
+        self.i_offset = g.expert_tp_rank * self.i_local
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.i_local, H), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(self.num_local, H, self.i_local), requires_grad=False)
+        self.impl = moe_experts_ref
+
+    def owns(self, expert_id: int) -> bool:
+        return self.first_expert <= expert_id < self.first_expert + self.num_local
+
+    def load_expert(self, expert_id: int, which: str, loaded: torch.Tensor, name: str) -> None:
+        """Copy this rank's part of one expert's ``gate``/``up``/``down`` projection."""
+        e = expert_id - self.first_expert
+        il, off = self.i_local, self.i_offset
+        full_i = il * tp_group().expert_tp_size
+        hidden = self.w13.shape[2]
+        if which in ("gate", "up"):
+            if tuple(loaded.shape) != (full_i, hidden):
+                raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {(full_i, hidden)}")
+            rows = slice(0, il) if which == "gate" else slice(il, 2 * il)
+            copy_checked(self.w13.data[e, rows], loaded[off:off + il], name)
+        else:
+            if tuple(loaded.shape) != (hidden, full_i):
+                raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {(hidden, full_i)}")
+            copy_checked(self.w2.data[e], loaded[:, off:off + il], name)
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate = Router(config)
+        self.experts = RoutedExperts(config)
+        self.shared_experts = None
+        if config.n_shared_experts:
+            self.shared_experts = DenseMLP(config.hidden_size,
+                                           config.moe_intermediate_size * config.n_shared_experts,
+                                           reduce=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        # One reduction for routed (EP/TP partial sums) and shared (TP partial sums) together.
+        return tp_all_reduce(out)

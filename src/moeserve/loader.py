@@ -1,0 +1,82 @@
+"""Weights into a built model: safetensors checkpoints (only this rank's tensors are read)
+or deterministic random ``dummy`` weights generated from the config alone."""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from moeserve.models.deepseek import DeepseekForCausalLM
+
+
+def checkpoint_files(model_dir: str | Path) -> list[Path]:
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [d / name for name in sorted(set(weight_map.values()))]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {d} (use load_format='dummy' for random weights)")
+    return files
+
+
+def iter_checkpoint(model: DeepseekForCausalLM, model_dir: str | Path,
+                    device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield only the tensors this rank keeps; the rest are never read from disk."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if model.wants(name) or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
+                    yield name, f.get_tensor(name)
+
+
+def dummy_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device | str,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """The same name, shape and seed give the same tensor on every rank and every run."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape, dtype=dtype, device=device)
+    g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    t = torch.empty(shape, dtype=torch.float32, device=device)
+    if name.endswith("e_score_correction_bias"):
+        t.uniform_(-0.05, 0.05, generator=g)
+    else:
+        t.normal_(0.0, 0.02, generator=g)
+    return t.to(dtype)
+
+
+def iter_dummy(model: DeepseekForCausalLM, seed: int, device: torch.device | str,
+               dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, shape in model.expected_checkpoint_tensors():
+        yield name, dummy_tensor(name, shape, seed, device, dtype)
+
+
+def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None, load_format: str,
+                       seed: int = 0, device: torch.device | str = "cpu") -> None:
+    if load_format == "dummy":
+        dtype = next(model.parameters()).dtype
+        used = model.load_weights(iter_dummy(model, seed, device, dtype))
+    elif load_format in ("auto", "safetensors"):
+        if model_dir is None:
+            raise ValueError("load_format='auto' needs a model directory")
+        used = model.load_weights(iter_checkpoint(model, model_dir, device))
+    else:
+        raise ValueError(f"unknown load_format {load_format!r} (use 'auto' or 'dummy')")
+    expected = {name for name, _ in model.expected_checkpoint_tensors()}
+    missing = sorted(expected - used)
+    if missing and not _fused_experts_cover(missing, used):
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
+
+
+def _fused_experts_cover(missing: list[str], used: set[str]) -> bool:
+    """A transformers-5 style checkpoint stores each layer's experts as two fused tensors."""
+    fused_layers = {n.rsplit(".experts.", 1)[0] for n in used if n.endswith(("experts.gate_up_proj",
+                                                                              "experts.down_proj"))}
+    return all(".experts." in n and n.rsplit(".experts.", 1)[0] in fused_layers for n in missing)

@@ -1,0 +1,212 @@
+"""DeepSeek-V2 / V3 (also Kimi K2.x, Moonlight): MLA attention + MoE, built per pipeline stage.
+
+A stage builds only the layers it owns; stage 0 also holds the embedding, the last stage
+the final norm and lm_head. Parameter names are the Hugging Face checkpoint names, so the
+loader maps checkpoint tensors to parameters by name (experts and fused gate/up aside).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from moeserve.attention.backend import AttentionBackend
+from moeserve.cache.kv_pool import StageKVPool, StageRange
+from moeserve.config import ModelConfig
+from moeserve.layers.attention import MLAAttention
+from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from moeserve.layers.moe import MoE, DenseMLP
+from moeserve.layers.norm import RMSNorm
+from moeserve.layers.rotary import RotaryEmbedding
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_id, rotary)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_id) else DenseMLP(
+            config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        residual = hidden if residual is None else hidden + residual
+        hidden = self.self_attn(positions, self.input_layernorm(residual))
+        residual = hidden + residual
+        hidden = self.mlp(self.post_attention_layernorm(residual))
+        return hidden, residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, config: ModelConfig, stage: StageRange, is_first: bool, is_last: bool):
+        super().__init__()
+        self.stage = stage
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if is_first else None
+        rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
+        # ModuleDict keyed by the global layer id keeps checkpoint names (model.layers.<id>.*).
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, rotary) for i in stage.layers()})
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.embed_tokens is not None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers.values():
+            hidden, residual = layer(positions, hidden, residual)
+        if self.norm is not None:
+            return self.norm(hidden + residual), None
+        return hidden, residual
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+_GATE_UP = re.compile(r"^(.*)\.(gate|up)_proj\.(weight)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, stage: StageRange | None = None,
+                 is_first: bool = True, is_last: bool = True):
+        super().__init__()
+        self.config = config
+        self.stage = stage or StageRange(0, config.num_hidden_layers)
+        self.is_first, self.is_last = is_first, is_last
+        self.model = DeepseekModel(config, self.stage, is_first, is_last)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last else None
+        for name, p in self.named_parameters():
+            p.checkpoint_name = name
+
+    # ---- runtime wiring ----
+    def bind(self, pool: StageKVPool, backend: AttentionBackend) -> None:
+        if pool.stage != self.stage:
+            raise ValueError(f"KV pool covers layers [{pool.stage.start_layer}, {pool.stage.end_layer}) "
+                             f"but the model stage owns [{self.stage.start_layer}, {self.stage.end_layer})")
+        for layer in self.model.layers.values():
+            layer.self_attn.pool = pool
+            layer.self_attn.backend = backend
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
+                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model(input_ids, positions, hidden, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- weights ----
+    def wants(self, name: str) -> bool:
+        """Whether this rank keeps checkpoint tensor ``name`` (stage, experts, MTP layers)."""
+        m = _LAYER.match(name)
+        if m:
+            if int(m.group(1)) not in self.stage:
+                return False
+            e = _EXPERT.match(name)
+            if e:
+                return self._experts(e.group(1)).owns(int(e.group(2)))
+            return True
+        if name.startswith("model.embed_tokens."):
+            return self.is_first or (self.is_last and self.config.tie_word_embeddings)
+        if name.startswith("lm_head.") or name.startswith("model.norm."):
+            return self.is_last
+        return False
+
+    def _experts(self, prefix: str):
+        return self.get_submodule(prefix)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors into this rank's parameters; returns the names used."""
+        params = dict(self.named_parameters())
+        used: set[str] = set()
+        for name, tensor in weights:
+            if not self.wants(name) and not _FUSED_EXPERTS.match(name):
+                continue
+            if name == "model.embed_tokens.weight" and self.config.tie_word_embeddings and self.lm_head:
+                self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
+                used.add(name)
+            if m := _EXPERT.match(name):
+                self._experts(m.group(1)).load_expert(int(m.group(2)), m.group(3), tensor, name)
+            elif m := _FUSED_EXPERTS.match(name):  # transformers 5 in-memory layout: [E, 2I, H] / [E, H, I]
+                if int(_LAYER.match(name).group(1)) not in self.stage:
+                    continue
+                experts = self._experts(m.group(1))
+                for e in range(tensor.shape[0]):
+                    if not experts.owns(e):
+                        continue
+                    if m.group(2) == "down_proj":
+                        experts.load_expert(e, "down", tensor[e], f"{name}[{e}]")
+                    else:
+                        gate, up = tensor[e].chunk(2, dim=0)
+                        experts.load_expert(e, "gate", gate, f"{name}[{e}]")
+                        experts.load_expert(e, "up", up, f"{name}[{e}]")
+            elif (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj.weight" in params:
+                p = params[f"{m.group(1)}.gate_up_proj.weight"]
+                p.weight_loader(p, tensor, 0 if m.group(2) == "gate" else 1)
+            elif name in params:
+                p = params[name]
+                p.weight_loader(p, tensor)
+            else:
+                continue  # e.g. rotary inv_freq buffers some checkpoints carry
+            used.add(name)
+        return used
+
+    def expected_checkpoint_tensors(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Names and full shapes of the checkpoint tensors this rank needs."""
+        for name, shape in checkpoint_tensor_shapes(self.config):
+            if self.wants(name):
+                yield name, shape
+
+
+def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Every tensor of a Hugging Face checkpoint of this config (per-expert layout, no MTP)."""
+    c = config
+    H = c.hidden_size
+    yield "model.embed_tokens.weight", (c.vocab_size, H)
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (H,)
+        yield f"{p}.post_attention_layernorm.weight", (H,)
+        a = f"{p}.self_attn"
+        q_out = c.num_attention_heads * c.qk_head_dim
+        if c.q_lora_rank is None:
+            yield f"{a}.q_proj.weight", (q_out, H)
+        else:
+            yield f"{a}.q_a_proj.weight", (c.q_lora_rank, H)
+            yield f"{a}.q_a_layernorm.weight", (c.q_lora_rank,)
+            yield f"{a}.q_b_proj.weight", (q_out, c.q_lora_rank)
+        yield f"{a}.kv_a_proj_with_mqa.weight", (c.kv_latent_dim, H)
+        yield f"{a}.kv_a_layernorm.weight", (c.kv_lora_rank,)
+        yield f"{a}.kv_b_proj.weight", (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
+                                         c.kv_lora_rank)
+        yield f"{a}.o_proj.weight", (H, c.num_attention_heads * c.v_head_dim)
+        if c.attention_bias:
+            yield f"{a}.q_a_proj.bias" if c.q_lora_rank else f"{a}.q_proj.bias", (
+                c.q_lora_rank or q_out,)
+            yield f"{a}.kv_a_proj_with_mqa.bias", (c.kv_latent_dim,)
+            yield f"{a}.o_proj.bias", (H,)
+        m = f"{p}.mlp"
+        if c.is_moe_layer(i):
+            yield f"{m}.gate.weight", (c.n_routed_experts, H)
+            if c.topk_method == "noaux_tc":
+                yield f"{m}.gate.e_score_correction_bias", (c.n_routed_experts,)
+            I = c.moe_intermediate_size
+            for e in range(c.n_routed_experts):
+                yield f"{m}.experts.{e}.gate_proj.weight", (I, H)
+                yield f"{m}.experts.{e}.up_proj.weight", (I, H)
+                yield f"{m}.experts.{e}.down_proj.weight", (H, I)
+            if c.n_shared_experts:
+                Is = I * c.n_shared_experts
+                yield f"{m}.shared_experts.gate_proj.weight", (Is, H)
+                yield f"{m}.shared_experts.up_proj.weight", (Is, H)
+                yield f"{m}.shared_experts.down_proj.weight", (H, Is)
+        else:
+            yield f"{m}.gate_proj.weight", (c.intermediate_size, H)
+            yield f"{m}.up_proj.weight", (c.intermediate_size, H)
+            yield f"{m}.down_proj.weight", (H, c.intermediate_size)
+    yield "model.norm.weight", (H,)
+    if not c.tie_word_embeddings:
+        yield "lm_head.weight", (c.vocab_size, H)

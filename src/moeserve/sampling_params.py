@@ -1,0 +1,59 @@
+"""Per-request generation settings, with vLLM's names and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no limit
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stop_list: list[str] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        else:
+            self.stop_list = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(field_name: str, why: str) -> ValueError:
+            return ValueError(f"{field_name} {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            raise bad("n", f"must be at least 1, got {self.n}")
+        if self.temperature < 0:
+            raise bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k is None or self.top_k < -1:
+            raise bad("top_k", f"must be -1 (disabled) or a positive integer, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
+        if any(not s for s in self.stop_list):
+            raise bad("stop", "must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
