@@ -1,0 +1,110 @@
+"""``moeserve`` command line: generate | plan | serve | bench | wait-ready."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None,
+                   help="checkpoint directory (default: the built-in demo model)")
+    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from config.json alone (benchmarks)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV cache size in pages")
+    p.add_argument("--backend", default="auto", help="auto | reference")
+    p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1)
+    p.add_argument("--pp-layer-partition", default=None,
+                   help="layers per pipeline stage, e.g. 7,8,8,8,8,8,7,7")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    partition = None
+    if args.pp_layer_partition:
+        try:
+            partition = [int(x) for x in args.pp_layer_partition.split(",")]
+        except ValueError:
+            raise SystemExit(f"--pp-layer-partition must be comma-separated integers, "
+                             f"got {args.pp_layer_partition!r}") from None
+    return dict(dtype=args.dtype, device=args.device, load_format=args.load_format, seed=args.seed,
+                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+                gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
+                backend=args.backend, trust_remote_code=args.trust_remote_code,
+                tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+                expert_parallel_size=args.ep, pp_layer_partition=partition)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from moeserve import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    prompt: object = args.prompt
+    if args.prompt_token_ids:
+        prompt = {"prompt_token_ids": [int(t) for t in args.prompt_token_ids.split(",")]}
+    with LLM(args.model, **engine_kwargs(args)) as llm:
+        out = llm.generate(prompt, params)[0]
+    c = out.outputs[0]
+    if args.prompt is not None and not args.prompt_token_ids:
+        print(f"prompt: {args.prompt!r}")
+    print(f"tokens: {c.token_ids}")
+    print(f"text:   {c.text!r}")
+    print(f"finish: {c.finish_reason}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text offline (default model: the built-in demo)")
+    add_engine_arguments(g)
+    g.add_argument("--prompt", default="Hello, MoE!")
+    g.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.set_defaults(func=cmd_generate)
+
+    try:
+        from moeserve.planner.cli import add_plan_arguments, run_plan
+    except ImportError:  # planner not built yet
+        pass
+    else:
+        pl = sub.add_parser("plan", help="which TP/PP/EP layout fits and wins on given GPUs")
+        add_plan_arguments(pl)
+        pl.set_defaults(func=run_plan)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Parallel layouts: tensor (TP), pipeline (PP) and expert (EP) parallelism."""

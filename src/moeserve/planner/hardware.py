@@ -1,0 +1,183 @@
+"""GPU presets and the hardware constants the cost model runs on.
+
+Spec numbers are what the vendor publishes; the cost model multiplies them by efficiency
+constants (how much of the spec a decode step really gets). The efficiencies, the
+per-hop link latency and the per-step overhead are the constants ``--calibrate`` fits
+to measured runs; everything else is a flag away (``--hbm-tbps``, ``--link-gbps``, ...).
+
+Sources and assumptions (GB = 1e9 bytes, bandwidths per direction per GPU):
+
+- h200: 141 GB HBM3e, 4.8 TB/s, 989 TFLOP/s dense bf16 (NVIDIA H200 SXM datasheet).
+  Measured on our machine: ~4.2 TB/s device copy (0.875 of spec), ~800 TFLOP/s bf16 GEMM.
+  NVLink 4: 900 GB/s bidirectional = 450 GB/s each way.
+- h100: 80 GB HBM3, 3.35 TB/s, 989 TFLOP/s dense bf16 (H100 SXM datasheet), NVLink 4 450 GB/s.
+- b200: 180 GB HBM3e (per GPU in HGX B200), 8 TB/s, 2.25 PFLOP/s dense bf16, NVLink 5 900 GB/s.
+- rtx-pro-6000: 96 GB GDDR7, 1.79 TB/s (RTX PRO 6000 Blackwell datasheet); ~500 TFLOP/s
+  dense bf16, derived from the published 4 PFLOP/s FP4-with-sparsity by halving three times.
+  No NVLink: GPUs talk over PCIe Gen5 x16.
+- a100: 80 GB HBM2e, 2.04 TB/s, 312 TFLOP/s dense bf16 (A100 SXM 80GB), NVLink 3 300 GB/s.
+- PCIe: Gen5 x16 64 GB/s each way (Gen4 32 GB/s for a100).
+
+Capacities are the marketing figures read as 1e9 bytes. The cards expose a little more
+(an RTX PRO 6000 reports 97,887 MiB = 102.6e9 bytes), so the planner is conservative by a
+few percent; pass ``--gpu-memory-gb`` with the nvidia-smi figure to use all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class GpuPreset:
+    name: str
+    memory_gb: float
+    hbm_tbps: float  # HBM/GDDR bandwidth, spec
+    bf16_tflops: float  # dense bf16 tensor-core peak, spec
+    nvlink_gbps: float | None  # GB/s each way; None: no NVLink
+    pcie_gbps: float  # GB/s each way
+
+
+GPU_PRESETS: dict[str, GpuPreset] = {
+    p.name: p
+    for p in (
+        GpuPreset("h200", 141.0, 4.8, 989.0, 450.0, 64.0),
+        GpuPreset("h100", 80.0, 3.35, 989.0, 450.0, 64.0),
+        GpuPreset("b200", 180.0, 8.0, 2250.0, 900.0, 64.0),
+        GpuPreset("rtx-pro-6000", 96.0, 1.792, 500.0, None, 64.0),
+        GpuPreset("a100", 80.0, 2.039, 312.0, 300.0, 32.0),
+    )
+}
+
+# Per hop of a ring collective: NCCL's small-message all-reduce over 8 GPUs takes ~15 us on
+# NVLink and ~50 us over PCIe, i.e. ~1 us and ~3.5 us for each of its 2(n-1) steps.
+LINK_LATENCY_US = {"nvlink": 1.0, "pcie": 3.5}
+INTERCONNECTS = ("pcie", "nvlink")
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """The constants ``--calibrate`` fits; the defaults are priors, not measurements."""
+
+    hbm_efficiency: float = 0.80  # of spec bandwidth, for decode GEMV / grouped-GEMM reads
+    flops_efficiency: float = 0.70  # of dense bf16 peak
+    link_efficiency: float = 0.70  # of link bandwidth, for NCCL collectives
+    link_latency_us: float = 3.5  # per hop of a collective
+    step_overhead_ms: float = 1.0  # scheduling, sampling, input prep per decode step
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+FITTED_CONSTANTS = tuple(CostConstants.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu: str
+    gpus: int
+    memory_gb: float
+    hbm_tbps: float
+    bf16_tflops: float
+    interconnect: str
+    link_gbps: float
+    constants: CostConstants
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def memory_bytes(self) -> float:
+        return self.memory_gb * 1e9
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        return self.hbm_tbps * 1e12 * self.constants.hbm_efficiency
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.bf16_tflops * 1e12 * self.constants.flops_efficiency
+
+    @property
+    def link_bytes_per_s(self) -> float:
+        return self.link_gbps * 1e9 * self.constants.link_efficiency
+
+    @property
+    def link_latency_s(self) -> float:
+        return self.constants.link_latency_us * 1e-6
+
+    def with_constants(self, constants: CostConstants) -> "Hardware":
+        return replace(self, constants=constants)
+
+    def describe(self) -> str:
+        link = "NVLink" if self.interconnect == "nvlink" else "PCIe"
+        return (
+            f"{self.gpus}x {self.gpu} ({self.memory_gb:g} GB, {self.hbm_tbps:g} TB/s, "
+            f"{self.bf16_tflops:g} TFLOP/s bf16, {link} {self.link_gbps:g} GB/s)"
+        )
+
+
+def _infer_preset(memory_gb: float | None) -> tuple[GpuPreset, str | None]:
+    if memory_gb is None:
+        raise ValueError(f"give --gpu ({', '.join(GPU_PRESETS)}) or --gpu-memory-gb")
+    for preset in GPU_PRESETS.values():
+        if abs(preset.memory_gb - memory_gb) < 0.5:
+            return preset, f"no --gpu given: assuming {preset.name} (the preset with {preset.memory_gb:g} GB)"
+    preset = GPU_PRESETS["h100"]
+    return preset, f"no --gpu given and no preset has {memory_gb:g} GB: using h100 bandwidth and FLOP/s"
+
+
+def resolve_hardware(
+    gpus: int,
+    gpu: str | None = None,
+    memory_gb: float | None = None,
+    interconnect: str | None = None,
+    hbm_tbps: float | None = None,
+    bf16_tflops: float | None = None,
+    link_gbps: float | None = None,
+    link_latency_us: float | None = None,
+    step_overhead_ms: float | None = None,
+    constants: CostConstants | None = None,
+) -> Hardware:
+    """A preset (named or inferred from the memory size) with every given override applied."""
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
+    notes: list[str] = []
+    if gpu is not None:
+        key = gpu.lower()
+        if key not in GPU_PRESETS:
+            raise ValueError(f"unknown GPU {gpu!r}; presets: {', '.join(GPU_PRESETS)}")
+        preset = GPU_PRESETS[key]
+    else:
+        preset, note = _infer_preset(memory_gb)
+        if note:
+            notes.append(note)
+    if interconnect is None:
+        interconnect = "nvlink" if preset.nvlink_gbps else "pcie"
+    if interconnect not in INTERCONNECTS:
+        raise ValueError(f"--interconnect must be one of {', '.join(INTERCONNECTS)}, got {interconnect!r}")
+    if interconnect == "nvlink":
+        if preset.nvlink_gbps is None and link_gbps is None:
+            notes.append(f"{preset.name} has no NVLink; using its PCIe bandwidth (give --link-gbps to override)")
+        base_link = preset.nvlink_gbps or preset.pcie_gbps
+    else:
+        base_link = preset.pcie_gbps
+    base = constants or CostConstants(link_latency_us=LINK_LATENCY_US[interconnect])
+    overrides = {
+        k: v
+        for k, v in (("link_latency_us", link_latency_us), ("step_overhead_ms", step_overhead_ms))
+        if v is not None
+    }
+    hw = Hardware(
+        gpu=preset.name,
+        gpus=gpus,
+        memory_gb=float(memory_gb if memory_gb is not None else preset.memory_gb),
+        hbm_tbps=float(hbm_tbps if hbm_tbps is not None else preset.hbm_tbps),
+        bf16_tflops=float(bf16_tflops if bf16_tflops is not None else preset.bf16_tflops),
+        interconnect=interconnect,
+        link_gbps=float(link_gbps if link_gbps is not None else base_link),
+        constants=replace(base, **overrides),
+        notes=tuple(notes),
+    )
+    for name in ("memory_gb", "hbm_tbps", "bf16_tflops", "link_gbps"):
+        if getattr(hw, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(hw, name)}")
+    return hw

@@ -1,0 +1,30 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_cache(tmp_path_factory):
+    """The demo model is generated into a per-session cache, never the user's."""
+    if "MOESERVE_CACHE" not in os.environ:
+        os.environ["MOESERVE_CACHE"] = str(tmp_path_factory.mktemp("moeserve-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def v3_checkpoint(tmp_path_factory):
+    from checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "v3", "v3_qlora_grouped_yarn")
+
+
+@pytest.fixture(scope="session")
+def v2_checkpoint(tmp_path_factory):
+    from checkpoints import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "v2", "v2_greedy_yarn")

@@ -1,0 +1,150 @@
+"""Engine behaviour end to end on tiny checkpoints: preemption, bad input, sampling options."""
+
+import json
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.demo import ensure_demo_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2], [11, 12], [90, 1, 2, 3, 4, 5], [8] * 13, [60, 61, 62]]
+
+
+@pytest.fixture(scope="module")
+def llm(v3_checkpoint):
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32") as engine:
+        yield engine
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_preemption_finishes_everything_with_the_same_tokens(v3_checkpoint, llm):
+    expected = tokens(llm.generate(PROMPTS, GREEDY))
+    # 7 pages of 4 tokens cannot hold five sequences of up to 25 tokens at once.
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=7, page_size=4,
+             max_model_len=28) as small:
+        outs = small.generate(PROMPTS, GREEDY)
+        assert small.engine.scheduler.num_preemptions > 0
+        assert small.engine.allocator.num_free == 7  # every page came back
+    assert tokens(outs) == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+
+
+def test_batch_equals_one_by_one(llm):
+    together = tokens(llm.generate(PROMPTS, GREEDY))
+    alone = [tokens(llm.generate([p], GREEDY))[0] for p in PROMPTS]
+    assert together == alone
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ([], GREEDY, "prompt is empty"),
+    ([1, 2, 96], GREEDY, r"token id 96 is out of range.*\[0, 96\)"),
+    ([1, 2, -1], GREEDY, "token id -1 is out of range"),
+    (list(range(10)) * 60, GREEDY, r"prompt has 600 tokens.*max_model_len=512"),
+    ("text", GREEDY, "no tokenizer"),
+])
+def test_bad_prompts_raise_and_leave_the_engine_working(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[1, 2, 3], prompt], params)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(tokens(llm.generate([[1, 2, 3]], GREEDY))[0]) == 12
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=0), "max_tokens must be at least 1"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(n=0), "n must be at least 1"),
+    (dict(top_k=-3), "top_k"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_request_does_not_disturb_requests_in_flight(llm):
+    eng = llm.engine
+    expected = tokens(llm.generate([PROMPTS[0]], GREEDY))[0]
+    rid = eng.add_request({"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    eng.step()
+    with pytest.raises(ValueError, match="out of range"):
+        eng.add_request([1000], GREEDY)
+    done = None
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished and out.request_id == rid:
+                done = out
+    assert done.outputs[0].token_ids == expected
+
+
+def test_abort_frees_pages(llm):
+    eng = llm.engine
+    free = eng.allocator.num_free
+    rid = eng.add_request([1, 2, 3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    eng.abort_request(rid)
+    assert not eng.has_unfinished_requests() and eng.allocator.num_free == free
+
+
+def test_seeded_sampling_is_reproducible_and_n_gives_n(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=20, max_tokens=10, seed=7, n=3, ignore_eos=True)
+    a = llm.generate([[4, 5, 6]], p)[0]
+    b = llm.generate([[4, 5, 6]], p)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert len(a.outputs) == 3 and [c.index for c in a.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in a.outputs}) > 1
+
+
+def test_top_k_one_is_greedy_and_min_p_one_is_greedy(llm):
+    greedy = tokens(llm.generate(PROMPTS[:2], GREEDY))
+    assert tokens(llm.generate(PROMPTS[:2], SamplingParams(temperature=1.3, top_k=1, max_tokens=12,
+                                                           ignore_eos=True))) == greedy
+    assert tokens(llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, min_p=1.0, max_tokens=12,
+                                                           ignore_eos=True, seed=3))) == greedy
+
+
+def test_stop_token_ids_and_max_tokens(llm):
+    full = tokens(llm.generate([PROMPTS[0]], GREEDY))[0]
+    stop_at = full[4]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at],
+                                                    ignore_eos=True))[0].outputs[0]
+    first = full.index(stop_at)
+    assert out.token_ids == full[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].outputs[0]
+    assert out.token_ids == full[:3] and out.finish_reason == "length"
+
+
+def test_logprobs_are_log_probabilities(llm):
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=5,
+                                                    ignore_eos=True))[0].outputs[0]
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert len(lp) == 5 and tok in lp
+        assert max(lp.values()) == lp[tok] <= 0
+        assert sum(torch.tensor(list(lp.values())).exp()) <= 1 + 1e-5
+
+
+def test_demo_model_with_tokenizer_stop_strings_and_streaming_text():
+    path = ensure_demo_model()
+    with LLM(str(path), device="cpu") as llm:
+        base = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24,
+                                                                  ignore_eos=True))[0].outputs[0]
+        assert base.text == llm.tokenizer.decode(base.token_ids, skip_special_tokens=True)
+        visible = base.text.replace("\ufffd", "")
+        assert len(visible) >= 4
+        stop = visible[2:4]
+        cut = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24, stop=[stop],
+                                                                 ignore_eos=True))[0].outputs[0]
+        assert cut.finish_reason == "stop" and cut.stop_reason == stop
+        assert stop not in cut.text and base.text.startswith(cut.text)
+        assert len(cut.token_ids) < len(base.token_ids)
+
+
+def test_max_model_len_larger_than_kv_capacity_is_an_error(v3_checkpoint):
+    with pytest.raises(ValueError, match=r"max_model_len 100 is larger than the KV cache capacity of 32 tokens"):
+        LLM(str(v3_checkpoint), device="cpu", num_kv_pages=8, page_size=4, max_model_len=100)
