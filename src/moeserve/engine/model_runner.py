@@ -16,7 +16,7 @@ from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.engine.context import StepContext, step_context
 from moeserve.engine.sampler import SampleResult, sample
 from moeserve.engine.step_input import StepInput
-from moeserve.loader import load_model_weights
+from moeserve.loader import checkpoint_files, load_model_weights
 from moeserve.models import model_class
 
 log = logging.getLogger("moeserve")
@@ -50,6 +50,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device.type)
         self.stage = stage or StageRange(0, model_config.num_hidden_layers)
         self.is_first, self.is_last = is_first, is_last
+        if config.load_format != "dummy":
+            checkpoint_files(config.model)  # fail fast, before allocating a large model
         with build_defaults(self.device, self.dtype):
             self.model = model_class(model_config.architecture)(model_config, self.stage, is_first, is_last)
         self.model.eval()

@@ -1,0 +1,263 @@
+"""Memory per GPU: weight shards by component, runtime reserve, KV cache per token.
+
+Rank numbering (the planner's convention): ``rank = stage * tp + tp_rank``. Within a
+stage, ``ep_rank = tp_rank // (tp // ep)`` owns experts ``[ep_rank * n/ep, (ep_rank+1) * n/ep)``
+and ``tp_rank % (tp // ep)`` picks its slice of each of those experts. Byte counts do not
+depend on this mapping when the counts divide evenly, which layout checks require.
+
+A dimension of ``n`` split ``k`` ways gives part ``i`` the rows
+``[i * ceil(n/k), min(n, (i+1) * ceil(n/k)))``: exact for even splits, and what a loader
+slicing the checkpoint loads for a vocabulary that does not divide.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from moeserve.config import ModelConfig
+from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
+from moeserve.planner.quant import dtype_bytes_of, shard_bytes, weight_format
+from moeserve.planner.weights import (
+    COMPONENTS,
+    TensorSpec,
+    Split,
+    embedding_tensor,
+    final_norm_tensor,
+    layer_tensors,
+    lm_head_tensor,
+)
+
+KV_CACHE_BYTES = 2  # bf16 latent cache
+
+
+def chunk(n: int, parts: int, index: int) -> int:
+    """Size of part ``index`` of ``n`` split contiguously ``parts`` ways (ceil-sized parts)."""
+    size = -(-n // parts)
+    return max(0, min(n, (index + 1) * size) - index * size)
+
+
+@dataclass(frozen=True)
+class Size:
+    numel: int = 0
+    bytes: int = 0
+
+    def __add__(self, other: "Size") -> "Size":
+        return Size(self.numel + other.numel, self.bytes + other.bytes)
+
+
+def shard(spec: TensorSpec, tp: int, ep: int, tp_rank: int) -> tuple[tuple[int, ...], int]:
+    """(shape, copies) of ``spec`` held by ``tp_rank`` of a stage with ``tp`` ranks and ``ep`` expert groups."""
+    shape, copies = spec.shape, spec.copies
+    inner = tp // ep  # tp ranks sharing one expert group
+    if spec.split is Split.REPLICATED:
+        return shape, copies
+    if spec.split is Split.VOCAB:
+        return (chunk(shape[0], tp, tp_rank),) + shape[1:], copies
+    if spec.split in (Split.COLUMN, Split.ROW):
+        parts, index = tp, tp_rank
+    else:
+        copies = chunk(copies, ep, tp_rank // inner)
+        parts, index = inner, tp_rank % inner
+    dim = 0 if spec.split in (Split.COLUMN, Split.EXPERT_COLUMN) else 1
+    units = shape[dim] // spec.unit
+    new = list(shape)
+    new[dim] = chunk(units, parts, index) * spec.unit
+    return tuple(new), copies
+
+
+def _spec_size(cfg: ModelConfig, spec: TensorSpec, tp: int, ep: int, tp_rank: int, dtype_bytes: int | None, quantized: bool) -> Size:
+    shape, copies = shard(spec, tp, ep, tp_rank)
+    fmt = weight_format(cfg, spec, dtype_bytes, quantized)
+    return Size(math.prod(shape) * copies, shard_bytes(fmt, shape, copies))
+
+
+@lru_cache(maxsize=4096)
+def layer_sizes(
+    cfg: ModelConfig, layer_id: int, tp: int, ep: int, tp_rank: int, dtype_bytes: int | None = None, quantized: bool = True
+) -> dict[str, Size]:
+    """Component -> Size held by ``tp_rank`` for one decoder layer."""
+    out: dict[str, Size] = {}
+    for spec in layer_tensors(cfg, layer_id):
+        out[spec.component] = out.get(spec.component, Size()) + _spec_size(cfg, spec, tp, ep, tp_rank, dtype_bytes, quantized)
+    return out
+
+
+def global_sizes(
+    cfg: ModelConfig, tp: int, tp_rank: int, first: bool, last: bool, dtype_bytes: int | None = None, quantized: bool = True
+) -> dict[str, Size]:
+    """Embedding (first stage), final norm and lm_head (last stage) held by ``tp_rank``."""
+    out: dict[str, Size] = {}
+    specs = []
+    if first:
+        specs.append(embedding_tensor(cfg))
+    if last:
+        specs.append(final_norm_tensor(cfg))
+        # A tied lm_head is the embedding matrix itself when one stage holds both.
+        if not (cfg.tie_word_embeddings and first):
+            specs.append(lm_head_tensor(cfg))
+    for spec in specs:
+        out[spec.component] = out.get(spec.component, Size()) + _spec_size(cfg, spec, tp, 1, tp_rank, dtype_bytes, quantized)
+    return out
+
+
+def resolve_partition(cfg: ModelConfig, pp: int, partition: list[int] | None) -> list[int]:
+    if partition is None:
+        return default_layer_partition(cfg.num_hidden_layers, pp)
+    return validate_layer_partition(partition, cfg.num_hidden_layers, pp)
+
+
+def rank_weight_sizes(
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    ep: int,
+    rank: int,
+    partition: list[int] | None = None,
+    dtype_bytes: int | None = None,
+    quantized: bool = True,
+) -> dict[str, Size]:
+    """Component -> Size of the weights global ``rank`` holds (every component present, maybe empty)."""
+    parts = resolve_partition(cfg, pp, partition)
+    stage, tp_rank = divmod(rank, tp)
+    start, end = stage_layer_ranges(parts)[stage]
+    total = {c: Size() for c in COMPONENTS}
+    for layer_id in range(start, end):
+        for c, s in layer_sizes(cfg, layer_id, tp, ep, tp_rank, dtype_bytes, quantized).items():
+            total[c] = total[c] + s
+    for c, s in global_sizes(cfg, tp, tp_rank, stage == 0, stage == pp - 1, dtype_bytes, quantized).items():
+        total[c] = total[c] + s
+    return total
+
+
+def structural_problems(cfg: ModelConfig, tp: int, pp: int, ep: int, partition: list[int] | None = None) -> list[str]:
+    """Why the engine could not run this layout at all (empty when it can)."""
+    problems: list[str] = []
+    if min(tp, pp, ep) < 1:
+        return [f"tp, pp and ep must be positive integers (got tp={tp}, pp={pp}, ep={ep})"]
+    if tp % ep:
+        problems.append(f"ep={ep} does not divide tp={tp} (experts are split over the tp ranks of a stage)")
+    if cfg.num_attention_heads % tp:
+        problems.append(f"{cfg.num_attention_heads} attention heads do not split evenly over tp={tp}")
+    try:
+        resolve_partition(cfg, pp, partition)
+    except ValueError as e:
+        problems.append(str(e))
+    moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    if dense and cfg.intermediate_size % tp:
+        problems.append(f"dense MLP intermediate size {cfg.intermediate_size} does not split evenly over tp={tp}")
+    if ep > 1 and not moe:
+        problems.append("ep > 1 needs a model with routed experts")
+    if moe and not tp % ep:
+        inner = tp // ep
+        if cfg.n_routed_experts % ep:
+            problems.append(f"{cfg.n_routed_experts} routed experts do not split evenly over ep={ep}")
+        if cfg.moe_intermediate_size % inner:
+            problems.append(f"expert intermediate size {cfg.moe_intermediate_size} does not split evenly {inner} ways (tp/ep)")
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        if shared % tp:
+            problems.append(f"shared-expert intermediate size {shared} does not split evenly over tp={tp}")
+    if not problems:
+        problems += _quantization_alignment(cfg, tp, ep)
+    return problems
+
+
+def _quantization_alignment(cfg: ModelConfig, tp: int, ep: int) -> list[str]:
+    """Shards must hold whole INT4 groups / FP8 blocks, or a rank could not dequantize its slice."""
+    q = cfg.quantization
+    if q is None or not (q.group_size or q.block_size):
+        return []
+    layers = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}.values()
+    problems = []
+    for spec in [s for i in layers for s in layer_tensors(cfg, i)] + [lm_head_tensor(cfg)]:
+        if spec.split is Split.REPLICATED or spec.split is Split.VOCAB:
+            continue
+        fmt = weight_format(cfg, spec)
+        shape, _ = shard(spec, tp, ep, 0)
+        dim = 0 if spec.split in (Split.COLUMN, Split.EXPERT_COLUMN) else 1
+        if fmt.group_size and dim == 1 and shape[1] % fmt.group_size:
+            problems.append(f"{spec.name}: shard of {shape[1]} input columns is not a whole number of INT4 groups of {fmt.group_size}")
+        if fmt.block and shape[dim] % fmt.block[dim]:
+            problems.append(f"{spec.name}: shard of {shape[dim]} is not a whole number of FP8 blocks of {fmt.block[dim]}")
+    return problems
+
+
+def expected_rank_weight_bytes(
+    model_config: ModelConfig,
+    tp: int,
+    pp: int,
+    ep: int,
+    rank: int,
+    dtype_bytes: int,
+    partition: list[int] | None = None,
+) -> int:
+    """Bytes of weights global ``rank`` loads from an unquantized checkpoint.
+
+    Every tensor is counted at ``dtype_bytes`` per element (the quantization config, if any,
+    is ignored). Rank numbering: ``rank = stage * tp + tp_rank``. Raises ValueError for a
+    layout the engine cannot run (uneven head/expert splits, bad partition, bad rank).
+    """
+    problems = [p for p in structural_problems(model_config, tp, pp, ep, partition) if "INT4" not in p and "FP8" not in p]
+    if problems:
+        raise ValueError(f"layout tp={tp} pp={pp} ep={ep}: " + "; ".join(problems))
+    if not 0 <= rank < tp * pp:
+        raise ValueError(f"rank {rank} is outside a world of tp={tp} x pp={pp} = {tp * pp} ranks")
+    sizes = rank_weight_sizes(model_config, tp, pp, ep, rank, partition, dtype_bytes, quantized=False)
+    return sum(s.bytes for s in sizes.values())
+
+
+def kv_bytes_per_token_per_layer(cfg: ModelConfig) -> int:
+    """MLA caches the compressed latent plus the shared rope key: not split by TP."""
+    return cfg.kv_latent_dim * KV_CACHE_BYTES
+
+
+# ---- runtime reserve: what a serving process needs besides weights and KV ----
+
+CUDA_CONTEXT_BYTES = 0.75e9  # CUDA context, cuBLAS workspace, allocator slack
+NCCL_BYTES_PER_GROUP = 0.25e9  # NCCL buffers per communicator (tp group, pp neighbours)
+CUDA_GRAPH_POOL_BYTES = 0.5e9  # captured graphs beyond the activations they replay
+MOE_WORKSPACE_BYTES = 0.25e9  # expert sort/permute buffers, dequant scratch
+PREFILL_CHUNK_TOKENS = 8192  # chunked prefill: the most tokens one forward pass sees
+ACTIVATION_SLACK = 1.5  # temporaries alive at the same time, fragmentation
+
+
+@dataclass(frozen=True)
+class RuntimeReserve:
+    cuda_context: float
+    activations: float
+    cuda_graphs: float
+    workspace: float
+
+    @property
+    def total(self) -> float:
+        return self.cuda_context + self.activations + self.cuda_graphs + self.workspace
+
+
+def _activation_bytes_per_token(cfg: ModelConfig, tp: int, ep: int) -> float:
+    heads = cfg.num_attention_heads / tp
+    hidden = 4 * cfg.hidden_size  # residual, hidden, normed input, block output
+    attention = heads * (2 * cfg.qk_head_dim + 2 * cfg.v_head_dim) + cfg.kv_latent_dim
+    mlp = 3 * cfg.intermediate_size / tp  # gate, up, activated
+    if cfg.n_routed_experts:
+        routed = 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (tp // ep if tp % ep == 0 else tp)
+        mlp = max(mlp, routed + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts / tp)
+    return (hidden + attention + mlp) * 2 + cfg.n_routed_experts * 4
+
+
+def runtime_reserve(cfg: ModelConfig, tp: int, pp: int, ep: int, context: int, concurrency: int) -> RuntimeReserve:
+    """Non-weight, non-KV memory of one GPU (same for every stage up to the logits buffer)."""
+    per_token = _activation_bytes_per_token(cfg, tp, ep)
+    chunk_tokens = min(context, PREFILL_CHUNK_TOKENS)
+    # Prefill of the last chunk expands the MLA latent of the whole prefix into per-head K and V.
+    prefix_kv = context * (cfg.num_attention_heads / tp) * (cfg.qk_head_dim + cfg.v_head_dim) * 2
+    activations = ACTIVATION_SLACK * (chunk_tokens * per_token + prefix_kv)
+    logits = 2 * max(concurrency, 1) * (cfg.vocab_size / tp) * 4  # fp32 logits + probabilities
+    groups = (1 if tp > 1 else 0) + (1 if pp > 1 else 0)
+    return RuntimeReserve(
+        cuda_context=CUDA_CONTEXT_BYTES + groups * NCCL_BYTES_PER_GROUP,
+        activations=activations,
+        cuda_graphs=CUDA_GRAPH_POOL_BYTES + concurrency * per_token,
+        workspace=MOE_WORKSPACE_BYTES + logits,
+    )

@@ -1,0 +1,108 @@
+"""Bytes of a weight shard under the checkpoint's quantization scheme.
+
+- INT4 compressed-tensors, ``pack-quantized``, group ``g`` (Kimi K2 Thinking / K2.5 / K2.6):
+  every Linear not matched by the ``ignore`` list stores 4-bit weights packed into int32
+  (0.5 byte per weight) plus one bf16 scale per group of ``g`` input columns (symmetric:
+  no zero point). The published ignore list keeps attention, shared experts, dense MLPs
+  and lm_head in bf16, so only the routed experts are INT4.
+- FP8 block (DeepSeek-V3, Kimi K2-Instruct): every Linear but lm_head stores 1 byte per
+  weight plus one fp32 ``weight_scale_inv`` per 128x128 block. Embedding, norms and the
+  router gate are not Linear layers and stay in the checkpoint dtype.
+- Anything else: unquantized, ``dtype_bytes`` per element.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+from moeserve.config import ModelConfig, QuantizationConfig
+from moeserve.planner.weights import Kind, TensorSpec
+
+SCALE_BYTES_INT4_GROUP = 2  # bf16 scale per group
+SCALE_BYTES_FP8_BLOCK = 4  # fp32 scale per block
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How one tensor is stored: ``bits`` per weight plus scales per group or block."""
+
+    bits: int
+    group_size: int | None = None  # per-row groups of input columns (INT4)
+    block: tuple[int, int] | None = None  # [out, in] blocks (FP8)
+
+    @property
+    def label(self) -> str:
+        if self.group_size:
+            return f"int{self.bits} g{self.group_size}"
+        if self.block:
+            return f"fp{self.bits} {self.block[0]}x{self.block[1]}"
+        return f"{self.bits // 8}-byte"
+
+
+def dtype_bytes_of(cfg: ModelConfig) -> int:
+    """Bytes per unquantized element, from the checkpoint's ``torch_dtype``."""
+    dtype = (cfg.torch_dtype or "bfloat16").lower()
+    return 4 if dtype in ("float32", "fp32", "float") else 2
+
+
+def _ignored(module: str, ignore: tuple[str, ...]) -> bool:
+    for pattern in ignore:
+        if pattern.startswith("re:"):
+            if re.match(pattern[3:], module):
+                return True
+        elif pattern == module:
+            return True
+    return False
+
+
+@lru_cache(maxsize=4096)
+def _format_for(quant: QuantizationConfig | None, name: str, kind: Kind, dtype_bytes: int) -> WeightFormat:
+    dense = WeightFormat(bits=8 * dtype_bytes)
+    if quant is None or kind is not Kind.LINEAR:
+        return dense
+    module = name.removesuffix(".weight").replace("{e}", "0")
+    if quant.method == "compressed-tensors":
+        if _ignored(module, quant.ignore):
+            return dense
+        return WeightFormat(bits=quant.weight_bits, group_size=quant.group_size)
+    if quant.method == "fp8":
+        if module.endswith("lm_head"):
+            return dense
+        return WeightFormat(bits=8, block=quant.block_size)
+    return WeightFormat(bits=quant.weight_bits)
+
+
+def weight_format(cfg: ModelConfig, spec: TensorSpec, dtype_bytes: int | None = None, quantized: bool = True) -> WeightFormat:
+    db = dtype_bytes if dtype_bytes is not None else dtype_bytes_of(cfg)
+    return _format_for(cfg.quantization if quantized else None, spec.name, spec.kind, db)
+
+
+def shard_bytes(fmt: WeightFormat, shape: tuple[int, ...], copies: int = 1) -> int:
+    """Bytes of ``copies`` tensors of ``shape`` stored in ``fmt`` (scales included)."""
+    numel = math.prod(shape)
+    if numel == 0 or copies == 0:
+        return 0
+    weight = math.ceil(numel * fmt.bits / 8)
+    scales = 0
+    if len(shape) == 2:
+        out, in_ = shape
+        if fmt.group_size:
+            scales = out * math.ceil(in_ / fmt.group_size) * SCALE_BYTES_INT4_GROUP
+        elif fmt.block:
+            scales = math.ceil(out / fmt.block[0]) * math.ceil(in_ / fmt.block[1]) * SCALE_BYTES_FP8_BLOCK
+    return (weight + scales) * copies
+
+
+def describe_quantization(cfg: ModelConfig) -> str:
+    q = cfg.quantization
+    dense = f"{'fp32' if dtype_bytes_of(cfg) == 4 else 'bf16'}"
+    if q is None:
+        return f"all weights {dense}"
+    if q.method == "compressed-tensors":
+        return f"routed experts INT{q.weight_bits} group {q.group_size} (+bf16 scale per group), rest {dense}"
+    if q.method == "fp8" and q.block_size:
+        return f"Linear weights FP8 with fp32 scale per {q.block_size[0]}x{q.block_size[1]} block; embedding, lm_head, norms, router {dense}"
+    return f"{q.method} {q.weight_bits}-bit Linear weights (approximate: scales not counted), rest {dense}"
