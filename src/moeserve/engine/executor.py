@@ -15,8 +15,13 @@ class LocalExecutor:
         self.kv_capacity_pages = self.runner.pool.num_pages
         self.page_size = self.runner.page_size
 
-    def execute(self, step: StepInput) -> SampleResult:
+    max_in_flight = 1
+
+    def submit(self, step: StepInput) -> SampleResult:
         return self.runner.execute(step)
+
+    def wait(self, handle: SampleResult) -> SampleResult:
+        return handle
 
     def describe(self) -> list[str]:
         r = self.runner

@@ -6,6 +6,7 @@ one rank, worker processes for TP/PP/EP layouts)."""
 from __future__ import annotations
 
 import itertools
+from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
@@ -28,12 +29,18 @@ PromptType = str | list[int] | dict[str, Any]
 
 
 class Executor(Protocol):
-    """Runs steps on the model ranks."""
+    """Runs steps on the model ranks. ``submit`` may return before the step is done (pipeline
+    parallelism keeps up to ``max_in_flight`` steps going); ``wait`` returns results in order."""
 
     kv_capacity_pages: int
     page_size: int
+    max_in_flight: int
 
-    def execute(self, step: StepInput) -> SampleResult: ...
+    def submit(self, step: StepInput) -> object: ...
+
+    def wait(self, handle: object) -> SampleResult: ...
+
+    def describe(self) -> list[str]: ...
 
     def shutdown(self) -> None: ...
 
@@ -76,6 +83,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
+        self._in_flight: deque[tuple[ScheduledBatch, StepInput, object]] = deque()
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -140,7 +148,7 @@ class LLMEngine:
                 self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self._in_flight)
 
     @property
     def num_running(self) -> int:
@@ -156,17 +164,29 @@ class LLMEngine:
 
     # ---- the loop ----
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the requests that changed (finished ones last time)."""
-        batch = self.scheduler.schedule()
-        if not batch.seqs:
+        """Keep up to ``max_in_flight`` batches submitted, then complete the oldest one; return
+        the requests it changed."""
+        depth = self.executor.max_in_flight
+        while len(self._in_flight) < depth:
+            cap = None
+            if depth > 1:  # share the sequences out so every pipeline stage has work
+                cap = max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))
+            batch = self.scheduler.schedule(max_seqs=cap)
+            if not batch.seqs:
+                break
+            step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
+            self._finished_seq_ids = []
+            self._in_flight.append((batch, step, self.executor.submit(step)))
+        if not self._in_flight:
             return []
-        step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
-        self._finished_seq_ids = []
+        batch, step, handle = self._in_flight.popleft()
         try:
-            result = self.executor.execute(step)
+            result = self.executor.wait(handle)
         except BaseException:
-            for seq in batch.seqs:
-                seq.in_flight = False
+            for b, _, _ in [(batch, step, handle), *self._in_flight]:
+                for seq in b.seqs:
+                    seq.in_flight = False
+            self._in_flight.clear()
             raise
         return self.process_result(batch, step, result)
 

@@ -65,6 +65,14 @@ class ModelRunner:
         self.model.bind(self.pool, self.backend)
         self._generators: dict[int, torch.Generator] = {}
 
+    def resize_kv(self, num_pages: int) -> None:
+        """Shrink the pool so that every rank of a layout holds the same number of pages."""
+        if num_pages == self.pool.num_pages:
+            return
+        del self.pool
+        self.pool = StageKVPool(self.model_config, self.stage, num_pages, self.page_size, self.dtype, self.device)
+        self.model.bind(self.pool, self.backend)
+
     # ---- KV sizing ----
     def _pages_that_fit(self) -> int:
         bytes_per_page = self.bytes_per_token * self.page_size

@@ -57,12 +57,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, max_seqs: int | None = None) -> ScheduledBatch:
+        """Pick the next batch; ``max_seqs`` caps its size so that several pipeline
+        micro-batches can share the running sequences."""
         batch = ScheduledBatch()
+        cap = max_seqs or self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(batch) < cap:
             seq = self.running[i]
             if seq.in_flight:
                 i += 1
@@ -74,7 +77,7 @@ class Scheduler:
             self._add_to(batch, seq, n)
             budget -= n
             i += 1
-        while (self.waiting and budget > 0 and not preempted
+        while (self.waiting and budget > 0 and not preempted and len(batch) < cap
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             n = min(seq.num_tokens - seq.num_computed, budget)

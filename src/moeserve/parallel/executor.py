@@ -1,0 +1,162 @@
+"""Runs a TP/PP/EP layout as one process per rank on this host, driven by the engine.
+
+Every step's plain-data input goes to every rank over a pipe; the last stage's first TP rank
+sends the sampled tokens back. A rank that raises, or dies, takes the whole group down at
+once with its rank, stage and traceback: the engine never hangs on a dead rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+from collections import deque
+from multiprocessing.connection import Connection, wait
+
+from moeserve.config import ModelConfig
+from moeserve.engine.config import EngineConfig
+from moeserve.engine.sampler import SampleResult
+from moeserve.engine.step_input import StepInput
+from moeserve.parallel.layout import Layout
+from moeserve.parallel.worker import RankInfo, worker_main
+
+log = logging.getLogger("moeserve")
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.2f} GB" if n >= 1e8 else f"{n / 1e6:.2f} MB"
+
+
+class RankFailure(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MultiProcessExecutor:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig):
+        self.layout = Layout.build(model_config.num_hidden_layers, config.tensor_parallel_size,
+                                   config.pipeline_parallel_size, config.expert_parallel_size,
+                                   config.pp_layer_partition)
+        self.page_size = config.page_size
+        self.max_in_flight = self.layout.pp  # one micro-batch per stage keeps every stage busy
+        ctx = mp.get_context("spawn")
+        init = f"tcp://127.0.0.1:{_free_port()}"
+        self.conns: list[Connection] = []
+        self.procs: list[mp.process.BaseProcess] = []
+        self._closed = False
+        for rank in range(self.layout.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=worker_main, name=f"moeserve-rank{rank}", daemon=True,
+                            args=(rank, self.layout, model_config, config, child, init, rank))
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.result_rank = self.layout.stage_ranks(self.layout.pp - 1)[0]
+        self.infos: list[RankInfo] = [None] * self.layout.world_size  # type: ignore[list-item]
+        try:
+            for _ in range(self.layout.world_size):
+                rank, msg = self._next_message()
+                if msg[0] != "ready":
+                    raise RankFailure(f"rank {rank} sent {msg[0]!r} while loading")
+                self.infos[rank] = msg[1]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.kv_capacity_pages = min(i.kv_pages for i in self.infos)
+        self._pending: deque[int] = deque()
+        self._next_id = 0
+
+    # ---- messages ----
+    def _next_message(self, want_rank: int | None = None) -> tuple[int, tuple]:
+        """The next message from any rank (or from ``want_rank``); fails fast on an error
+        message or a dead process."""
+        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        conn_rank = {c: r for r, c in enumerate(self.conns)}
+        while True:
+            ready = wait(list(conn_rank) + list(sentinels))
+            for obj in ready:
+                if obj in conn_rank:
+                    rank = conn_rank[obj]
+                    try:
+                        msg = obj.recv()
+                    except EOFError:
+                        continue  # the sentinel reports the death with the exit code
+                    if msg[0] == "error":
+                        self._fail(f"rank {msg[1]} (stage {msg[2]}) failed:\n{msg[3]}")
+                    if want_rank is None or rank == want_rank:
+                        return rank, msg
+                    self._fail(f"unexpected message {msg[0]!r} from rank {rank}")
+            for obj in ready:
+                if obj in sentinels:
+                    rank = sentinels[obj]
+                    # Let a traceback that is already in the pipe win over the bare exit code.
+                    if self.conns[rank].poll(0.5):
+                        break
+                    stage = self.layout.stage_of(rank)
+                    self._fail(f"rank {rank} (stage {stage}) died with exit code {self.procs[rank].exitcode}")
+
+    def _fail(self, message: str) -> None:
+        log.error(message)
+        self.shutdown(force=True)
+        raise RankFailure(message)
+
+    # ---- executor interface ----
+    def submit(self, step: StepInput) -> int:
+        for conn in self.conns:
+            try:
+                conn.send(("step", step))
+            except (BrokenPipeError, OSError):
+                self._next_message()  # reports which rank died and why
+        handle = self._next_id
+        self._next_id += 1
+        self._pending.append(handle)
+        return handle
+
+    def wait(self, handle: int) -> SampleResult:
+        if not self._pending or self._pending[0] != handle:
+            raise RuntimeError("steps must be waited for in the order they were submitted")
+        self._pending.popleft()
+        _, msg = self._next_message(want_rank=self.result_rank)
+        return msg[1]
+
+    def describe(self) -> list[str]:
+        L = self.layout
+        lines = [f"layout {L.name}: tp={L.tp} pp={L.pp} ep={L.ep}, {L.world_size} ranks, "
+                 f"{self.max_in_flight} micro-batch(es) in flight"]
+        for s in range(L.pp):
+            lines.append("  " + L.describe_stage(s))
+        for i in self.infos:
+            experts = f", experts [{i.experts[0]}, {i.experts[1]})" if i.experts else ""
+            lines.append(f"  rank {i.rank}: stage {i.stage} tp_rank {i.tp_rank}, layers [{i.layers[0]}, "
+                         f"{i.layers[1]}){experts}, weights {_size(i.weight_bytes)}, "
+                         f"KV {self.kv_capacity_pages * self.page_size} tokens")
+        return lines
+
+    def shutdown(self, force: bool = False) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not force:
+            for conn in self.conns:
+                try:
+                    conn.send(("stop",))
+                except (BrokenPipeError, OSError):
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        for conn in self.conns:
+            conn.close()

@@ -1,0 +1,128 @@
+"""One model rank in its own process: joins the process group, builds its stage's share of
+the model, then runs steps sent by the engine, passing hidden states between stages."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+
+from moeserve.config import ModelConfig
+from moeserve.engine.config import EngineConfig
+from moeserve.parallel.comm import TPGroup, set_tp_group
+from moeserve.parallel.layout import Layout
+
+FAILURE_ENV = "MOESERVE_INJECT_FAILURE"  # "load:RANK" or "step:RANK:N" (tests of the dead-rank path)
+
+
+@dataclasses.dataclass
+class RankInfo:
+    rank: int
+    stage: int
+    tp_rank: int
+    layers: tuple[int, int]
+    weight_bytes: int
+    kv_pages: int
+    experts: tuple[int, int] | None  # [first, end) routed experts on this rank
+
+
+def _maybe_fail(phase: str, rank: int, step: int = 0) -> None:
+    spec = os.environ.get(FAILURE_ENV, "")
+    parts = spec.split(":")
+    if parts[0] != phase or int(parts[1]) != rank:
+        return
+    if phase == "load" or step == int(parts[2]):
+        raise RuntimeError(f"injected failure ({spec})")
+
+
+def _exit_with_parent() -> None:
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent:
+                os._exit(3)
+            time.sleep(1.0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def worker_main(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig,
+                conn: Connection, init_method: str, local_rank: int) -> None:
+    _exit_with_parent()
+    stage = layout.stage_of(rank)
+    try:
+        _run(rank, layout, model_config, config, conn, init_method, local_rank)
+    except BaseException:
+        try:
+            conn.send(("error", rank, stage, traceback.format_exc()))
+        finally:
+            os._exit(1)
+
+
+def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig, conn: Connection,
+         init_method: str, local_rank: int) -> None:
+    from moeserve.engine.model_runner import ModelRunner
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(local_rank)
+        config = dataclasses.replace(config, device=f"cuda:{local_rank}")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
+                            world_size=layout.world_size, timeout=timedelta(minutes=30))
+    stage_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
+    stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
+    set_tp_group(TPGroup(size=layout.tp, rank=tp_rank, group=stage_groups[stage], ep_size=layout.ep))
+    _maybe_fail("load", rank)
+    is_first, is_last = stage == 0, stage == layout.pp - 1
+    runner = ModelRunner(model_config, config, layout.stage_range(stage), is_first, is_last)
+    # Every rank must hold the same number of KV pages: the engine has one page allocator.
+    pages = torch.tensor([runner.pool.num_pages], device=runner.device)
+    dist.all_reduce(pages, op=dist.ReduceOp.MIN)
+    runner.resize_kv(int(pages.item()))
+    experts = None
+    first_moe = next((m for m in runner.model.modules() if m.__class__.__name__ == "RoutedExperts"), None)
+    if first_moe is not None:
+        experts = (first_moe.first_expert, first_moe.first_expert + first_moe.num_local)
+    conn.send(("ready", RankInfo(rank, stage, tp_rank, (runner.stage.start_layer, runner.stage.end_layer),
+                                 runner.weight_bytes, runner.pool.num_pages, experts)))
+
+    prev_rank = rank - layout.tp if not is_first else None
+    next_rank = rank + layout.tp if not is_last else None
+    hidden_size = model_config.hidden_size
+    pending_sends: list = []
+    steps = 0
+    while True:
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        step = msg[1]
+        steps += 1
+        _maybe_fail("step", rank, steps)
+        ids, ctx = runner.prepare(step)
+        hidden = residual = None
+        if prev_rank is not None:
+            hidden = torch.empty(step.num_tokens, hidden_size, dtype=runner.dtype, device=runner.device)
+            residual = torch.empty_like(hidden)
+            dist.recv(hidden, src=prev_rank)
+            dist.recv(residual, src=prev_rank)
+        out, res = runner.forward(ids, ctx, hidden, residual)
+        if next_rank is not None:
+            for work, _ in pending_sends:  # the previous micro-batch's activations have left
+                work.wait()
+            out, res = out.contiguous(), res.contiguous()
+            # Keep the tensors referenced until their sends complete.
+            pending_sends = [(dist.isend(out, dst=next_rank), out), (dist.isend(res, dst=next_rank), res)]
+        elif tp_rank == 0:
+            conn.send(("result", runner.sample(step, out)))
+    for work, _ in pending_sends:
+        work.wait()
+    dist.destroy_process_group()

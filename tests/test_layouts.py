@@ -1,0 +1,95 @@
+"""TP, PP, EP and combinations (several processes, gloo) give the single-process tokens."""
+
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.parallel.executor import RankFailure
+from moeserve.parallel.layout import Layout
+
+from checkpoints import make_checkpoint
+
+PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2, 8, 8, 8, 1], [11, 12], [90, 1, 2, 3, 4, 5], [60, 61]]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("layouts")
+    return {
+        "v3": make_checkpoint(root / "v3", "v3_qlora_grouped_yarn", num_hidden_layers=5),
+        "v2": make_checkpoint(root / "v2", "v2_group_limited", num_hidden_layers=4),
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    out = {}
+    for name, path in checkpoints.items():
+        with LLM(str(path), device="cpu", dtype="float32") as llm:
+            out[name] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    return out
+
+
+LAYOUTS = [
+    ("v3", dict(tensor_parallel_size=2)),
+    ("v3", dict(pipeline_parallel_size=2)),
+    ("v3", dict(pipeline_parallel_size=3, pp_layer_partition=[1, 3, 1])),
+    ("v3", dict(tensor_parallel_size=2, expert_parallel_size=2)),
+    ("v3", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+    ("v2", dict(tensor_parallel_size=2, expert_parallel_size=2)),
+    ("v2", dict(pipeline_parallel_size=2, pp_layer_partition=[3, 1])),
+]
+
+
+@pytest.mark.parametrize("model, layout", LAYOUTS, ids=[f"{m}-{'-'.join(f'{k[:2]}{v}' for k, v in l.items())}"
+                                                         for m, l in LAYOUTS])
+def test_layout_matches_single_process(checkpoints, reference, model, layout):
+    with LLM(str(checkpoints[model]), device="cpu", dtype="float32", max_num_batched_tokens=8,
+             **layout) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+        lines = llm.engine.executor.describe()
+    assert [o.outputs[0].token_ids for o in outs] == reference[model]
+    assert any("stage 0: layers" in line for line in lines)
+
+
+def test_pipeline_keeps_a_micro_batch_per_stage_in_flight(checkpoints, reference):
+    with LLM(str(checkpoints["v3"]), device="cpu", pipeline_parallel_size=2) as llm:
+        eng = llm.engine
+        for p in PROMPTS:
+            eng.add_request({"prompt_token_ids": p}, GREEDY)
+        eng.step()
+        assert len(eng._in_flight) == 1  # two submitted, the oldest completed
+        while eng.has_unfinished_requests():
+            eng.step()
+
+
+@pytest.mark.parametrize("where", ["load:2", "step:3:2"])
+def test_a_dead_rank_takes_the_group_down_with_its_traceback(checkpoints, monkeypatch, where):
+    monkeypatch.setenv("MOESERVE_INJECT_FAILURE", where)
+    rank = int(where.split(":")[1])
+    with pytest.raises(RankFailure, match=rf"rank {rank} \(stage 1\) failed:[\s\S]*injected failure"):
+        with LLM(str(checkpoints["v3"]), device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
+            procs = llm.engine.executor.procs
+            llm.generate(PROMPTS, GREEDY)
+    if where.startswith("step"):
+        assert not any(p.is_alive() for p in procs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(pp=2, partition=[2, 2]), r"covers 4 layers but the model has 5"),
+    (dict(pp=2, partition=[5]), r"has 1 entries but pp=2"),
+    (dict(pp=2, partition=[5, 0]), r"stage 1 has 0 layers"),
+    (dict(tp=2, ep=4), r"expert_parallel_size \(4\) must divide tensor_parallel_size \(2\)"),
+    (dict(pp=6), r"cannot split 5 layers into 6 pipeline stages"),
+])
+def test_bad_layouts_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Layout.build(5, **kwargs)
+
+
+def test_layout_names_and_ranges():
+    L = Layout.build(61, tp=1, pp=8)
+    assert L.partition == (7, 8, 8, 8, 8, 8, 7, 7)
+    assert L.stage_range(1).start_layer == 7 and L.stage_of(3) == 3
+    assert Layout.build(61, tp=8, ep=8).name == "ep8"
+    assert Layout.build(61, tp=2, pp=4).name == "tp2xpp4"
