@@ -66,6 +66,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if args.offline:
+        from moeserve.bench.offline import run_offline
+
+        run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args))
+        return 0
+    from moeserve.bench.serving import run_serving_cli
+
+    return run_serving_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -82,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmark the engine offline (--offline) or a server (--url)")
+    add_engine_arguments(b)
+    b.add_argument("--offline", action="store_true", help="run the engine in this process")
+    b.add_argument("--batch-sizes", default="1,8", help="offline: comma-separated batch sizes")
+    b.add_argument("--input-len", type=int, default=128)
+    b.add_argument("--output-len", type=int, default=32)
+    b.add_argument("--result-dir", default=None)
+    b.set_defaults(func=cmd_bench)
 
     try:
         from moeserve.planner.cli import add_plan_arguments, run_plan

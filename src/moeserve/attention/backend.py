@@ -37,4 +37,8 @@ def get_backend(name: str) -> AttentionBackend:
         from moeserve.attention.reference import ReferenceMLABackend
 
         return ReferenceMLABackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: reference)")
+    if name == "triton":
+        from moeserve.attention.triton_mla import TritonMLABackend
+
+        return TritonMLABackend()
+    raise ValueError(f"unknown attention backend {name!r} (available: reference, triton)")

@@ -36,7 +36,8 @@ class EngineConfig:
     page_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_pages: int | None = None  # explicit KV size, overrides gpu_memory_utilization
-    backend: str = "auto"  # "auto" or "reference"
+    backend: str = "auto"  # "auto" (triton on CUDA, reference elsewhere), "triton" or "reference"
+    enforce_eager: bool = False  # no CUDA graphs
     tokenizer: str | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
@@ -54,3 +55,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
+
+
+def resolve_max_model_len(requested: int | None, max_position_embeddings: int, capacity_tokens: int) -> int:
+    """The longest sequence the engine accepts: as asked, else what the model and the KV cache allow."""
+    if requested is None:
+        return min(max_position_embeddings, capacity_tokens)
+    if requested > capacity_tokens:
+        raise ValueError(f"max_model_len {requested} is larger than the KV cache capacity of {capacity_tokens} "
+                         f"tokens; lower max_model_len or give the KV cache more memory")
+    return requested

@@ -19,6 +19,7 @@ class StepContext:
     cu_query_lens: torch.Tensor  # [B + 1] offsets of each sequence's tokens in the flat batch
     logits_indices: torch.Tensor  # [S] flat indices whose logits the step needs
     page_size: int
+    context_lens_tensor: torch.Tensor | None = None  # [B] int32 on the device (kernels, CUDA graphs)
 
     @property
     def num_seqs(self) -> int:

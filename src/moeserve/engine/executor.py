@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig
+from moeserve.engine.config import EngineConfig, resolve_max_model_len
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
@@ -12,7 +12,9 @@ from moeserve.engine.step_input import StepInput
 class LocalExecutor:
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.runner = ModelRunner(model_config, config)
-        self.kv_capacity_pages = self.runner.pool.num_pages
+        self.kv_capacity_pages = self.runner.num_pages
+        self.runner.capture_graphs(resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
+                                                         self.kv_capacity_pages * self.runner.page_size))
         self.page_size = self.runner.page_size
 
     max_in_flight = 1
@@ -26,8 +28,8 @@ class LocalExecutor:
     def describe(self) -> list[str]:
         r = self.runner
         return [f"rank 0: layers [{r.stage.start_layer}, {r.stage.end_layer}), "
-                f"weights {r.weight_bytes / 1e9:.3f} GB, KV {r.pool.capacity_tokens} tokens "
-                f"({r.pool.num_pages} pages of {r.page_size}), backend {r.backend.name}, "
+                f"weights {r.weight_bytes / 1e9:.3f} GB, KV {r.num_pages * r.page_size} tokens "
+                f"({r.num_pages} pages of {r.page_size}), backend {r.backend.name}, "
                 f"{r.dtype}, {r.device}"]
 
     def shutdown(self) -> None:

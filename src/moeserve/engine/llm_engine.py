@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from moeserve.cache.allocator import PagedAllocator
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig
+from moeserve.engine.config import EngineConfig, resolve_max_model_len
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -68,13 +68,8 @@ class LLMEngine:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
-        capacity = executor.kv_capacity_pages * executor.page_size
-        max_len = config.max_model_len
-        if max_len is None:
-            max_len = min(model_config.max_position_embeddings, capacity)
-        elif max_len > capacity:
-            raise ValueError(f"max_model_len {max_len} is larger than the KV cache capacity of {capacity} "
-                             f"tokens; lower max_model_len or give the KV cache more memory")
+        max_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
+                                        executor.kv_capacity_pages * executor.page_size)
         self.max_model_len = max_len
         self.allocator = PagedAllocator(executor.kv_capacity_pages, executor.page_size)
         self.scheduler = Scheduler(

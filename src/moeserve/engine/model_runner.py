@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import os
 from typing import Iterator
 
 import torch
@@ -38,6 +40,13 @@ def build_defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
 def choose_backend(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            log.warning("triton is not installed: using the reference attention backend")
+            return "reference"
+        return "triton"
     return "reference"
 
 
@@ -52,6 +61,7 @@ class ModelRunner:
         self.is_first, self.is_last = is_first, is_last
         if config.load_format != "dummy":
             checkpoint_files(config.model)  # fail fast, before allocating a large model
+        self._check_host_memory()
         with build_defaults(self.device, self.dtype):
             self.model = model_class(model_config.architecture)(model_config, self.stage, is_first, is_last)
         self.model.eval()
@@ -60,18 +70,52 @@ class ModelRunner:
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.page_size = config.page_size
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers, self.dtype)
+        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "reference"
+        if self.use_graphs:
+            self.backend.num_kv_splits = self.backend.num_kv_splits or 8  # graphs need a fixed grid
         num_pages = config.num_kv_pages or self._pages_that_fit()
-        self.pool = StageKVPool(model_config, self.stage, num_pages, self.page_size, self.dtype, self.device)
-        self.model.bind(self.pool, self.backend)
+        self._make_pool(num_pages)
         self._generators: dict[int, torch.Generator] = {}
+        self.graphs = None
+
+    def _make_pool(self, num_pages: int) -> None:
+        """``num_pages`` usable pages, plus one scratch page for CUDA-graph padding rows."""
+        self.pool = StageKVPool(self.model_config, self.stage, num_pages + int(self.use_graphs), self.page_size,
+                                self.dtype, self.device)
+        self.num_pages = num_pages
+        self.model.bind(self.pool, self.backend)
+
+    def capture_graphs(self, max_model_len: int) -> None:
+        if not (self.use_graphs and self.is_first and self.is_last):  # pipeline stages run eager
+            return
+        from moeserve.engine.cuda_graph import DecodeGraphs
+
+        self.max_context_len = max_model_len
+        self.graphs = DecodeGraphs(self, self.config.max_num_seqs, -(-max_model_len // self.page_size),
+                                   scratch_page=self.num_pages)
+        self.graphs.capture()
+
+    def _check_host_memory(self) -> None:
+        """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""
+        if self.device.type != "cpu":
+            return
+        from moeserve.models.deepseek import checkpoint_tensor_shapes
+
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        need = sum(math.prod(shape) for _, shape in checkpoint_tensor_shapes(self.model_config)) * elem
+        need = need * self.stage.num_layers // self.model_config.num_hidden_layers
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if need > 0.8 * total:
+            raise ValueError(f"the model needs about {need / 1e9:.0f} GB of weights on this rank in {self.dtype}, "
+                             f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, a smaller "
+                             f"config, or more pipeline stages")
 
     def resize_kv(self, num_pages: int) -> None:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""
-        if num_pages == self.pool.num_pages:
+        if num_pages == self.num_pages:
             return
         del self.pool
-        self.pool = StageKVPool(self.model_config, self.stage, num_pages, self.page_size, self.dtype, self.device)
-        self.model.bind(self.pool, self.backend)
+        self._make_pool(num_pages)
 
     # ---- KV sizing ----
     def _pages_that_fit(self) -> int:
@@ -137,13 +181,20 @@ class ModelRunner:
             cu_query_lens=torch.tensor(cu, device=dev, dtype=torch.int32),
             logits_indices=torch.tensor(step.logits_indices, device=dev, dtype=torch.long),
             page_size=self.page_size,
+            context_lens_tensor=torch.tensor(step.context_lens, device=dev, dtype=torch.int32),
         )
         return torch.tensor(step.input_ids, device=dev), ctx
+
+    def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        out, _ = self.model(input_ids, ctx.positions)
+        return self.model.compute_logits(out[ctx.logits_indices])
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None,
                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's layers. On the last stage returns the logits of ``ctx.logits_indices``."""
+        if self.graphs is not None and self.is_first and self.is_last and self.graphs.can_run(ctx):
+            return self.graphs.run(input_ids, ctx), None
         with step_context(ctx):
             out, residual = self.model(input_ids, ctx.positions, hidden, residual)
             if self.is_last:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig
+from moeserve.engine.config import EngineConfig, resolve_max_model_len
 from moeserve.parallel.comm import TPGroup, set_tp_group
 from moeserve.parallel.layout import Layout
 
@@ -85,15 +85,17 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
     is_first, is_last = stage == 0, stage == layout.pp - 1
     runner = ModelRunner(model_config, config, layout.stage_range(stage), is_first, is_last)
     # Every rank must hold the same number of KV pages: the engine has one page allocator.
-    pages = torch.tensor([runner.pool.num_pages], device=runner.device)
+    pages = torch.tensor([runner.num_pages], device=runner.device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN)
     runner.resize_kv(int(pages.item()))
+    runner.capture_graphs(resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
+                                                runner.num_pages * runner.page_size))
     experts = None
     first_moe = next((m for m in runner.model.modules() if m.__class__.__name__ == "RoutedExperts"), None)
     if first_moe is not None:
         experts = (first_moe.first_expert, first_moe.first_expert + first_moe.num_local)
     conn.send(("ready", RankInfo(rank, stage, tp_rank, (runner.stage.start_layer, runner.stage.end_layer),
-                                 runner.weight_bytes, runner.pool.num_pages, experts)))
+                                 runner.weight_bytes, runner.num_pages, experts)))
 
     prev_rank = rank - layout.tp if not is_first else None
     next_rank = rank + layout.tp if not is_last else None

@@ -1,0 +1,1 @@
+"""Benchmarks: offline engine throughput (``bench --offline``) and serving load (``bench --url``)."""

@@ -1,0 +1,119 @@
+"""``moeserve bench --offline``: prefill and decode throughput of the engine itself, each
+figure beside its bound (bytes / measured bandwidth, FLOPs / measured peak)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from moeserve.bench.bounds import DevicePeaks, decode_step_cost, measure_peaks, prefill_flops
+from moeserve.engine.config import resolve_dtype
+from moeserve.engine.llm import LLM
+from moeserve.sampling_params import SamplingParams
+
+log = logging.getLogger("moeserve")
+
+
+@dataclass
+class OfflineResult:
+    batch_size: int
+    input_len: int
+    output_len: int
+    prefill_s: float
+    prefill_tok_s: float
+    prefill_bound_tok_s: float  # FLOPs / peak
+    prefill_frac_of_peak: float
+    decode_s: float
+    decode_tok_s: float
+    decode_bound_tok_s: float  # min over bytes/bandwidth and FLOPs/peak
+    decode_frac_of_bound: float
+    step_ms: float
+
+
+def _sync(llm: LLM) -> None:
+    if llm.config.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: DevicePeaks,
+              seed: int = 0) -> OfflineResult:
+    eng = llm.engine
+    cfg = eng.model_config
+    g = torch.Generator().manual_seed(seed + batch)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, input_len), generator=g).tolist()
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    for p in prompts:
+        eng.add_request({"prompt_token_ids": p}, params)
+    seqs = list(eng.scheduler.waiting)
+    _sync(llm)
+    t0 = time.perf_counter()
+    while any(s.num_output_tokens < 1 for s in seqs):
+        eng.step()
+    _sync(llm)
+    t1 = time.perf_counter()
+    steps = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    _sync(llm)
+    t2 = time.perf_counter()
+    dtype = resolve_dtype(llm.config.dtype, cfg.torch_dtype, torch.device(llm.config.device).type)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    prefill_s, decode_s = t1 - t0, t2 - t1
+    decode_tokens = batch * (output_len - 1)
+    ctx = input_len + output_len // 2
+    cost = decode_step_cost(cfg, batch, ctx, dtype_bytes)
+    step_bound_s = max(cost.bytes / peaks.bandwidth, cost.flops / peaks.flops)
+    decode_bound = batch / step_bound_s
+    pf = prefill_flops(cfg, batch, input_len)
+    prefill_tok_s = batch * input_len / prefill_s
+    decode_tok_s = decode_tokens / decode_s if decode_s > 0 else float("nan")
+    return OfflineResult(
+        batch_size=batch, input_len=input_len, output_len=output_len,
+        prefill_s=prefill_s, prefill_tok_s=prefill_tok_s,
+        prefill_bound_tok_s=batch * input_len / (pf / peaks.flops),
+        prefill_frac_of_peak=(pf / prefill_s) / peaks.flops,
+        decode_s=decode_s, decode_tok_s=decode_tok_s, decode_bound_tok_s=decode_bound,
+        decode_frac_of_bound=decode_tok_s / decode_bound,
+        step_ms=1000 * decode_s / max(steps, 1))
+
+
+def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: int,
+                result_dir: str | None, engine_kwargs: dict) -> list[OfflineResult]:
+    from rich.console import Console
+    from rich.table import Table
+
+    max_batch = max(batch_sizes)
+    kwargs = dict(engine_kwargs)
+    kwargs.setdefault("max_num_seqs", max_batch)
+    kwargs["max_model_len"] = kwargs.get("max_model_len") or input_len + output_len + 16
+    with LLM(model, **kwargs) as llm:
+        peaks = measure_peaks(llm.config.device)
+        # Warm-up: one short request through everything (kernels compiled, graphs captured).
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4,
+                                                                       ignore_eos=True))
+        results = [run_batch(llm, b, input_len, output_len, peaks) for b in batch_sizes]
+        layout = [line for line in llm.engine.executor.describe()]
+    table = Table(title=f"moeserve offline: {llm.config.model} ({peaks.device}; measured copy "
+                        f"{peaks.bandwidth / 1e12:.2f} TB/s, matmul {peaks.flops / 1e12:.1f} TFLOP/s)")
+    for col in ("batch", "prefill tok/s", "bound (FLOPs)", "% peak", "decode tok/s", "bound", "% bound",
+                "ms/step"):
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(str(r.batch_size), f"{r.prefill_tok_s:,.0f}", f"{r.prefill_bound_tok_s:,.0f}",
+                      f"{100 * r.prefill_frac_of_peak:.1f}", f"{r.decode_tok_s:,.1f}",
+                      f"{r.decode_bound_tok_s:,.0f}", f"{100 * r.decode_frac_of_bound:.1f}", f"{r.step_ms:.2f}")
+    Console().print(table)
+    if result_dir:
+        out = Path(result_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"model": llm.config.model, "device": peaks.device, "peaks": asdict(peaks), "layout": layout,
+               "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
+               "results": [asdict(r) for r in results]}
+        (out / "offline.json").write_text(json.dumps(doc, indent=2))
+    return results
