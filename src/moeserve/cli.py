@@ -102,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--input-len", type=int, default=128)
     b.add_argument("--output-len", type=int, default=32)
     b.add_argument("--result-dir", default=None)
+    b.add_argument("--url", default=None, help="server to load (any OpenAI-compatible API)")
+    b.add_argument("--served-model", default=None, help="model name on the server (default: its first)")
+    b.add_argument("--concurrency", default="1,8,32")
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--dataset", default="random", help="random | FILE.jsonl with a 'prompt' per line")
+    b.add_argument("--api-key", default=None)
+    b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
     b.set_defaults(func=cmd_bench)
 
     try:

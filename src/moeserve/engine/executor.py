@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+
+import torch
+
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_max_model_len
 from moeserve.engine.model_runner import ModelRunner
@@ -33,4 +37,11 @@ class LocalExecutor:
                 f"{r.dtype}, {r.device}"]
 
     def shutdown(self) -> None:
-        pass
+        """Release the model and KV cache now, not whenever the engine object is collected."""
+        if self.runner is None:
+            return
+        device = self.runner.device
+        self.runner = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,193 @@
+"""``moeserve bench --url``: load an OpenAI-compatible server (ours, vLLM, SGLang) at several
+concurrency levels and report the numbers vLLM's ``bench serve`` reports.
+
+Requests stream from ``/v1/completions`` with ``ignore_eos`` so that output lengths are exact;
+time to first token, inter-token latencies and time per output token come from the stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    prompt_tokens: int
+    output_tokens: int = 0
+    ttft: float = 0.0
+    latency: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = min(len(s) - 1, max(0, int(round(q / 100 * (len(s) - 1)))))
+    return s[k]
+
+
+def summarize(records: list[RequestRecord], concurrency: int, duration: float) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    ttft = [1000 * r.ttft for r in ok]
+    tpot = [1000 * (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    itl = [1000 * x for r in ok for x in r.itl]
+    res = {
+        "concurrency": concurrency, "completed": len(ok), "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_throughput": out_tokens / duration if duration else 0.0,
+        "total_token_throughput": (out_tokens + in_tokens) / duration if duration else 0.0,
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+    }
+    for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        res[f"mean_{name}_ms"] = statistics.fmean(vals) if vals else float("nan")
+        res[f"median_{name}_ms"] = statistics.median(vals) if vals else float("nan")
+        res[f"p99_{name}_ms"] = _pct(vals, 99)
+    errors = [r.error for r in records if not r.ok]
+    if errors:
+        res["errors"] = sorted(set(errors))[:5]
+    return res
+
+
+def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
+
+
+def file_prompts(path: str, n: int) -> list[str]:
+    prompts = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                row = json.loads(line)
+                prompts.append(row.get("prompt") or row.get("text") or "")
+    if not prompts:
+        raise ValueError(f"{path} has no prompts (one JSON object per line with a 'prompt' field)")
+    return [prompts[i % len(prompts)] for i in range(n)]
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
+                      output_len: int, headers: dict) -> RequestRecord:
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
+    rec = RequestRecord(ok=False, prompt_tokens=prompt_tokens)
+    start = time.perf_counter()
+    last = start
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body, headers=headers) as resp:
+            if resp.status_code != 200:
+                rec.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    rec.output_tokens = chunk["usage"].get("completion_tokens", rec.output_tokens)
+                    rec.prompt_tokens = chunk["usage"].get("prompt_tokens", rec.prompt_tokens)
+                if chunk.get("choices"):
+                    now = time.perf_counter()
+                    if rec.ttft == 0.0:
+                        rec.ttft = now - start
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+        rec.latency = time.perf_counter() - start
+        rec.ok = rec.output_tokens > 0
+        if not rec.ok:
+            rec.error = "no tokens (server sent no usage)"
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        rec.error = f"{type(e).__name__}: {e}"
+    return rec
+
+
+async def run_level(url: str, model: str, prompts: list, output_len: int, concurrency: int,
+                    headers: dict, progress=None, timeout: float = 600.0) -> dict:
+    sem = asyncio.Semaphore(concurrency)
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        async def bounded(p):
+            async with sem:
+                rec = await one_request(client, url, model, p, output_len, headers)
+                if progress is not None:
+                    progress()
+                return rec
+
+        start = time.perf_counter()
+        records = await asyncio.gather(*(bounded(p) for p in prompts))
+        duration = time.perf_counter() - start
+    return summarize(list(records), concurrency, duration)
+
+
+async def detect_model(url: str, headers: dict) -> str:
+    async with httpx.AsyncClient(timeout=30) as client:
+        r = await client.get(f"{url}/v1/models", headers=headers)
+        r.raise_for_status()
+        return r.json()["data"][0]["id"]
+
+
+def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
+                result_dir: str, model: str | None = None, dataset: str = "random", api_key: str | None = None,
+                vocab: int = 256, seed: int = 0, label: str | None = None, quiet: bool = False) -> list[dict]:
+    from tqdm import tqdm
+
+    url = url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = model or asyncio.run(detect_model(url, headers))
+    prompts: list = (random_prompts(num_prompts, input_len, vocab, seed) if dataset == "random"
+                     else file_prompts(dataset, num_prompts))
+    results = []
+    for c in concurrencies:
+        bar = tqdm(total=num_prompts, desc=f"concurrency {c}", disable=quiet)
+        res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1)))
+        bar.close()
+        res.update(model=model, url=url, input_len=input_len, output_len=output_len, num_prompts=num_prompts)
+        if label:
+            res["label"] = label
+        results.append(res)
+    write_report(results, result_dir, title=f"moeserve bench: {model} @ {url}")
+    return results
+
+
+def write_report(results: list[dict], result_dir: str, title: str) -> None:
+    from moeserve.bench.report import markdown_table, plot_levels
+
+    out = Path(result_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for r in results:
+        (out / f"concurrency_{r['concurrency']}.json").write_text(json.dumps(r, indent=2))
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    md = [f"# {title}", "", markdown_table(results), ""]
+    (out / "report.md").write_text("\n".join(md))
+    plot_levels({"measured": results}, out)
+
+
+def run_serving_cli(args) -> int:
+    if not args.url:
+        raise ValueError("moeserve bench needs --url URL (a server) or --offline (the engine in-process)")
+    levels = [int(x) for x in args.concurrency.split(",")]
+    results = run_serving(args.url, levels, args.num_prompts, args.input_len, args.output_len,
+                          args.result_dir or "bench-results", model=args.served_model or args.model,
+                          dataset=args.dataset,
+                          api_key=args.api_key, vocab=args.vocab)
+    from moeserve.bench.report import markdown_table
+
+    print(markdown_table(results))
+    return 0 if all(r["failed"] == 0 for r in results) else 1
