@@ -85,7 +85,7 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
 
 def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: int,
                 result_dir: str | None, engine_kwargs: dict) -> list[OfflineResult]:
-    from rich.console import Console
+    from moeserve.console import wide_console
     from rich.table import Table
 
     max_batch = max(batch_sizes)
@@ -108,7 +108,7 @@ def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: 
         table.add_row(str(r.batch_size), f"{r.prefill_tok_s:,.0f}", f"{r.prefill_bound_tok_s:,.0f}",
                       f"{100 * r.prefill_frac_of_peak:.1f}", f"{r.decode_tok_s:,.1f}",
                       f"{r.decode_bound_tok_s:,.0f}", f"{100 * r.decode_frac_of_bound:.1f}", f"{r.step_ms:.2f}")
-    Console().print(table)
+    wide_console().print(table)
     if result_dir:
         out = Path(result_dir)
         out.mkdir(parents=True, exist_ok=True)

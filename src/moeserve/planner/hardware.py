@@ -25,7 +25,7 @@ few percent; pass ``--gpu-memory-gb`` with the nvidia-smi figure to use all of i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class CostConstants:
         return asdict(self)
 
 
-FITTED_CONSTANTS = tuple(CostConstants.__dataclass_fields__)
+FITTED_CONSTANTS = tuple(f.name for f in fields(CostConstants))
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from moeserve.config import ModelConfig
 from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
-from moeserve.planner.quant import dtype_bytes_of, shard_bytes, weight_format
+from moeserve.planner.quant import shard_bytes, weight_format
 from moeserve.planner.weights import (
     COMPONENTS,
     TensorSpec,
@@ -73,7 +73,7 @@ def _spec_size(cfg: ModelConfig, spec: TensorSpec, tp: int, ep: int, tp_rank: in
     return Size(math.prod(shape) * copies, shard_bytes(fmt, shape, copies))
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=32768)
 def layer_sizes(
     cfg: ModelConfig, layer_id: int, tp: int, ep: int, tp_rank: int, dtype_bytes: int | None = None, quantized: bool = True
 ) -> dict[str, Size]:
@@ -131,7 +131,9 @@ def rank_weight_sizes(
     return total
 
 
-def structural_problems(cfg: ModelConfig, tp: int, pp: int, ep: int, partition: list[int] | None = None) -> list[str]:
+def structural_problems(
+    cfg: ModelConfig, tp: int, pp: int, ep: int, partition: list[int] | None = None, quantized: bool = True
+) -> list[str]:
     """Why the engine could not run this layout at all (empty when it can)."""
     problems: list[str] = []
     if min(tp, pp, ep) < 1:
@@ -159,7 +161,7 @@ def structural_problems(cfg: ModelConfig, tp: int, pp: int, ep: int, partition: 
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         if shared % tp:
             problems.append(f"shared-expert intermediate size {shared} does not split evenly over tp={tp}")
-    if not problems:
+    if quantized and not problems:
         problems += _quantization_alignment(cfg, tp, ep)
     return problems
 
@@ -199,7 +201,7 @@ def expected_rank_weight_bytes(
     is ignored). Rank numbering: ``rank = stage * tp + tp_rank``. Raises ValueError for a
     layout the engine cannot run (uneven head/expert splits, bad partition, bad rank).
     """
-    problems = [p for p in structural_problems(model_config, tp, pp, ep, partition) if "INT4" not in p and "FP8" not in p]
+    problems = structural_problems(model_config, tp, pp, ep, partition, quantized=False)
     if problems:
         raise ValueError(f"layout tp={tp} pp={pp} ep={ep}: " + "; ".join(problems))
     if not 0 <= rank < tp * pp:
@@ -241,7 +243,7 @@ def _activation_bytes_per_token(cfg: ModelConfig, tp: int, ep: int) -> float:
     attention = heads * (2 * cfg.qk_head_dim + 2 * cfg.v_head_dim) + cfg.kv_latent_dim
     mlp = 3 * cfg.intermediate_size / tp  # gate, up, activated
     if cfg.n_routed_experts:
-        routed = 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size / (tp // ep if tp % ep == 0 else tp)
+        routed = 3 * cfg.num_experts_per_tok * cfg.moe_intermediate_size / max(1, tp // ep)
         mlp = max(mlp, routed + 3 * cfg.moe_intermediate_size * cfg.n_shared_experts / tp)
     return (hidden + attention + mlp) * 2 + cfg.n_routed_experts * 4
 

@@ -96,13 +96,25 @@ def shard_bytes(fmt: WeightFormat, shape: tuple[int, ...], copies: int = 1) -> i
     return (weight + scales) * copies
 
 
+def quantized_components(cfg: ModelConfig) -> list[str]:
+    """Components with at least one tensor stored below the checkpoint dtype."""
+    from moeserve.planner.weights import COMPONENTS, layer_tensors, lm_head_tensor
+
+    layers = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}.values()
+    specs = [s for i in layers for s in layer_tensors(cfg, i)] + [lm_head_tensor(cfg)]
+    dense_bits = 8 * dtype_bytes_of(cfg)
+    found = {s.component for s in specs if weight_format(cfg, s).bits < dense_bits}
+    return [c for c in COMPONENTS if c in found]
+
+
 def describe_quantization(cfg: ModelConfig) -> str:
     q = cfg.quantization
-    dense = f"{'fp32' if dtype_bytes_of(cfg) == 4 else 'bf16'}"
+    dense = "fp32" if dtype_bytes_of(cfg) == 4 else "bf16"
     if q is None:
         return f"all weights {dense}"
-    if q.method == "compressed-tensors":
-        return f"routed experts INT{q.weight_bits} group {q.group_size} (+bf16 scale per group), rest {dense}"
-    if q.method == "fp8" and q.block_size:
-        return f"Linear weights FP8 with fp32 scale per {q.block_size[0]}x{q.block_size[1]} block; embedding, lm_head, norms, router {dense}"
-    return f"{q.method} {q.weight_bits}-bit Linear weights (approximate: scales not counted), rest {dense}"
+    parts = ", ".join(c.replace("_", " ") for c in quantized_components(cfg)) or "no tensor"
+    if q.group_size:
+        return f"{parts}: INT{q.weight_bits} group {q.group_size} (+bf16 scale per group); the rest {dense}"
+    if q.block_size:
+        return f"{parts}: FP{q.weight_bits} with an fp32 scale per {q.block_size[0]}x{q.block_size[1]} block; the rest {dense}"
+    return f"{parts}: {q.method} {q.weight_bits}-bit (approximate: scales not counted); the rest {dense}"

@@ -104,7 +104,7 @@ def _attention(cfg: ModelConfig, p: str) -> list[TensorSpec]:
     return specs
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=2048)
 def layer_tensors(cfg: ModelConfig, layer_id: int) -> tuple[TensorSpec, ...]:
     """Every weight of decoder layer ``layer_id``."""
     h = cfg.hidden_size

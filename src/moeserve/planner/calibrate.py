@@ -1,0 +1,267 @@
+"""Fit the hardware constants of the cost model to measured ``moeserve bench`` results.
+
+A results file is one JSON object or a list of them (also accepted: an object with a
+``results`` / ``runs`` list). Each needs a layout (``"layout": "tp8"`` or
+``{"tp": 4, "pp": 2, "ep": 1}``, or top-level ``tp``/``pp``/``ep``), ``concurrency`` and
+``output_throughput`` (tok/s) and/or ``mean_tpot_ms``; ``model``, ``hardware``,
+``partition`` and the input/output lengths are used when present. Entries that cannot be
+read are skipped with a warning, never fatal.
+
+The fit: the measured decode cycle is ``mean_tpot_ms`` (else concurrency / output
+throughput). Residuals are log(predicted / measured) cycle times; the parameters are the
+logs of the five constants relative to their priors, with a weak pull towards the priors
+so that constants the data cannot see (e.g. FLOP/s when every run is bandwidth-bound) stay
+where they were. Solved by damped Gauss-Newton (Levenberg-Marquardt) in numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeserve.config import ModelConfig, load_model_config
+from moeserve.planner.cost import decode_step
+from moeserve.planner.hardware import FITTED_CONSTANTS, GPU_PRESETS, CostConstants, Hardware
+from moeserve.planner.layouts import Layout, parse_layout
+from moeserve.planner.memory import resolve_partition
+
+PRIOR_WEIGHT = 1e-3  # pull of each log-constant towards its prior, against squared log errors
+MAX_LOG_STEP = 4.0  # constants stay within e^4 ~ 55x of their priors
+
+
+@dataclass(frozen=True)
+class Measurement:
+    tp: int
+    pp: int
+    ep: int
+    concurrency: int
+    output_throughput: float | None
+    mean_tpot_ms: float | None
+    partition: tuple[int, ...] | None = None
+    model: str | None = None
+    hardware: str | None = None
+    kv_len: float | None = None  # average cached tokens per sequence while decoding
+
+    @property
+    def label(self) -> str:
+        return Layout(self.tp, self.pp, self.ep).name
+
+    @property
+    def cycle_ms(self) -> float:
+        if self.mean_tpot_ms:
+            return self.mean_tpot_ms
+        assert self.output_throughput
+        return self.concurrency / self.output_throughput * 1e3
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.concurrency / self.cycle_ms * 1e3
+
+
+def _first(entry: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if entry.get(key) is not None:
+            return entry[key]
+    return None
+
+
+def _hardware_name(value: Any) -> str | None:
+    text = json.dumps(value).lower() if not isinstance(value, str) else value.lower()
+    for name in sorted(GPU_PRESETS, key=len, reverse=True):
+        if name in text or name.replace("-", " ") in text or name.replace("-", "") in text.replace(" ", ""):
+            return name
+    return None
+
+
+def parse_measurement(entry: Any) -> Measurement:
+    """One bench result; raises ValueError naming what is missing."""
+    if not isinstance(entry, dict):
+        raise ValueError(f"expected an object, got {type(entry).__name__}")
+    layout = entry.get("layout")
+    if layout is None and any(k in entry for k in ("tp", "pp", "ep")):
+        layout = {k: entry[k] for k in ("tp", "pp", "ep") if k in entry}
+    if layout is None:
+        raise ValueError("no 'layout'")
+    tp, pp, ep = parse_layout(layout)
+    concurrency = _first(entry, "concurrency", "max_concurrency", "num_concurrent")
+    if concurrency is None or int(concurrency) < 1:
+        raise ValueError("no positive 'concurrency'")
+    throughput = _first(entry, "output_throughput", "output_tok_s")
+    tpot = _first(entry, "mean_tpot_ms", "tpot_ms")
+    throughput = float(throughput) if throughput else None
+    tpot = float(tpot) if tpot else None
+    if not throughput and not tpot:
+        raise ValueError("neither 'output_throughput' nor 'mean_tpot_ms' is a positive number")
+    partition = _first(entry, "partition", "pp_layer_partition")
+    if isinstance(partition, str):
+        partition = [int(x) for x in partition.split(",")]
+    in_len = _first(entry, "input_len", "random_input_len", "mean_input_tokens")
+    out_len = _first(entry, "output_len", "random_output_len", "mean_output_tokens")
+    kv_len = float(in_len) + float(out_len or 0) / 2 if in_len is not None else None
+    hardware = entry.get("hardware")
+    return Measurement(
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        concurrency=int(concurrency),
+        output_throughput=throughput,
+        mean_tpot_ms=tpot,
+        partition=tuple(partition) if partition else None,
+        model=entry.get("model"),
+        hardware=_hardware_name(hardware) if hardware is not None else None,
+        kv_len=kv_len,
+    )
+
+
+def read_bench_results(path: str | Path) -> tuple[list[Measurement], list[str]]:
+    """Measurements from a results file, and a warning for each entry skipped."""
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if isinstance(data, dict):
+        for key in ("results", "runs", "benchmarks"):
+            if isinstance(data.get(key), list):
+                data = data[key]
+                break
+    entries = data if isinstance(data, list) else [data]
+    measurements, warnings = [], []
+    for i, entry in enumerate(entries):
+        try:
+            measurements.append(parse_measurement(entry))
+        except (ValueError, TypeError) as e:
+            warnings.append(f"{path}: entry {i} skipped: {e}")
+    return measurements, warnings
+
+
+@dataclass(frozen=True)
+class CalibrationRow:
+    measurement: Measurement
+    before_ms: float
+    after_ms: float
+
+    @property
+    def error_before(self) -> float:
+        return (self.measurement.cycle_ms / self.before_ms - 1) * 100  # % error of predicted tok/s
+
+    @property
+    def error_after(self) -> float:
+        return (self.measurement.cycle_ms / self.after_ms - 1) * 100
+
+
+@dataclass(frozen=True)
+class Calibration:
+    before: CostConstants
+    after: CostConstants
+    rows: tuple[CalibrationRow, ...]
+    warnings: tuple[str, ...] = ()
+
+    @staticmethod
+    def _rms(errors: list[float]) -> float:
+        return math.sqrt(sum(e * e for e in errors) / len(errors)) if errors else 0.0
+
+    @property
+    def rms_error_before(self) -> float:
+        return self._rms([r.error_before for r in self.rows])
+
+    @property
+    def rms_error_after(self) -> float:
+        return self._rms([r.error_after for r in self.rows])
+
+
+def predict_cycle_ms(cfg: ModelConfig, hw: Hardware, m: Measurement, default_kv_len: float) -> float:
+    partition = resolve_partition(cfg, m.pp, list(m.partition) if m.partition else None)
+    kv_len = m.kv_len if m.kv_len is not None else default_kv_len
+    return decode_step(cfg, hw, m.tp, m.pp, m.ep, partition, m.concurrency, kv_len).cycle_ms
+
+
+def _constants(prior: CostConstants, theta: np.ndarray) -> CostConstants:
+    return replace(prior, **{k: getattr(prior, k) * math.exp(t) for k, t in zip(FITTED_CONSTANTS, theta)})
+
+
+def fit_constants(
+    items: list[tuple[ModelConfig, Measurement]], hw: Hardware, default_kv_len: float, prior_weight: float = PRIOR_WEIGHT
+) -> Calibration:
+    """Least-squares fit of ``hw.constants`` to measured decode cycles of (model config, measurement) pairs."""
+    if not items:
+        raise ValueError("no usable measurements to calibrate on")
+    prior = hw.constants
+    measured = np.log([m.cycle_ms for _, m in items])
+
+    def predict(theta: np.ndarray) -> np.ndarray:
+        h = hw.with_constants(_constants(prior, theta))
+        return np.log([predict_cycle_ms(cfg, h, m, default_kv_len) for cfg, m in items])
+
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        return np.concatenate([predict(theta) - measured, math.sqrt(prior_weight) * theta])
+
+    theta = np.zeros(len(FITTED_CONSTANTS))
+    r = residuals(theta)
+    cost, damping = float(r @ r), 1e-3
+    for _ in range(100):
+        step = 1e-4
+        jac = np.stack([(residuals(theta + step * e) - r) / step for e in np.eye(len(theta))], axis=1)
+        jtj, jtr = jac.T @ jac, jac.T @ r
+        improved = False
+        while damping < 1e8:
+            delta = np.linalg.solve(jtj + damping * np.diag(np.diag(jtj) + 1e-12), -jtr)
+            cand = np.clip(theta + delta, -MAX_LOG_STEP, MAX_LOG_STEP)
+            r_cand = residuals(cand)
+            c = float(r_cand @ r_cand)
+            if c < cost:
+                improved = cost - c > 1e-12 * max(cost, 1e-30)
+                theta, r, cost, damping = cand, r_cand, c, max(damping / 10, 1e-9)
+                break
+            damping *= 10
+        if not improved:
+            break
+    after = _constants(prior, theta)
+    before_ms = np.exp(predict(np.zeros_like(theta)))
+    after_ms = np.exp(predict(theta))
+    rows = tuple(CalibrationRow(m, float(b), float(a)) for (_, m), b, a in zip(items, before_ms, after_ms))
+    return Calibration(prior, after, rows)
+
+
+def _config_for(model: str, fallback: ModelConfig, fallback_name: str, warnings: list[str]) -> ModelConfig:
+    """The config of a measured model: a local dir, a built-in name, or a built-in matching its basename."""
+    for candidate in (model, Path(model).name.lower()):
+        try:
+            return load_model_config(candidate)
+        except (FileNotFoundError, ValueError, OSError):
+            continue
+    warnings.append(f"model {model!r} not found here; predicting its runs as {fallback_name}")
+    return fallback
+
+
+def calibrate_from_files(
+    paths: list[str], hw: Hardware, fallback_cfg: ModelConfig, fallback_name: str, default_kv_len: float
+) -> Calibration:
+    """Read every file, pair each measurement with its model's config, fit. Skips runs on other GPUs."""
+    warnings: list[str] = []
+    items: list[tuple[ModelConfig, Measurement]] = []
+    configs: dict[str, ModelConfig] = {}
+    for path in paths:
+        measurements, skipped = read_bench_results(path)
+        warnings += skipped
+        for m in measurements:
+            if m.hardware is not None and m.hardware != hw.gpu:
+                warnings.append(f"{path}: {m.label} at {m.concurrency} was measured on {m.hardware}, not {hw.gpu}: skipped")
+                continue
+            if m.tp * m.pp != hw.gpus:
+                warnings.append(f"{path}: note: {m.label} uses {m.tp * m.pp} GPUs (plan is for {hw.gpus}); used for the fit")
+            cfg = fallback_cfg
+            if m.model and m.model != fallback_name:
+                if m.model not in configs:
+                    configs[m.model] = _config_for(m.model, fallback_cfg, fallback_name, warnings)
+                cfg = configs[m.model]
+            items.append((cfg, m))
+    if not items:
+        raise ValueError("no usable measurements to calibrate on: " + ("; ".join(warnings) or "the files are empty"))
+    cal = fit_constants(items, hw, default_kv_len)
+    return replace(cal, warnings=tuple(warnings))

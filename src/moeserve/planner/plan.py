@@ -1,0 +1,165 @@
+"""Evaluate layouts: memory per GPU, fit, KV capacity and predicted decode speed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from moeserve.config import ModelConfig
+from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges
+from moeserve.planner.balance import best_partition
+from moeserve.planner.cost import StepTime, decode_step
+from moeserve.planner.hardware import Hardware
+from moeserve.planner.layouts import Layout, enumerate_layouts
+from moeserve.planner.memory import (
+    RuntimeReserve,
+    Size,
+    kv_bytes_per_token_per_layer,
+    rank_weight_sizes,
+    resolve_partition,
+    runtime_reserve,
+    structural_problems,
+)
+from moeserve.planner.rank import rank_layouts, recommend
+
+
+@dataclass(frozen=True)
+class Workload:
+    context: int = 8192  # tokens per sequence (prompt + output) the KV cache must hold
+    concurrency: int = 32  # sequences decoding at once
+
+    @property
+    def kv_len(self) -> float:
+        """Average cached tokens per sequence while decoding: sequences are spread between empty and full."""
+        return self.context / 2
+
+    def __post_init__(self) -> None:
+        if self.context < 1 or self.concurrency < 1:
+            raise ValueError(f"context and concurrency must be positive (got {self.context}, {self.concurrency})")
+
+
+@dataclass
+class LayoutPlan:
+    layout: Layout
+    partition: list[int]
+    problems: list[str]
+    weights: list[dict[str, Size]]  # per GPU (global rank order), by component
+    reserve: RuntimeReserve
+    free_bytes: list[float]  # per GPU, left for KV
+    kv_tokens: int
+    fits: bool
+    why: str
+    concurrency: int  # sequences the aggregate prediction runs (KV may cap the request)
+    single: StepTime
+    aggregate: StepTime
+
+    @property
+    def name(self) -> str:
+        return self.layout.name
+
+    @property
+    def weights_gb_per_gpu(self) -> list[float]:
+        return [sum(s.bytes for s in w.values()) / 1e9 for w in self.weights]
+
+    @property
+    def max_weights_gb(self) -> float:
+        return max(self.weights_gb_per_gpu)
+
+
+@dataclass
+class Plan:
+    model_name: str
+    model: ModelConfig
+    hardware: Hardware
+    workload: Workload
+    layouts: list[LayoutPlan]  # ranked, best first
+    recommended: LayoutPlan | None
+    reason: str
+    notes: list[str] = field(default_factory=list)
+
+
+def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Workload) -> LayoutPlan:
+    tp, pp, ep = layout.tp, layout.pp, layout.ep
+    partition = list(layout.partition) if layout.partition else None
+    problems = structural_problems(cfg, tp, pp, ep, partition)
+    if layout.world != hw.gpus:
+        problems.insert(0, f"{layout.name} uses {layout.world} GPUs, not {hw.gpus}")
+    try:
+        partition = resolve_partition(cfg, pp, partition)
+    except ValueError:  # already among the problems; size memory with the default split
+        partition = default_layer_partition(cfg.num_hidden_layers, pp)
+    world = tp * pp
+    weights = [rank_weight_sizes(cfg, tp, pp, ep, r, partition) for r in range(world)]
+    reserve = runtime_reserve(cfg, tp, pp, ep, workload.context, workload.concurrency)
+    ranges = stage_layer_ranges(partition)
+    kv_layer = kv_bytes_per_token_per_layer(cfg)
+    free, kv_caps = [], []
+    for r, w in enumerate(weights):
+        start, end = ranges[r // tp]
+        f = hw.memory_bytes - sum(s.bytes for s in w.values()) - reserve.total
+        free.append(f)
+        kv_caps.append(max(0.0, f) / ((end - start) * kv_layer))
+    kv_tokens = int(min(kv_caps))
+    # The GPU that limits: the most overfull one, else the one with the least KV room.
+    tight = min(range(world), key=lambda r: (free[r], kv_caps[r]) if min(free) <= 0 else (kv_caps[r], 0))
+    sequences = kv_tokens // workload.context
+    concurrency = workload.concurrency
+    if problems:
+        fits, why = False, "; ".join(problems)
+    elif free[tight] <= 0:
+        fits = False
+        wgb = sum(s.bytes for s in weights[tight].values()) / 1e9
+        why = (
+            f"GPU {tight} (stage {tight // tp}) needs {wgb:.1f} GB of weights + {reserve.total / 1e9:.1f} GB runtime "
+            f"> {hw.memory_gb:g} GB"
+        )
+    elif sequences < 1:
+        fits = False
+        why = (
+            f"only {kv_tokens:,} KV tokens fit on GPU {tight} ({free[tight] / 1e9:.1f} GB free), "
+            f"less than one {workload.context}-token context"
+        )
+    else:
+        fits = True
+        concurrency = min(workload.concurrency, sequences)
+        why = f"fits: {free[tight] / 1e9:.1f} GB free for KV on the fullest GPU = {kv_tokens:,} tokens ({sequences} x {workload.context})"
+        if concurrency < workload.concurrency:
+            why += f"; KV caps concurrency at {concurrency} of {workload.concurrency}"
+    single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len)
+    aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len)
+    return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single, aggregate)
+
+
+def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workload: Workload) -> LayoutPlan | None:
+    """The best uneven partition of a pipelined layout, if it beats the default one."""
+    layout = default.layout
+    if layout.pp < 2 or default.problems:
+        return None
+    parts = best_partition(cfg, hw, layout.tp, layout.pp, layout.ep, workload.context, workload.concurrency, workload.kv_len)
+    if not parts or parts == default.partition:
+        return None
+    variant = evaluate_layout(cfg, hw, Layout(layout.tp, layout.pp, layout.ep, tuple(parts), balanced=True), workload)
+    better = (
+        not default.fits
+        or variant.aggregate.tok_s > 1.005 * default.aggregate.tok_s
+        or variant.kv_tokens > 1.01 * default.kv_tokens
+    )
+    return variant if variant.fits and better else None
+
+
+def plan_layouts(
+    cfg: ModelConfig, hw: Hardware, workload: Workload, model_name: str = "", layouts: list[Layout] | None = None
+) -> Plan:
+    """Evaluate ``layouts`` (default: every layout of ``hw.gpus`` plus the best uneven partition of
+    each pipelined one, where it beats the default), rank them, recommend one."""
+    if layouts is not None:
+        plans = [evaluate_layout(cfg, hw, layout, workload) for layout in layouts]
+    else:
+        plans = []
+        for layout in enumerate_layouts(hw.gpus, cfg.num_hidden_layers, cfg.n_routed_experts > 0):
+            plans.append(evaluate_layout(cfg, hw, layout, workload))
+            variant = _balanced_variant(cfg, hw, plans[-1], workload)
+            if variant is not None:
+                plans.append(variant)
+    plans = rank_layouts(plans)
+    best, reason = recommend(plans, cfg, hw)
+    return Plan(model_name or "model", cfg, hw, workload, plans, best, reason, list(hw.notes))

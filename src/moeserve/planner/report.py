@@ -1,0 +1,259 @@
+"""Plan output: a rich table for people, a JSON object for scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from moeserve.parallel.partition import stage_layer_ranges
+from moeserve.planner.calibrate import Calibration
+from moeserve.planner.memory import kv_bytes_per_token_per_layer, rank_weight_sizes
+from moeserve.planner.plan import LayoutPlan, Plan
+from moeserve.planner.quant import describe_quantization
+from moeserve.planner.weights import COMPONENTS, active_parameters_per_token, parameter_counts
+
+BAR_WIDTH = 20
+
+
+def _gb(x: float, digits: int = 3) -> float:
+    return round(x / 1e9, digits)
+
+
+def model_summary(plan: Plan) -> dict[str, Any]:
+    cfg = plan.model
+    counts = parameter_counts(cfg)
+    sizes = rank_weight_sizes(cfg, 1, 1, 1, 0)
+    moe = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    return {
+        "name": plan.model_name,
+        "architecture": cfg.architecture,
+        "layers": cfg.num_hidden_layers,
+        "dense_layers": cfg.num_hidden_layers - moe,
+        "moe_layers": moe,
+        "routed_experts": cfg.n_routed_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "shared_experts": cfg.n_shared_experts,
+        "params_b": round(counts.total / 1e9, 3),
+        "active_params_b": round(active_parameters_per_token(cfg) / 1e9, 3),
+        "weights_gb": _gb(sum(s.bytes for s in sizes.values())),
+        "weights_gb_by_component": {c: _gb(sizes[c].bytes) for c in COMPONENTS},
+        "quantization": describe_quantization(cfg),
+        "kv_bytes_per_token": kv_bytes_per_token_per_layer(cfg) * cfg.num_hidden_layers,
+    }
+
+
+def hardware_summary(plan: Plan, calibration: Calibration | None = None) -> dict[str, Any]:
+    hw = plan.hardware
+    out: dict[str, Any] = {
+        "gpu": hw.gpu,
+        "gpus": hw.gpus,
+        "memory_gb": hw.memory_gb,
+        "hbm_tbps": hw.hbm_tbps,
+        "bf16_tflops": hw.bf16_tflops,
+        "interconnect": hw.interconnect,
+        "link_gbps": hw.link_gbps,
+        "constants": hw.constants.as_dict(),
+        "workload": {
+            "context": plan.workload.context,
+            "concurrency": plan.workload.concurrency,
+            "decode_kv_len": plan.workload.kv_len,
+        },
+        "notes": plan.notes,
+    }
+    if calibration is not None:
+        out["calibration"] = calibration_summary(calibration)
+    return out
+
+
+def calibration_summary(cal: Calibration) -> dict[str, Any]:
+    return {
+        "before": cal.before.as_dict(),
+        "after": cal.after.as_dict(),
+        "rms_error_pct_before": round(cal.rms_error_before, 2),
+        "rms_error_pct_after": round(cal.rms_error_after, 2),
+        "runs": [
+            {
+                "layout": r.measurement.label,
+                "concurrency": r.measurement.concurrency,
+                "measured_decode_tok_s": round(r.measurement.decode_tok_s, 2),
+                "predicted_before_tok_s": round(r.measurement.concurrency / r.before_ms * 1e3, 2),
+                "predicted_after_tok_s": round(r.measurement.concurrency / r.after_ms * 1e3, 2),
+                "error_pct_before": round(r.error_before, 2),
+                "error_pct_after": round(r.error_after, 2),
+            }
+            for r in cal.rows
+        ],
+        "warnings": list(cal.warnings),
+    }
+
+
+def layout_json(lp: LayoutPlan) -> dict[str, Any]:
+    tp = lp.layout.tp
+    ranges = stage_layer_ranges(lp.partition)
+    stages = []
+    for s, (start, end) in enumerate(ranges):
+        w = lp.weights[s * tp]
+        stages.append(
+            {
+                "stage": s,
+                "layers": [start, end],
+                "weights_gb": {c: _gb(w[c].bytes) for c in COMPONENTS if w[c].bytes},
+            }
+        )
+    return {
+        "name": lp.name,
+        "tp": lp.layout.tp,
+        "pp": lp.layout.pp,
+        "ep": lp.layout.ep,
+        "fits": lp.fits,
+        "why": lp.why,
+        "weights_gb_per_gpu": [round(x, 3) for x in lp.weights_gb_per_gpu],
+        "kv_tokens": lp.kv_tokens,
+        "predicted": {
+            "single_request_tok_s": round(lp.single.tok_s, 2),
+            "aggregate_tok_s": round(lp.aggregate.tok_s, 2),
+            "concurrency": lp.concurrency,
+        },
+        "breakdown": {
+            "partition": lp.partition,
+            "stages": stages,
+            "reserve_gb": {
+                "cuda_context": _gb(lp.reserve.cuda_context),
+                "activations": _gb(lp.reserve.activations),
+                "cuda_graphs": _gb(lp.reserve.cuda_graphs),
+                "workspace": _gb(lp.reserve.workspace),
+            },
+            "free_gb_per_gpu": [_gb(f) for f in lp.free_bytes],
+            "single_request": lp.single.as_dict(),
+            "aggregate": lp.aggregate.as_dict(),
+        },
+    }
+
+
+def plan_json(plan: Plan, calibration: Calibration | None = None) -> dict[str, Any]:
+    return {
+        "model": model_summary(plan),
+        "hardware": hardware_summary(plan, calibration),
+        "layouts": [layout_json(lp) for lp in plan.layouts],
+        "recommended": {"name": plan.recommended.name if plan.recommended else None, "reason": plan.reason},
+    }
+
+
+# ---- human output ----
+
+
+def memory_bar(lp: LayoutPlan, memory_gb: float) -> Text:
+    """The fullest GPU: weights, runtime reserve, free (KV) against the GPU's memory."""
+    weights = lp.max_weights_gb
+    reserve = lp.reserve.total / 1e9
+    scale = BAR_WIDTH / memory_gb
+    n_w = min(BAR_WIDTH, round(weights * scale))
+    n_r = min(BAR_WIDTH - n_w, round(reserve * scale))
+    bar = Text()
+    if weights + reserve > memory_gb:
+        bar.append("█" * BAR_WIDTH, style="red")
+    else:
+        bar.append("█" * n_w, style="cyan")
+        bar.append("▓" * n_r, style="yellow")
+        bar.append("░" * (BAR_WIDTH - n_w - n_r), style="green")
+    low = min(lp.weights_gb_per_gpu)
+    span = f"{weights:.1f}" if weights - low < 0.05 else f"{low:.1f}-{weights:.1f}"
+    bar.append(f" {span}")
+    return bar
+
+
+def _notes(lp: LayoutPlan, requested: int) -> str:
+    if not lp.fits:
+        return lp.why
+    name, ms = lp.aggregate.dominant()
+    note = f"{name} {ms:.1f}/{lp.aggregate.cycle_ms:.1f} ms a step"
+    if lp.concurrency < requested:
+        note += f"; KV holds {lp.concurrency} seqs"
+    return note
+
+
+def render_plan(plan: Plan, console: Console, calibration: Calibration | None = None) -> None:
+    m = model_summary(plan)
+    hw, wl = plan.hardware, plan.workload
+    console.print(f"[bold]moeserve plan[/]: {plan.model_name} on {hw.describe()}")
+    console.print(
+        f"model: {m['layers']} layers ({m['dense_layers']} dense + {m['moe_layers']} MoE), "
+        f"{m['routed_experts']} routed experts ({m['experts_per_token']} per token) + {m['shared_experts']} shared, "
+        f"{m['params_b']:.1f}B params ({m['active_params_b']:.1f}B active), {m['weights_gb']:.1f} GB of weights"
+    )
+    console.print(f"       {m['quantization']}; KV {m['kv_bytes_per_token'] / 1e3:.1f} KB per token (all layers)")
+    console.print(
+        f"workload: context {wl.context}, {wl.concurrency} concurrent; decode reads {wl.kv_len:.0f} cached tokens per sequence on average"
+    )
+    for note in plan.notes:
+        console.print(f"[yellow]note:[/] {note}")
+    if calibration is not None:
+        render_calibration(calibration, console)
+
+    table = Table(
+        header_style="bold",
+        caption=f"memory of the fullest GPU (of {hw.memory_gb:g} GB): █ weights ▓ runtime reserve ░ free for KV; "
+        "GB = 1e9 bytes",
+    )
+    table.add_column("#", justify="right")
+    table.add_column("layout", no_wrap=True)
+    table.add_column("layers/stage", no_wrap=True)
+    table.add_column("weights GB/GPU", no_wrap=True)
+    table.add_column("KV tokens", justify="right")
+    table.add_column("1 req\ntok/s", justify="right")
+    table.add_column(f"{wl.concurrency} req\ntok/s", justify="right", no_wrap=True)
+    table.add_column("notes")
+    for i, lp in enumerate(plan.layouts, 1):
+        style = None if lp.fits else "dim"
+        name = Text(lp.name, style="bold green" if lp is plan.recommended else None)
+        agg = f"{lp.aggregate.tok_s:.0f}" + ("" if lp.concurrency == wl.concurrency else f" @{lp.concurrency}")
+        table.add_row(
+            str(i) if lp.fits else "-",
+            name,
+            ",".join(map(str, lp.partition)) if lp.layout.pp > 1 else str(lp.partition[0]),
+            memory_bar(lp, hw.memory_gb),
+            f"{lp.kv_tokens:,}",
+            f"{lp.single.tok_s:.1f}",
+            agg,
+            _notes(lp, wl.concurrency),
+            style=style,
+        )
+    console.print(table)
+    if plan.recommended:
+        console.print(f"[bold green]recommended[/] {plan.reason}")
+    else:
+        console.print(f"[bold red]{plan.reason}[/]")
+    c = hw.constants
+    console.print(
+        f"[dim]cost model per layer: max(bytes / ({hw.hbm_tbps:g} TB/s x {c.hbm_efficiency:.2f}), "
+        f"FLOPs / ({hw.bf16_tflops:g} TFLOP/s x {c.flops_efficiency:.2f})); all-reduce 2(n-1)/n bytes / "
+        f"({hw.link_gbps:g} GB/s x {c.link_efficiency:.2f}) + 2(n-1) x {c.link_latency_us:.2f} us; "
+        f"+ {c.step_overhead_ms:.2f} ms per step. Calibrate with --calibrate bench.json.[/]"
+    )
+
+
+def render_calibration(cal: Calibration, console: Console) -> None:
+    for w in cal.warnings:
+        console.print(f"[yellow]calibrate:[/] {w}")
+    table = Table(title="calibration: decode tok/s (concurrency / TPOT)", header_style="bold")
+    for col in ("layout", "conc", "measured", "before", "err %", "after", "err %"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in cal.rows:
+        m = r.measurement
+        table.add_row(
+            m.label,
+            str(m.concurrency),
+            f"{m.decode_tok_s:.1f}",
+            f"{m.concurrency / r.before_ms * 1e3:.1f}",
+            f"{r.error_before:+.1f}",
+            f"{m.concurrency / r.after_ms * 1e3:.1f}",
+            f"{r.error_after:+.1f}",
+        )
+    console.print(table)
+    fmt = lambda c: ", ".join(f"{k}={v:.3g}" for k, v in c.as_dict().items())  # noqa: E731
+    console.print(f"constants before: {fmt(cal.before)}")
+    console.print(f"constants after:  {fmt(cal.after)}")
+    console.print(f"RMS error {cal.rms_error_before:.1f}% -> {cal.rms_error_after:.1f}%")
