@@ -6,6 +6,10 @@ import argparse
 import logging
 import sys
 
+from moeserve.planner.cli import add_plan_arguments, run_plan
+from moeserve.server.cli import (add_serve_arguments, add_systemd_unit_arguments, add_wait_ready_arguments,
+                                 run_serve, run_systemd_unit, run_wait_ready)
+
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
@@ -111,14 +115,19 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
     b.set_defaults(func=cmd_bench)
 
-    try:
-        from moeserve.planner.cli import add_plan_arguments, run_plan
-    except ImportError:  # planner not built yet
-        pass
-    else:
-        pl = sub.add_parser("plan", help="which TP/PP/EP layout fits and wins on given GPUs")
-        add_plan_arguments(pl)
-        pl.set_defaults(func=run_plan)
+    pl = sub.add_parser("plan", help="which TP/PP/EP layout fits and wins on given GPUs")
+    add_plan_arguments(pl)
+    pl.set_defaults(func=run_plan)
+
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_serve_arguments(s)
+    s.set_defaults(func=run_serve)
+    w = sub.add_parser("wait-ready", help="wait until a server's /health says ready")
+    add_wait_ready_arguments(w)
+    w.set_defaults(func=run_wait_ready)
+    u = sub.add_parser("systemd-unit", help="print a systemd unit for `moeserve serve ...`")
+    add_systemd_unit_arguments(u)
+    u.set_defaults(func=run_systemd_unit)
     return parser
 
 

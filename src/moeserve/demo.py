@@ -18,7 +18,7 @@ from moeserve.config import parse_model_config
 from moeserve.loader import dummy_tensor
 from moeserve.models.deepseek import checkpoint_tensor_shapes
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2
 DEMO_SEED = 1234
 
 DEMO_CONFIG = {
@@ -82,6 +82,9 @@ def write_byte_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) 
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
+    # Reserved ids up to the model's vocab size, as real checkpoints have: every id decodes.
+    fast.add_special_tokens({"additional_special_tokens": [
+        f"<|reserved_{i}|>" for i in range(len(fast), DEMO_CONFIG["vocab_size"])]})
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
@@ -108,6 +111,12 @@ def ensure_demo_model() -> Path:
     config = parse_model_config(DEMO_CONFIG)
     tensors = {name: dummy_tensor(name, shape, DEMO_SEED, "cpu", torch.float32).contiguous()
                for name, shape in checkpoint_tensor_shapes(config)}
+    # Random weights, but printable ASCII output even when sampling: other tokens' lm_head rows
+    # are zero (logit 0) and the printable rows are scaled up so that their logits dominate.
+    printable = torch.zeros(config.vocab_size, dtype=torch.bool)
+    printable[32:127] = True
+    tensors["lm_head.weight"][~printable] = 0
+    tensors["lm_head.weight"][printable] *= 25
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     with open(tmp / "config.json", "w") as f:
         json.dump(DEMO_CONFIG, f, indent=2)

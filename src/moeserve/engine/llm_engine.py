@@ -141,6 +141,8 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.finished and not seq.in_flight:
                 self._finish(seq, "abort")
+        if req.finished:  # nothing in flight: no later step will report it
+            del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished or bool(self._in_flight)

@@ -1,0 +1,123 @@
+"""The FastAPI app: routes, API key, health, metrics; the engine client lives in its lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from moeserve.server.chat import create_chat_completion
+from moeserve.server.completions import create_completion
+from moeserve.server.engine_client import AsyncEngineClient
+from moeserve.server.errors import APIError, install_error_handlers
+from moeserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.server.serving import ServerContext
+
+log = logging.getLogger("moeserve.server")
+
+
+@dataclass
+class ServerConfig:
+    engine_kwargs: dict  # EngineConfig keyword arguments; "model" is set
+    model_names: list[str]
+    api_key: str | None = None
+    max_waiting: int | None = 1024
+    engine_log_level: int = logging.WARNING
+    started_at: float = field(default_factory=time.monotonic)
+    on_engine_death: Callable[[str], None] | None = None  # e.g. stop the HTTP server
+
+
+def _layout(kw: dict) -> str:
+    return (f"tp={kw.get('tensor_parallel_size', 1)} pp={kw.get('pipeline_parallel_size', 1)} "
+            f"ep={kw.get('expert_parallel_size', 1)}")
+
+
+def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
+    from moeserve import __version__
+
+    metrics = ServerMetrics(config.model_names[0])
+
+    def on_ready(info: dict) -> None:
+        took = time.monotonic() - config.started_at
+        log.info("ready in %.1f s (engine built in %.1f s, warm-up of %d tokens in %.2f s), %s, "
+                 "max_model_len %d", took, info["build_s"], info["warmup_tokens"], info["warmup_s"],
+                 _layout(config.engine_kwargs), info["max_model_len"])
+        for line in info.get("layout", []):
+            log.info("  %s", line)
+
+    client = AsyncEngineClient(config.engine_kwargs, config.max_waiting, metrics,
+                               on_progress=lambda text: log.info("engine: %s", text), on_ready=on_ready,
+                               on_death=config.on_engine_death, engine_log_level=config.engine_log_level)
+    ctx = ServerContext(client, tokenizer, config.model_names, config.engine_kwargs["model"], metrics)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client.start()
+        log.info("engine process %d started; /health answers 503 until it is ready", client.pid)
+        try:
+            yield
+        finally:
+            client.shutdown()
+
+    app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+
+    async def check_api_key(request: Request) -> None:
+        if config.api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise APIError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+        if not secrets.compare_digest(token.strip().encode(), config.api_key.encode()):
+            raise APIError(401, "invalid API key", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    @v1.get("/models")
+    async def models() -> dict:
+        max_len = client.info.get("max_model_len")
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
+             "root": ctx.model_path, "max_model_len": max_len} for name in ctx.model_names]}
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Any:
+        return await create_completion(body, raw, ctx)
+
+    @v1.post("/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await create_chat_completion(body, raw, ctx)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        elapsed = round(time.monotonic() - config.started_at, 1)
+        if client.state == "ready":
+            return JSONResponse({"status": "ready", "model": ctx.model_name, "uptime_s": elapsed,
+                                 "engine_pid": client.pid,
+                                 "max_model_len": client.info.get("max_model_len"),
+                                 "layout": client.info.get("layout", []), **client.stats})
+        if client.state == "failed":
+            return JSONResponse({"status": "failed", "error": client.error}, status_code=503)
+        return JSONResponse({"status": "loading" if client.state != "stopped" else "stopped",
+                             "detail": client.detail, "elapsed_s": elapsed}, status_code=503)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

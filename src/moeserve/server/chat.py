@@ -1,0 +1,127 @@
+"""``/v1/chat/completions``: messages through the tokenizer's chat template, then generation;
+logprobs as ``logprobs.content[{token, logprob, bytes, top_logprobs}]``."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from moeserve.server.errors import bad_request
+from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
+from moeserve.server.serving import (SSEResponse, SeqResult, ServerContext, collect, new_id, now,
+                                     reject_unsupported, sampling_kwargs, sse_events, submit, top_logprobs,
+                                     unless_disconnected, usage)
+
+
+def _content(m: ChatMessage, i: int) -> str:
+    if m.content is None or isinstance(m.content, str):
+        return m.content or ""
+    texts = []
+    for part in m.content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"content parts of type {part.type!r} are not supported (text only)",
+                              f"messages.{i}.content")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str, list[int]]:
+    if not req.messages:
+        raise bad_request("messages must contain at least one message", "messages")
+    tok = ctx.tokenizer
+    if tok is None:
+        raise bad_request("this model directory has no tokenizer, so chat is not available; "
+                          "use /v1/completions with token ids", "messages")
+    if not getattr(tok, "chat_template", None):
+        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        msg = {k: v for k, v in m.model_dump(exclude_none=True).items() if k != "content"}
+        msg["content"] = _content(m, i)
+        messages.append(msg)
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                       tokenize=False, **(req.chat_template_kwargs or {}))
+    except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+    ids = ctx.encode(text, "messages", add_special_tokens=False)
+    ctx.check_prompt_length(ids, "messages")
+    return text, ids
+
+
+def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
+    reject_unsupported(req)
+    if req.tools:
+        raise bad_request("tools are not supported by this server", "tools")
+    if req.tool_choice not in (None, "none"):
+        raise bad_request("tool_choice is not supported by this server", "tool_choice")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise bad_request("response_format other than text is not supported by this server", "response_format")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+
+
+def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int) -> list:
+    def entry(tid: int, lp: float | None) -> dict:
+        s = ctx.token_str(tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+
+    return [{**entry(tid, row.get(tid)), "top_logprobs": [entry(t, v) for t, v in top_logprobs(row, n)]}
+            for tid, row in zip(token_ids, rows)]
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: ServerContext):
+    model = ctx.check_model(req.model)
+    _reject_unsupported_chat(req)
+    if req.max_completion_tokens is not None:
+        max_tokens, names = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
+    else:
+        max_tokens, names = req.max_tokens, {}
+    n_top = req.top_logprobs or 0
+    kwargs = sampling_kwargs(req, max_tokens, n_top if req.logprobs else None,
+                             {**names, "logprobs": "top_logprobs", "prompt": "messages"})
+    ctx.client.check_available()
+    text, ids = chat_prompt(req, ctx)
+    cid = new_id("chatcmpl")
+    group = await submit(ctx, cid, [(text, ids)], kwargs, {"prompt": "messages"})
+    head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        head["object"] = "chat.completion.chunk"
+        extra = {"usage": None} if include_usage else {}
+
+        async def chunks() -> AsyncIterator[dict]:
+            completion_tokens = 0
+            for i in range(req.n):
+                yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}], **extra}
+            async for _, update in group.updates():
+                choices = []
+                for seq in update["seqs"]:
+                    completion_tokens += len(seq["token_ids"])
+                    delta = {"content": seq["text"]} if seq["text"] or not seq["finish_reason"] else {}
+                    lp = {"content": _logprobs_content(ctx, seq["token_ids"], seq["logprobs"], n_top)} \
+                        if req.logprobs else None
+                    if seq["text"] or lp or seq["finish_reason"]:
+                        choices.append({"index": seq["index"], "delta": delta, "logprobs": lp,
+                                        "finish_reason": seq["finish_reason"]})
+                if choices:
+                    yield {**head, "choices": choices, **extra}
+            if include_usage:
+                yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens)}
+
+        return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
+
+    try:
+        results: dict[tuple[int, int], SeqResult] = await unless_disconnected(raw, collect(group, req.n))
+    finally:
+        group.abort_unfinished()
+    choices = []
+    for (_, i), r in sorted(results.items()):
+        lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top)} if req.logprobs else None
+        choices.append({"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
+                        "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
+    completion_tokens = sum(len(r.token_ids) for r in results.values())
+    return {**head, "choices": choices, "usage": usage(len(ids), completion_tokens)}

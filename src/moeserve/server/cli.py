@@ -1,0 +1,158 @@
+"""Command-line entry points: ``serve``, ``wait-ready`` and ``systemd-unit``.
+
+``moeserve.cli`` wires these in (``add_*_arguments`` fill a subparser, ``run_*`` run it)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+import time
+
+log = logging.getLogger("moeserve.server")
+
+DEATH_GRACE_S = 2.0  # /health shows why the engine died for this long before the server exits
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from moeserve.cli import add_engine_arguments
+
+    add_engine_arguments(p)
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY)")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: the --model value)")
+    p.add_argument("--max-waiting", type=int, default=1024,
+                   help="refuse new requests with 503 while this many are waiting to be scheduled")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from moeserve.cli import engine_kwargs
+    from moeserve.engine.config import EngineConfig
+    from moeserve.engine.tokenizer import load_tokenizer
+    from moeserve.server.app import ServerConfig, create_app
+
+    if args.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    kw = engine_kwargs(args)
+    if args.model is None:
+        from moeserve.demo import ensure_demo_model
+
+        kw["model"] = str(ensure_demo_model())
+    else:
+        kw["model"] = args.model
+    if args.tokenizer:
+        kw["tokenizer"] = args.tokenizer
+    EngineConfig(**kw)  # bad settings fail here, before anything starts
+    tokenizer = load_tokenizer(args.tokenizer or kw["model"], args.trust_remote_code)
+    if tokenizer is None:
+        log.warning("no tokenizer in %s: only token-id prompts work (/v1/completions)", kw["model"])
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+
+    server: uvicorn.Server | None = None
+    exit_code = 0
+
+    def on_engine_death(reason: str) -> None:
+        nonlocal exit_code
+        import asyncio
+
+        if server is None or server.should_exit:  # we are stopping anyway (a signal reached both)
+            return
+        exit_code = 1
+        log.error("stopping the server in %.0f s: %s", DEATH_GRACE_S, reason)
+        asyncio.get_running_loop().call_later(DEATH_GRACE_S, lambda: setattr(server, "should_exit", True))
+
+    config = ServerConfig(
+        engine_kwargs=kw, model_names=args.served_model_name or [args.model or "moeserve-demo"],
+        api_key=args.api_key or None, max_waiting=args.max_waiting, started_at=started,
+        engine_log_level=logging.DEBUG if logging.getLogger().level <= logging.DEBUG else logging.WARNING,
+        on_engine_death=on_engine_death)
+    app = create_app(config, tokenizer)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log.info("serving %s on http://%s:%d (model %s)", config.model_names[0], host, args.port, kw["model"])
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log,
+                                           timeout_graceful_shutdown=5))
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
+        return 130
+    return exit_code
+
+
+def add_wait_ready_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="server URL (its /health is polled)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait before giving up")
+    p.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
+    p.add_argument("--pid", type=int, default=None, help="give up as soon as this process (the server) exits")
+    p.add_argument("--quiet", action="store_true", help="print only the outcome")
+
+
+def run_wait_ready(args: argparse.Namespace) -> int:
+    from moeserve.server.wait_ready import EXIT_READY, wait_ready
+
+    result = wait_ready(args.url, args.timeout, args.interval, args.pid, quiet=args.quiet)
+    if result.code == EXIT_READY:
+        print(result.message, flush=True)
+    else:
+        print(f"error: {result.message}", file=sys.stderr, flush=True)
+    return result.code
+
+
+def add_systemd_unit_arguments(p: argparse.ArgumentParser) -> None:
+    add_serve_arguments(p)
+    g = p.add_argument_group("unit file")
+    g.add_argument("--description", default=None)
+    g.add_argument("--user", default=None, help="User= of the service")
+    g.add_argument("--group", default=None, help="Group= of the service")
+    g.add_argument("--working-directory", default=None)
+    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="Environment= line (repeatable), e.g. CUDA_VISIBLE_DEVICES=0,1")
+    g.add_argument("--ready-timeout", type=int, default=1800,
+                   help="seconds the server may take to become ready (weights + warm-up)")
+
+
+def run_systemd_unit(args: argparse.Namespace) -> int:
+    from moeserve.server.systemd import cli_words, local_url, render_unit
+
+    for env in args.env:
+        if "=" not in env:
+            raise ValueError(f"--env takes KEY=VALUE, got {env!r}")
+    words = cli_words(args, add_serve_arguments, skip={"api_key"})
+    name = (args.served_model_name or [args.model or "the demo model"])[0]
+    description = args.description or f"moeserve: {name} on {args.host}:{args.port}"
+    print(render_unit(words, description=description, url=local_url(args.host, args.port),
+                      ready_timeout=args.ready_timeout, user=args.user, group=args.group,
+                      working_directory=args.working_directory, environment=args.env,
+                      api_key=args.api_key), end="")
+    return 0

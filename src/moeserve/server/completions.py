@@ -1,0 +1,117 @@
+"""``/v1/completions``: prompts (a string, token ids, or a batch of either) to text, with the
+legacy logprobs format (tokens, token_logprobs, top_logprobs, text_offset)."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from fastapi import Request
+
+from moeserve.server.errors import bad_request
+from moeserve.server.protocol import CompletionRequest
+from moeserve.server.serving import (SSEResponse, SeqResult, ServerContext, collect, new_id, now,
+                                     prompt_index, reject_unsupported, sampling_kwargs, sse_events, submit,
+                                     top_logprobs, unless_disconnected, usage)
+
+
+def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | None, list[int]]]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise bad_request("prompt is empty", "prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if not item:
+                raise bad_request("prompt is empty", "prompt")
+            ids = ctx.encode(item, "prompt")
+            out.append((item, ids))
+        else:
+            out.append((None, list(item)))
+        ctx.check_prompt_length(out[-1][1], "prompt")
+    return out
+
+
+class _Logprobs:
+    """Legacy completion logprobs, built token by token (text offsets continue across chunks)."""
+
+    def __init__(self, ctx: ServerContext, n: int, offset: int = 0):
+        self.ctx, self.n, self.offset = ctx, n, offset
+
+    def block(self, token_ids: list[int], rows: list[dict[int, float]]) -> dict:
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for tid, row in zip(token_ids, rows):
+            s = self.ctx.token_str(tid)
+            out["tokens"].append(s)
+            out["token_logprobs"].append(row.get(tid))
+            top = top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]
+            out["top_logprobs"].append({self.ctx.token_str(t): v for t, v in top})
+            out["text_offset"].append(self.offset)
+            self.offset += len(s)
+        return out
+
+
+async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerContext):
+    model = ctx.check_model(req.model)
+    reject_unsupported(req)
+    if req.suffix:
+        raise bad_request("suffix is not supported by this server", "suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise bad_request("best_of is not supported by this server (leave it unset or equal to n)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)",
+                          "echo")
+    kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {})
+    ctx.client.check_available()
+    prompts = _prompts(req, ctx)
+    cid = new_id("cmpl")
+    group = await submit(ctx, cid, prompts, kwargs, {"prompt": "prompt"})
+    n_prompt = sum(len(ids) for _, ids in prompts)
+    echo = [(text if text is not None else ctx.tokenizer.decode(ids)) if req.echo and ctx.tokenizer else ""
+            for text, ids in prompts]
+    head = {"id": cid, "object": "text_completion", "created": now(), "model": model}
+
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+
+        async def chunks() -> AsyncIterator[dict]:
+            logprobs = {}
+            completion_tokens = 0
+            async for rid, update in group.updates():
+                p = prompt_index(rid)
+                choices = []
+                for seq in update["seqs"]:
+                    key = (p, seq["index"])
+                    text = seq["text"]
+                    if key not in logprobs:
+                        logprobs[key] = _Logprobs(ctx, req.logprobs or 0, len(echo[p]))
+                        text = echo[p] + text
+                    completion_tokens += len(seq["token_ids"])
+                    lp = logprobs[key].block(seq["token_ids"], seq["logprobs"]) \
+                        if req.logprobs is not None else None
+                    if text or lp or seq["finish_reason"]:
+                        choices.append({"index": p * req.n + seq["index"], "text": text, "logprobs": lp,
+                                        "finish_reason": seq["finish_reason"]})
+                if choices:
+                    yield {**head, "choices": choices, **({"usage": None} if include_usage else {})}
+            if include_usage:
+                yield {**head, "choices": [], "usage": usage(n_prompt, completion_tokens)}
+
+        return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
+
+    try:
+        results: dict[tuple[int, int], SeqResult] = await unless_disconnected(raw, collect(group, req.n))
+    finally:
+        group.abort_unfinished()
+    choices = []
+    for (p, i), r in sorted(results.items()):
+        lp = _Logprobs(ctx, req.logprobs or 0).block(r.token_ids, r.logprobs) if req.logprobs is not None else None
+        choices.append({"index": p * req.n + i, "text": echo[p] + r.text, "logprobs": lp,
+                        "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
+    completion_tokens = sum(len(r.token_ids) for r in results.values())
+    return {**head, "choices": choices, "usage": usage(n_prompt, completion_tokens)}

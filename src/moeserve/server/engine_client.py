@@ -1,0 +1,317 @@
+"""The HTTP side's handle on the engine process: start it, send requests, stream their updates.
+
+The engine runs in its own process (multiprocessing 'spawn'), so the event loop never waits on
+the model. A reader thread hands the engine's messages to the loop; each request's updates go
+to the queue of the :class:`RequestGroup` it belongs to (one group per HTTP request: a batch of
+prompts is one group of engine requests)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing as mp
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable
+
+from moeserve.server.engine_process import engine_main
+from moeserve.server.errors import APIError
+from moeserve.server.metrics import ServerMetrics
+
+log = logging.getLogger("moeserve.server")
+
+
+class EngineDeadError(APIError):
+    def __init__(self, reason: str):
+        super().__init__(503, f"the engine is not running: {reason}", code="engine_dead")
+
+
+@dataclass
+class _Tracked:
+    group: "RequestGroup"
+    arrival: float
+    prompt_tokens: int = 0
+    generated: int = 0
+    first_token: float | None = None
+    last_token: float | None = None
+
+
+class AsyncEngineClient:
+    """States: ``starting`` → ``loading`` → ``ready``; ``failed`` when the engine process dies."""
+
+    def __init__(self, engine_kwargs: dict, max_waiting: int | None = None,
+                 metrics: ServerMetrics | None = None, on_progress: Callable[[str], None] | None = None,
+                 on_ready: Callable[[dict], None] | None = None, on_death: Callable[[str], None] | None = None,
+                 engine_log_level: int = logging.WARNING):
+        self.engine_kwargs = engine_kwargs
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        self.on_progress, self.on_ready, self.on_death = on_progress, on_ready, on_death
+        self.engine_log_level = engine_log_level
+        self.state = "starting"
+        self.detail = "starting the engine process"
+        self.error: str | None = None
+        self.info: dict = {}
+        self.stats: dict = {"running": 0, "waiting": 0, "kv_cache_usage": 0.0}
+        self.started_at = time.monotonic()
+        self._requests: dict[str, _Tracked] = {}
+        self._accepting: dict[str, asyncio.Future] = {}
+        self._fatal: str | None = None
+        self._closing = False
+        self._proc: Any = None
+
+    # ---- lifecycle ----
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        ctx = mp.get_context("spawn")
+        cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
+        self._evt_r, evt_w = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=engine_main, name="moeserve-engine",
+                                 args=(self.engine_kwargs, cmd_r, evt_w, self.max_waiting, self.engine_log_level))
+        self._proc.start()  # not a daemon: the engine may start worker processes of its own
+        cmd_r.close()  # the engine's ends: closing ours lets each side see the other go (EOF)
+        evt_w.close()
+        self.state = "loading"
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._write_commands, name="moeserve-engine-writer", daemon=True).start()
+        threading.Thread(target=self._read_events, name="moeserve-engine-reader", daemon=True).start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._closing = True
+        proc = self._proc
+        if proc is None:
+            return
+        if proc.is_alive():
+            self._outbox.put(("shutdown",))
+            proc.join(timeout)
+        if proc.is_alive():
+            log.warning("engine process did not stop in %.0f s; terminating it", timeout)
+            proc.terminate()
+            proc.join(5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+        self._outbox.put(None)  # stops the writer thread
+        if self.state != "failed":
+            self.state = "stopped"
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    # ---- requests ----
+    def group(self) -> "RequestGroup":
+        return RequestGroup(self)
+
+    async def generate(self, request_id: str, prompt: dict | str | list[int],
+                       params: Any) -> AsyncIterator[dict]:
+        """One engine request's updates (SamplingParams or its keyword arguments); aborts it when
+        the caller stops early or is cancelled."""
+        if dataclasses.is_dataclass(params):
+            params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
+        group = self.group()
+        try:
+            await group.add(request_id, prompt, params)
+            async for _, update in group.updates():
+                yield update
+        finally:
+            group.abort_unfinished()
+
+    def abort(self, request_id: str) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        tracked.group._pending.discard(request_id)
+        self._observe(tracked, "abort")
+        self._send_quietly(("abort", request_id))
+
+    def check_available(self) -> None:
+        if self.state == "ready":
+            return
+        if self.state == "failed":
+            raise EngineDeadError(self.error or "unknown reason")
+        if self.state in ("starting", "loading"):
+            raise APIError(503, f"the model is still loading ({self.detail}); see /health", code="model_loading")
+        raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    async def _add(self, group: "RequestGroup", rid: str, prompt: dict, sampling_kwargs: dict) -> None:
+        self.check_available()
+        if rid in self._requests or rid in self._accepting:
+            raise APIError(400, f"request id {rid!r} is already in use")
+        fut = self._loop.create_future()
+        self._accepting[rid] = fut
+        # Registered before sending: its first output can arrive in the same message as its acceptance.
+        self._requests[rid] = _Tracked(group, time.monotonic())
+        try:
+            self._send(("add", rid, prompt, sampling_kwargs))
+            await fut
+        except asyncio.CancelledError:  # the client went away while the engine decides
+            self._accepting.pop(rid, None)
+            self.abort(rid)
+            raise
+        except BaseException:
+            self._accepting.pop(rid, None)
+            self._requests.pop(rid, None)
+            raise
+
+    def _send(self, msg: tuple) -> None:
+        if self.state == "failed":
+            raise EngineDeadError(self.error or "unknown reason")
+        self._outbox.put(msg)
+
+    def _send_quietly(self, msg: tuple) -> None:
+        """For aborts: a dead engine has nothing left to abort."""
+        try:
+            self._send(msg)
+        except EngineDeadError:
+            pass
+
+    # ---- engine messages (on the event loop) ----
+    def _write_commands(self) -> None:
+        """Writer thread: a large prompt never blocks the event loop on a full pipe."""
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self._cmd_w.send(msg)
+            except OSError:  # the engine is gone; the reader thread reports it
+                return
+        self._cmd_w.close()
+
+    def _read_events(self) -> None:
+        """Reader thread: engine messages to the event loop; end-of-file means the engine is gone."""
+        while True:
+            try:
+                msg = self._evt_r.recv()
+            except (EOFError, OSError):
+                self._proc.join(5)
+                self._post(("exited", self._proc.exitcode))
+                return
+            if not self._post(msg):
+                return
+
+    def _post(self, msg: tuple) -> bool:
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, msg)
+            return True
+        except RuntimeError:  # loop closed
+            return False
+
+    def _dispatch(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "batch":
+            _, events, stats = msg
+            for event in events:
+                self._event(event)
+            self.stats = stats
+            if self.metrics is not None:
+                self.metrics.update_engine_stats(stats)
+        elif kind == "progress":
+            self.detail = msg[1]
+            if self.on_progress:
+                self.on_progress(msg[1])
+        elif kind == "ready":
+            self.info = msg[1]
+            self.state = "ready"
+            self.detail = "ready"
+            if self.on_ready:
+                self.on_ready(msg[1])
+        elif kind == "fatal":
+            self._fatal = msg[1]
+        elif kind == "exited":
+            self._engine_died(msg[1])
+
+    def _event(self, event: tuple) -> None:
+        kind, rid = event[0], event[1]
+        if kind in ("accepted", "error"):
+            fut = self._accepting.pop(rid, None)
+            if fut is None or fut.done():
+                return
+            if kind == "accepted":
+                fut.set_result(None)
+            else:
+                fut.set_exception(APIError(event[2], event[3], code="overloaded" if event[2] == 503 else None))
+            return
+        tracked = self._requests.get(rid)
+        if tracked is None:  # aborted already
+            return
+        update = event[2]
+        now = time.monotonic()
+        tracked.prompt_tokens = update["prompt_tokens"]
+        new_tokens = sum(len(s["token_ids"]) for s in update["seqs"])
+        if new_tokens:
+            tracked.generated += new_tokens
+            tracked.first_token = tracked.first_token or now
+            tracked.last_token = now
+        tracked.group._queue.put_nowait((rid, update))
+        if update["finished"]:
+            del self._requests[rid]
+            tracked.group._pending.discard(rid)
+            reasons = [s["finish_reason"] for s in update["seqs"] if s["finish_reason"]]
+            self._observe(tracked, reasons[-1] if reasons else "stop")
+
+    def _observe(self, t: _Tracked, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_request(t.prompt_tokens, t.generated, t.arrival, t.first_token,
+                                         t.last_token, reason)
+
+    def _engine_died(self, exitcode: int | None) -> None:
+        if self._closing and self._fatal is None:
+            self.state = "stopped"
+            return
+        last = (self._fatal or "").strip().splitlines()
+        reason = f"engine process exited with code {exitcode}"
+        if last:
+            reason += f": {last[0]}"
+        self.state, self.error = "failed", reason
+        log.error("%s%s", reason, ("\n" + self._fatal) if self._fatal else "")
+        err = EngineDeadError(reason)
+        for fut in self._accepting.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._accepting.clear()
+        for rid, tracked in list(self._requests.items()):
+            tracked.group._queue.put_nowait((rid, err))
+        self._requests.clear()
+        if self.on_death:
+            self.on_death(reason)
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request; their updates arrive on one queue."""
+
+    def __init__(self, client: AsyncEngineClient):
+        self.client = client
+        self.rids: list[str] = []
+        self._pending: set[str] = set()
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    async def add(self, rid: str, prompt: dict, sampling_kwargs: dict) -> None:
+        """Submit one request; raises APIError (400 with the engine's message, 503 overloaded)."""
+        self.rids.append(rid)
+        self._pending.add(rid)
+        try:
+            await self.client._add(self, rid, prompt, sampling_kwargs)
+        except BaseException:
+            self.rids.remove(rid)
+            self._pending.discard(rid)
+            raise
+
+    async def updates(self) -> AsyncIterator[tuple[str, dict]]:
+        """(request id, update) until every request finished; raises if the engine dies."""
+        while self._pending or not self._queue.empty():
+            rid, update = await self._queue.get()
+            if isinstance(update, BaseException):
+                self._pending.clear()
+                raise update
+            yield rid, update
+
+    def abort_unfinished(self) -> None:
+        for rid in list(self._pending):
+            self.client.abort(rid)
+        self._pending.clear()

@@ -1,0 +1,222 @@
+"""The engine process: builds the engine, proves it with one real generation, then loops.
+
+Two one-way pipes (no semaphores to leak when a signal ends the server; end-of-file on the
+command pipe means the server is gone).
+Messages in (``cmds``): ``("add", rid, prompt, sampling_kwargs)``, ``("abort", rid)``, ``("shutdown",)``.
+Messages out (``events``):
+  ``("progress", text)`` while starting;
+  ``("ready", info)`` after the warm-up generation went through every rank and stage;
+  ``("batch", events, stats)`` after each loop turn that changed something, where an event is
+  ``("accepted", rid)``, ``("error", rid, http_status, message)`` or ``("output", rid, update)``;
+  ``("fatal", text)`` right before the process exits on an error.
+An update carries only what is new since the previous one (see :class:`DeltaTracker`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+WARMUP_REQUEST_ID = "__moeserve_warmup__"
+
+
+def engine_main(engine_kwargs: dict, cmds: Connection, events: Connection, max_waiting: int | None,
+                log_level: int = logging.WARNING) -> None:
+    """Entry point of the spawned engine process."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    signal.signal(signal.SIGTERM, _interrupt)  # stop cleanly when a service manager stops us all
+    code = 0
+    engine = None
+    try:
+        engine = _start(engine_kwargs, events)
+        EngineLoop(engine, cmds, events, max_waiting).run()
+    except (KeyboardInterrupt, BrokenPipeError):  # stopped, or the server is gone
+        pass
+    except BaseException as e:  # noqa: BLE001 - report anything, then die
+        try:
+            events.send(("fatal", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        except OSError:
+            traceback.print_exc()
+        code = 1
+    finally:
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    sys.exit(code)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _start(engine_kwargs: dict, events: Connection) -> Any:
+    from moeserve.engine.config import EngineConfig
+    from moeserve.engine.llm import build_engine
+
+    t0 = time.monotonic()
+    k = engine_kwargs
+    layout = f"tp={k.get('tensor_parallel_size', 1)} pp={k.get('pipeline_parallel_size', 1)} " \
+             f"ep={k.get('expert_parallel_size', 1)}"
+    events.send(("progress", f"loading {k.get('model')} ({layout}, device {k.get('device', 'auto')})"))
+    engine = build_engine(EngineConfig(**engine_kwargs))
+    describe = getattr(engine.executor, "describe", None)
+    lines = list(describe()) if callable(describe) else []
+    for line in lines:
+        events.send(("progress", f"loaded {line}"))
+    t_built = time.monotonic()
+    events.send(("progress", "warm-up generation through every rank and stage"))
+    n_tokens = warm_up(engine)
+    t_ready = time.monotonic()
+    events.send(("ready", {"max_model_len": engine.max_model_len, "layout": lines,
+                         "build_s": t_built - t0, "warmup_s": t_ready - t_built, "warmup_tokens": n_tokens,
+                         "vocab_size": getattr(engine.model_config, "vocab_size", None)}))
+    return engine
+
+
+def warm_up(engine: Any, max_steps: int = 64) -> int:
+    """One real generation (a few tokens, greedy) through the whole model; returns its token count."""
+    from moeserve.sampling_params import SamplingParams
+
+    vocab = int(getattr(engine.model_config, "vocab_size", 2))
+    prompt_len = max(1, min(8, engine.max_model_len - 2))
+    prompt = [(i + 1) % vocab for i in range(prompt_len)]
+    max_tokens = max(1, min(4, engine.max_model_len - prompt_len))
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engine.add_request({"prompt_token_ids": prompt}, params, WARMUP_REQUEST_ID)
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.request_id == WARMUP_REQUEST_ID and out.finished:
+                n = len(out.outputs[0].token_ids)
+                if n == 0:
+                    raise RuntimeError("the warm-up generation finished without a token")
+                return n
+    engine.abort_request(WARMUP_REQUEST_ID)
+    raise RuntimeError(f"the warm-up generation did not finish within {max_steps} steps")
+
+
+@dataclass
+class _SeqSent:
+    tokens: int = 0
+    text: int = 0
+    logprobs: int = 0
+    done: bool = False
+
+
+class DeltaTracker:
+    """What each request's completions have sent so far; turns a full RequestOutput into a delta.
+
+    With stop strings, the last ``len(longest stop) - 1`` characters are held back until the
+    request finishes: the engine may cut them off when a stop string completes a token later,
+    and streamed text must never be taken back."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, list[_SeqSent]] = {}
+        self.holdback: dict[str, int] = {}
+
+    def add(self, rid: str, n: int, stop: list[str]) -> None:
+        self.sent[rid] = [_SeqSent() for _ in range(n)]
+        self.holdback[rid] = max((len(s) for s in stop), default=1) - 1
+
+    def drop(self, rid: str) -> None:
+        self.sent.pop(rid, None)
+        self.holdback.pop(rid, None)
+
+    def delta(self, out: Any) -> dict | None:
+        sent = self.sent.get(out.request_id)
+        if sent is None:
+            return None
+        seqs = []
+        for c in out.outputs:
+            s = sent[c.index]
+            if s.done:
+                continue
+            end = len(c.text) if c.finish_reason else max(s.text, len(c.text) - self.holdback[out.request_id])
+            new = {"index": c.index, "token_ids": list(c.token_ids[s.tokens:]), "text": c.text[s.text:end],
+                   "logprobs": [dict(lp) for lp in c.logprobs[s.logprobs:]] if c.logprobs is not None else None,
+                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            s.tokens, s.text = len(c.token_ids), end
+            s.logprobs = len(c.logprobs) if c.logprobs is not None else 0
+            s.done = c.finish_reason is not None
+            if new["token_ids"] or new["text"] or new["finish_reason"]:
+                seqs.append(new)
+        if out.finished:
+            self.drop(out.request_id)
+        if not seqs and not out.finished:
+            return None
+        return {"prompt_tokens": len(out.prompt_token_ids), "seqs": seqs, "finished": out.finished}
+
+
+class EngineLoop:
+    def __init__(self, engine: Any, cmds: Connection, events: Connection, max_waiting: int | None):
+        self.engine = engine
+        self.cmds = cmds
+        self.events = events
+        self.max_waiting = max_waiting
+        self.tracker = DeltaTracker()
+
+    def run(self) -> None:
+        while True:
+            cmds = self._drain(block=not self.engine.has_unfinished_requests())
+            if cmds is None:
+                return
+            events: list[tuple] = []
+            for cmd in cmds:
+                if cmd[0] == "shutdown":
+                    return
+                events.extend(self._handle(cmd))
+            if self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    update = self.tracker.delta(out)
+                    if update is not None:
+                        events.append(("output", out.request_id, update))
+            if events or cmds:
+                self.events.send(("batch", events, self.stats()))
+
+    def stats(self) -> dict:
+        e = self.engine
+        return {"running": e.num_running, "waiting": e.num_waiting, "kv_cache_usage": e.kv_cache_usage}
+
+    def _drain(self, block: bool) -> list | None:
+        """Commands waiting now (waits up to 0.2 s for one when idle); None when the server is gone."""
+        cmds = []
+        try:
+            if self.cmds.poll(0.2 if block else 0):
+                cmds.append(self.cmds.recv())
+                while self.cmds.poll(0):
+                    cmds.append(self.cmds.recv())
+        except (EOFError, OSError):
+            return None
+        return cmds
+
+    def _handle(self, cmd: tuple) -> list[tuple]:
+        if cmd[0] == "abort":
+            self._abort(cmd[1])
+            return []
+        _, rid, prompt, kwargs = cmd
+        from moeserve.sampling_params import SamplingParams
+
+        waiting = self.engine.num_waiting
+        if self.max_waiting is not None and waiting >= self.max_waiting:
+            return [("error", rid, 503, f"the server is overloaded: {waiting} requests are already waiting "
+                                        f"(--max-waiting {self.max_waiting}); retry later")]
+        try:
+            params = SamplingParams(**kwargs)
+            self.engine.add_request(prompt, params, rid)
+        except ValueError as e:
+            return [("error", rid, 400, str(e))]
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
+            return [("error", rid, 500, f"{type(e).__name__}: {e}")]
+        self.tracker.add(rid, params.n, params.stop_list)
+        return [("accepted", rid)]
+
+    def _abort(self, rid: str) -> None:
+        self.engine.abort_request(rid)
+        self.tracker.drop(rid)
