@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+from moeserve.bench.sweep import add_sweep_arguments, run_sweep_cli
 from moeserve.planner.cli import add_plan_arguments, run_plan
 from moeserve.server.cli import (add_serve_arguments, add_systemd_unit_arguments, add_wait_ready_arguments,
                                  run_serve, run_systemd_unit, run_wait_ready)
@@ -115,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
     b.set_defaults(func=cmd_bench)
 
+    sw = sub.add_parser("sweep", help="serve and benchmark several layouts, compare with the planner")
+    add_sweep_arguments(sw)
+    sw.set_defaults(func=run_sweep_cli)
+
     pl = sub.add_parser("plan", help="which TP/PP/EP layout fits and wins on given GPUs")
     add_plan_arguments(pl)
     pl.set_defaults(func=run_plan)
@@ -136,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll or request is noise
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:

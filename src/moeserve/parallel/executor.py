@@ -42,6 +42,7 @@ class MultiProcessExecutor:
         self.layout = Layout.build(model_config.num_hidden_layers, config.tensor_parallel_size,
                                    config.pipeline_parallel_size, config.expert_parallel_size,
                                    config.pp_layer_partition)
+        self.layout.check_model(model_config)
         self.page_size = config.page_size
         self.max_in_flight = self.layout.pp  # one micro-batch per stage keeps every stage busy
         ctx = mp.get_context("spawn")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moeserve.cache.kv_pool import StageRange
+from moeserve.config import ModelConfig
 from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 
 
@@ -29,6 +30,23 @@ class Layout:
         parts = (validate_layer_partition(partition, num_layers, pp) if partition is not None
                  else default_layer_partition(num_layers, pp))
         return cls(tp, pp, ep, tuple(parts))
+
+    def check_model(self, config: ModelConfig) -> None:
+        """Refuse, before any process starts, a layout that cannot split this model evenly."""
+        problems = []
+        if config.num_attention_heads % self.tp:
+            problems.append(f"{config.num_attention_heads} attention heads cannot be split over tp={self.tp}")
+        if config.n_routed_experts % self.ep:
+            problems.append(f"{config.n_routed_experts} routed experts cannot be split over ep={self.ep}")
+        if config.moe_intermediate_size % (self.tp // self.ep):
+            problems.append(f"moe_intermediate_size {config.moe_intermediate_size} cannot be split tp/ep="
+                            f"{self.tp // self.ep} ways")
+        shared = config.moe_intermediate_size * config.n_shared_experts
+        for name, size in (("intermediate_size", config.intermediate_size), ("shared expert size", shared)):
+            if size and size % self.tp:
+                problems.append(f"{name} {size} cannot be split over tp={self.tp}")
+        if problems:
+            raise ValueError(f"layout {self.name} does not fit this model: " + "; ".join(problems))
 
     @property
     def world_size(self) -> int:

@@ -1,0 +1,78 @@
+"""`moeserve bench` against a live CPU server, `moeserve bench --offline`, and `moeserve sweep` over two
+layouts of the demo model: JSON keys, reports and plots."""
+
+import json
+
+import pytest
+
+from moeserve.bench.serving import run_serving
+from moeserve.bench.sweep import run_sweep
+from moeserve.cli import main
+from moeserve.demo import ensure_demo_model
+
+from server_utils import ServerProcess
+
+KEYS = {"concurrency", "completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
+        "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+        "mean_itl_ms", "median_itl_ms", "p99_itl_ms"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = ServerProcess(str(ensure_demo_model()), tmp_path_factory.mktemp("bench") / "server.log").start()
+    try:
+        assert srv.wait(120).code == 0, srv.log()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_bench_against_live_server(server, tmp_path):
+    results = run_serving(server.url, [1, 4], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path),
+                          quiet=True)
+    for r in results:
+        assert KEYS <= set(r)
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["total_output_tokens"] == 6 * 5  # ignore_eos: exact output lengths
+        assert r["output_throughput"] > 0 and r["mean_ttft_ms"] > 0
+    for name in ("concurrency_1.json", "concurrency_4.json", "results.json", "report.md", "throughput.png",
+                 "tpot.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert json.loads((tmp_path / "concurrency_4.json").read_text())["concurrency"] == 4
+    assert "| 4 |" in (tmp_path / "report.md").read_text()
+
+
+def test_bench_cli_reports_failures_against_a_dead_url(tmp_path):
+    # A port nobody listens on: every request fails and the exit code says so.
+    code = main(["bench", "--url", "http://127.0.0.1:9", "--served-model", "x", "--concurrency", "1",
+                 "--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--result-dir", str(tmp_path)])
+    assert code == 1
+    r = json.loads((tmp_path / "concurrency_1.json").read_text())
+    assert r["failed"] == 2 and r["errors"]
+
+
+def test_offline_bench_on_cpu(tmp_path):
+    code = main(["bench", "--offline", "--device", "cpu", "--batch-sizes", "1,3", "--input-len", "8",
+                 "--output-len", "4", "--result-dir", str(tmp_path)])
+    assert code == 0
+    doc = json.loads((tmp_path / "offline.json").read_text())
+    rows = doc["results"]
+    assert [r["batch_size"] for r in rows] == [1, 3]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and 0 < r["decode_frac_of_bound"] and r["decode_bound_tok_s"] > 0
+        assert r["prefill_tok_s"] > 0 and r["prefill_bound_tok_s"] > 0
+    assert doc["peaks"]["bandwidth"] > 0
+
+
+def test_sweep_two_layouts_and_a_failing_one(tmp_path):
+    runs = run_sweep(str(ensure_demo_model()), ["tp1", "pp2", "tp3"], [1, 2], str(tmp_path), ["--device", "cpu"],
+                     num_prompts=3, input_len=8, output_len=4, ready_timeout=120)
+    by_name = {r.name: r for r in runs}
+    assert by_name["tp1"].ok and by_name["pp2"].ok
+    assert by_name["tp1"].time_to_ready_s > 0
+    assert not by_name["tp3"].ok and "4 attention heads cannot be split over tp=3" in by_name["tp3"].error
+    assert len(by_name["pp2"].predicted) == 2
+    report = (tmp_path / "report.md").read_text()
+    assert "Measured vs predicted" in report and "| pp2 |" in report and "Winner per concurrency" in report
+    assert (tmp_path / "throughput.png").exists() and (tmp_path / "tpot.png").exists()
+    assert (tmp_path / "tp1" / "results.json").exists()
