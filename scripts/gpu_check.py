@@ -1,13 +1,14 @@
-"""One GPU run: check the fast path against the reference, then time it.
+"""One GPU run: time the fast path and check it against the reference, in that order (the
+numbers come first in case the lease runs out).
 
     python scripts/gpu_check.py --out DIR [--model moonlight-16b-a3b]
 
-1. Greedy tokens of the fast path (Triton kernels + CUDA graphs) vs the reference path on the
-   same dummy-weight model in bf16: equal, or where they differ, only at near-ties (the other
-   path's token within the first path's top-5 at the first divergence).
-2. Graphs vs eager fast path: same tokens.
-3. ``moeserve bench --offline`` at batch 1, 64, 256 (1024 in / 256 out), bounds beside each.
-Prints a short table at the end; the full log goes to DIR.
+1. Fast path (Triton kernels + CUDA graphs), dummy bf16 weights: offline bench at each batch
+   size (1024 in / 256 out by default), each figure beside its bound.
+2. Graphs vs eager on the same engine: same greedy tokens.
+3. Fast path vs the reference path: greedy tokens equal, or where they differ, only at
+   near-ties (each side's token within the other's top-5 at the first divergence).
+Prints a short table at the end; everything goes to DIR/summary.json as it is measured.
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
 from moeserve import LLM, SamplingParams
+from moeserve.bench.bounds import measure_peaks
+from moeserve.bench.offline import run_batch
 
 
 def greedy(llm: LLM, prompts, n: int):
@@ -30,7 +34,6 @@ def greedy(llm: LLM, prompts, n: int):
 
 
 def compare(a, b) -> dict:
-    """Per prompt: identical, or diverged at a near-tie (each token in the other's top-5)."""
     exact = ties = bad = 0
     for (ta, la), (tb, lb) in zip(a, b):
         if ta == tb:
@@ -48,42 +51,56 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="moonlight-16b-a3b")
     ap.add_argument("--out", default="gpu-results")
-    ap.add_argument("--skip-bench", action="store_true")
     ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--input-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=256)
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(0)}
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (7, 64, 300, 1024)]
-    common = dict(load_format="dummy", dtype="bfloat16", device="cuda", seed=0, max_model_len=4096,
-                  gpu_memory_utilization=0.85, max_num_seqs=256)
+    summary: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
+    def save() -> None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (7, 300, 1000)]
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    common = dict(load_format="dummy", dtype="bfloat16", device="cuda", seed=0, gpu_memory_utilization=0.85,
+                  max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max(sizes),
+                  max_num_batched_tokens=16384)
+    t = time.time()
+    peaks = measure_peaks("cuda")
+    summary["peaks"] = asdict(peaks)
+    with LLM(args.model, **common) as llm:
+        summary["fast_start_s"] = time.time() - t
+        summary["layout"] = llm.engine.executor.describe()
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        summary["offline"] = []
+        for b in sizes:
+            r = run_batch(llm, b, args.input_len, args.output_len, peaks)
+            summary["offline"].append(asdict(r))
+            print(f"batch {b}: prefill {r.prefill_tok_s:,.0f} tok/s ({100 * r.prefill_frac_of_peak:.1f}% of peak), "
+                  f"decode {r.decode_tok_s:,.1f} tok/s (bound {r.decode_bound_tok_s:,.0f}, "
+                  f"{100 * r.decode_frac_of_bound:.1f}%), {r.step_ms:.2f} ms/step", flush=True)
+            save()
+        graphs = greedy(llm, prompts, 24)
+        runner = llm.engine.executor.runner
+        captured, runner.graphs = runner.graphs, None
+        eager = greedy(llm, prompts, 24)
+        runner.graphs = captured
+    summary["graphs_vs_eager"] = compare(graphs, eager)
+    save()
     t = time.time()
     with LLM(args.model, backend="reference", enforce_eager=True, **common) as llm:
-        ref = greedy(llm, prompts, 32)
+        ref = greedy(llm, prompts, 24)
     summary["reference_s"] = time.time() - t
-    t = time.time()
-    with LLM(args.model, enforce_eager=True, **common) as llm:
-        eager = greedy(llm, prompts, 32)
-    summary["fast_eager_s"] = time.time() - t
-    t = time.time()
-    with LLM(args.model, **common) as llm:
-        graphs = greedy(llm, prompts, 32)
-    summary["fast_graphs_s"] = time.time() - t
     summary["fast_vs_reference"] = compare(eager, ref)
-    summary["graphs_vs_eager"] = compare(graphs, eager)
-    print(json.dumps(summary, indent=2), flush=True)
-
-    if not args.skip_bench:
-        from moeserve.bench.offline import run_offline
-
-        sizes = [int(x) for x in args.batch_sizes.split(",")]
-        kw = {k: v for k, v in common.items() if k not in ("max_model_len",)}
-        kw["max_num_batched_tokens"] = 16384
-        results = run_offline(args.model, sizes, 1024, 256, str(out), kw)
-        summary["offline"] = [r.__dict__ for r in results]
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    save()
+    print(json.dumps({k: summary[k] for k in ("graphs_vs_eager", "fast_vs_reference")}))
+    print(f"{'batch':>6} {'prefill tok/s':>14} {'% peak':>7} {'decode tok/s':>13} {'bound':>9} {'% bound':>8}")
+    for r in summary["offline"]:
+        print(f"{r['batch_size']:>6} {r['prefill_tok_s']:>14,.0f} {100 * r['prefill_frac_of_peak']:>7.1f} "
+              f"{r['decode_tok_s']:>13,.1f} {r['decode_bound_tok_s']:>9,.0f} {100 * r['decode_frac_of_bound']:>8.1f}")
     ok = summary["fast_vs_reference"]["mismatch"] == 0 and summary["graphs_vs_eager"]["mismatch"] == 0
     print("CHECK", "PASS" if ok else "FAIL")
     return 0 if ok else 1

@@ -6,6 +6,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+try:
+    import torch
+
+    if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
 
 
 @pytest.fixture(scope="session", autouse=True)

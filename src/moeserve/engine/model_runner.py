@@ -68,11 +68,16 @@ class ModelRunner:
         load_model_weights(self.model, config.model, config.load_format, config.seed, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
+        if self.backend.name == "triton":  # the fast path: fused MoE kernels beside Triton attention
+            from moeserve.kernels.fused_moe import fused_moe
+            from moeserve.layers.moe import RoutedExperts
+
+            for m in self.model.modules():
+                if isinstance(m, RoutedExperts):
+                    m.impl = fused_moe
         self.page_size = config.page_size
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers, self.dtype)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "reference"
-        if self.use_graphs:
-            self.backend.num_kv_splits = self.backend.num_kv_splits or 8  # graphs need a fixed grid
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
         self._generators: dict[int, torch.Generator] = {}

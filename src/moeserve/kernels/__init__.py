@@ -1,0 +1,30 @@
+"""Triton kernels, each in its own module beside its plain-PyTorch reference.
+
+=====================  ==========================================  ================================
+module                 kernel (wrapper)                            reference
+=====================  ==========================================  ================================
+``mla_decode``         paged MLA decode over the latent cache,     ``mla_decode_ref``
+                       weight-absorbed, split-K (flash-decoding),
+                       a block of heads per program (``mla_decode``)
+``mla_extend``         causal ragged-batch attention for prefill / ``mla_extend_ref``
+                       extend, non-absorbed (``mla_extend``)
+``fused_moe``          routed experts: align pairs by expert, two  ``fused_moe_ref``
+                       grouped GEMMs (SiLU*up and the top-k weight (= ``layers.moe.moe_experts_ref``)
+                       fused), combine (``fused_moe``)
+``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
+                       pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
+=====================  ==========================================  ================================
+
+``attention.triton_mla.TritonMLABackend`` puts the two attention kernels behind the
+``AttentionBackend`` interface. ``python -m moeserve.kernels.bench`` checks and times them
+all on a GPU, printing each figure beside its bandwidth / compute bound.
+
+Every wrapper takes tensors on any device: on a machine without a GPU the kernels run under
+Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported), which is how the
+tests run in CI at tiny shapes. Importing a kernel module needs Triton; this package's
+``__init__`` imports nothing, so ``moeserve`` itself never does.
+
+Shapes come from the tensors handed in (never from a fixed layer), tile sizes from small
+documented heuristics in each module (``decode_config`` / ``default_num_kv_splits``,
+``extend_config``, ``moe_config``), each overridable with a ``config=`` dict.
+"""

@@ -1,0 +1,261 @@
+"""Paged MLA decode attention over the latent cache, in the weight-absorbed form.
+
+In MLA every head reads the same cached row ``c_j = [latent_j (Lk) | rope_key_j (R)]``. With
+``w_uk`` folded into the query (``q_latent = q_nope @ w_uk``) and ``w_uv`` applied after the
+attention, one decode step per head is
+
+    score_j = scale * (q_latent . c_j[:Lk] + q_pe . c_j[Lk:])
+    out     = sum_j softmax(score)_j * c_j[:Lk]                       -> [Lk]
+
+so K and V are the *same* tile and all heads share it. The kernel therefore gives each program
+a block of ``BLOCK_H`` heads: it loads a tile of ``BLOCK_N`` cache rows once and uses it for
+all those heads, both as keys (scores) and as values (output). With 16 local heads
+(Moonlight, or DeepSeek-V3 at TP8) a single head block covers them all and every cache byte
+is read from HBM exactly once per step.
+
+Long contexts are split (flash-decoding): stage 1 runs one program per (sequence, head block,
+split) and writes the split's softmax-normalised partial output and its log-sum-exp in fp32;
+stage 2 merges the splits. When one split suffices (large batches) stage 1 writes the output
+directly and stage 2 is skipped.
+
+``mla_decode_ref`` is the plain-PyTorch oracle.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from moeserve.kernels.utils import dot_args, mma, num_sms, pow2_at_least
+
+LOG2E = 1.4426950408889634
+
+# A split shorter than this is not worth its partial write + merge (measured on an H200: batch
+# 1 at 4k context is fastest with 32 splits of 128 tokens, at 32k with 128 splits).
+MIN_TOKENS_PER_SPLIT = 128
+MAX_KV_SPLITS = 128
+
+
+def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+                   context_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+    """Reference: one sequence at a time, fp32 softmax. Shapes as :func:`mla_decode`."""
+    Lk = q_latent.shape[-1]
+    out = torch.empty_like(q_latent)
+    for b, L in enumerate(context_lens.tolist()):
+        pos = torch.arange(L, device=cache.device)
+        slots = page_table[b, pos // page_size].long() * page_size + pos % page_size
+        c = cache[slots].float()  # [L, Lk + R]
+        scores = (q_latent[b].float() @ c[:, :Lk].T + q_pe[b].float() @ c[:, Lk:].T) * scale  # [H, L]
+        out[b] = (torch.softmax(scores, dim=-1) @ c[:, :Lk]).to(out.dtype)
+    return out
+
+
+@triton.jit
+def _mla_decode_split_kernel(
+    QLat, QPe, Cache, PageTable, ContextLens, Out, PartOut, PartLse,
+    stride_qlat_b, stride_qlat_h, stride_qpe_b, stride_qpe_h,
+    stride_cache, stride_pt_b,
+    stride_out_b, stride_out_h,
+    stride_po_b, stride_po_h, stride_po_s,
+    stride_pl_b, stride_pl_h,
+    num_heads, page_size, num_splits, qk_scale_log2,
+    LK: tl.constexpr, R: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    b = tl.program_id(0)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+
+    ctx_len = tl.load(ContextLens + b)
+    # Split boundaries are multiples of BLOCK_N so that only a split's last tile is partial.
+    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx_len)
+
+    offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < num_heads
+    offs_c = tl.arange(0, BLOCK_LK)
+    mask_c = offs_c < LK
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    cache_dtype = Cache.dtype.element_ty
+
+    # Queries of the head block, cast to the cache dtype so both tl.dot operands agree.
+    q_lat = tl.load(QLat + b * stride_qlat_b + offs_h[:, None] * stride_qlat_h + offs_c[None, :],
+                    mask=mask_h[:, None] & mask_c[None, :], other=0.0).to(cache_dtype)
+    q_pe = tl.load(QPe + b * stride_qpe_b + offs_h[:, None] * stride_qpe_h + offs_r[None, :],
+                   mask=mask_h[:, None] & mask_r[None, :], other=0.0).to(cache_dtype)
+
+    # Online softmax in base 2: scores are pre-multiplied by scale * log2(e) and exp2 is used.
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_LK], dtype=tl.float32)
+
+    pt_row = PageTable + b * stride_pt_b
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(pt_row + offs_n // page_size, mask=mask_n, other=0).to(tl.int64)
+        row = Cache + (page * page_size + offs_n % page_size) * stride_cache
+        # One tile of cache rows, shared by every head of the block: keys AND values.
+        kv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+        k_pe = tl.load(row[:, None] + LK + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        s = mma(q_lat, tl.trans(kv), s, DOT_PRECISION, DOT_UPCAST)
+        s = mma(q_pe, tl.trans(k_pe), s, DOT_PRECISION, DOT_UPCAST)
+        s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = mma(p.to(cache_dtype), kv, acc, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0  # an empty split (short context) leaves l_i == 0
+    acc = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    if DIRECT_OUT:
+        tl.store(Out + b * stride_out_b + offs_h[:, None] * stride_out_h + offs_c[None, :],
+                 acc.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+    else:
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(PartOut + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_c[None, :],
+                 acc, mask=mask_h[:, None] & mask_c[None, :])
+        tl.store(PartLse + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=mask_h)
+
+
+@triton.jit
+def _mla_decode_merge_kernel(
+    PartOut, PartLse, Out,
+    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_out_b, stride_out_h,
+    num_splits,
+    LK: tl.constexpr, BLOCK_LK: tl.constexpr,
+):
+    """One program per (sequence, head): merge the splits' partial outputs by their lse
+    (log2 domain), with a running max so no split count has to be a compile-time constant."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_c = tl.arange(0, BLOCK_LK)
+    mask_c = offs_c < LK
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_LK], dtype=tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(PartLse + b * stride_pl_b + h * stride_pl_h + s)
+        if lse > float("-inf"):  # empty splits carry no weight (and would make exp2 produce nan)
+            part = tl.load(PartOut + b * stride_po_b + h * stride_po_h + s * stride_po_s + offs_c,
+                           mask=mask_c, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha + w * part
+            total = total * alpha + w
+            m = m_new
+    acc = acc / tl.where(total > 0.0, total, 1.0)  # a padded sequence of length 0 gets zeros
+    tl.store(Out + b * stride_out_b + h * stride_out_h + offs_c, acc.to(Out.dtype.element_ty), mask=mask_c)
+
+
+def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int, device: torch.device) -> int:
+    """As many splits as fill exactly one wave of stage-1 programs (``batch * head_blocks *
+    splits <= SMs``), but no split shorter than ``MIN_TOKENS_PER_SPLIT`` tokens.
+
+    Measured on an H200 (132 SMs; 16 heads, Lk 512, CUDA-graph replay): the best split count
+    put 128-132 programs in flight at every batch size tried: 32 splits at batch 4, 16 at 8,
+    8 at 16, 4 at 32, 2 at 64, 1 at 128 (and 16 / 8 for 128 heads at batch 1 / 8). One more
+    program than there are SMs costs a second wave: 24 splits at batch 8 ran 50% slower than
+    16. Batch 1 is capped by the context instead (4k tokens -> 32 splits)."""
+    programs = batch * num_head_blocks
+    want = max(1, num_sms(device) // programs)
+    useful = triton.cdiv(max(max_context_len, 1), MIN_TOKENS_PER_SPLIT)
+    return max(1, min(want, useful, MAX_KV_SPLITS))
+
+
+def decode_config(num_heads: int, kv_lora_rank: int, batch: int = 1, element_size: int = 2) -> dict:
+    """Tile sizes, from a sweep on an H200 at kv_lora_rank 512 (``python -m
+    moeserve.kernels.bench --sweep``).
+
+    ``BLOCK_H`` (heads per program) is 16 for up to 16 local heads (Moonlight; DeepSeek-V3 at
+    TP8): one head block, so each cache byte is read once; ``tl.dot`` needs M >= 16, so fewer
+    heads are padded (masked) up to 16. With many heads (DeepSeek-V3 unsplit, 128) and a batch
+    that fills the GPU, 64 heads a program halves the time against 16 (fewer re-reads of each
+    tile, bigger MMAs); at batch 1 the extra parallelism of 16-head blocks wins instead.
+    ``BLOCK_N`` 64 tokens a tile with 8 warps was best or within a few percent everywhere.
+    float32 caches (tests) take 32-token tiles and 4 warps: a 64 x 512 fp32 tile, double
+    buffered, would not fit in shared memory."""
+    if kv_lora_rank >= 256 and element_size > 2:
+        return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
+    if kv_lora_rank >= 256:
+        block_h = 64 if num_heads >= 64 and batch >= 8 else 16
+        return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=8, num_stages=2)
+    return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=2)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
+               context_lens: torch.Tensor, page_size: int, scale: float, num_kv_splits: int | None = None,
+               max_context_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+    """Paged MLA decode over the latent cache.
+
+    q_latent: [B, H, Lk] (``q_nope`` absorbed through ``w_uk``); q_pe: [B, H, R];
+    cache: [num_slots, Lk + R] one layer's latents; page_table: [B, max_pages] page ids;
+    context_lens: [B] tokens per sequence (this step's token included). Token j of sequence b
+    lives in slot ``page_table[b, j // page_size] * page_size + j % page_size``.
+    Returns [B, H, Lk] in q_latent's dtype (apply ``w_uv`` afterwards).
+
+    ``num_kv_splits`` defaults to :func:`default_num_kv_splits`, which needs the longest
+    context: pass ``max_context_len`` (known on the host) to avoid a device sync; pass a fixed
+    ``num_kv_splits`` when capturing CUDA graphs.
+    """
+    B, H, Lk = q_latent.shape
+    R = q_pe.shape[-1]
+    assert cache.shape[-1] == Lk + R, f"cache rows hold {cache.shape[-1]} values, expected Lk + R = {Lk + R}"
+    assert cache.stride(-1) == 1, "the cache rows must be contiguous"
+    q_latent, q_pe = _last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe)
+    page_table, context_lens = _last_dim_contiguous(page_table), context_lens.contiguous()
+    out = torch.empty_like(q_latent)
+    if B == 0:
+        return out
+    cfg = {**decode_config(H, Lk, B, cache.element_size()), **(config or {})}
+    block_h = cfg["BLOCK_H"]
+    head_blocks = triton.cdiv(H, block_h)
+    if num_kv_splits is None:
+        if max_context_len is None:
+            max_context_len = int(context_lens.max())
+        num_kv_splits = default_num_kv_splits(B, head_blocks, max_context_len, q_latent.device)
+    direct = num_kv_splits == 1
+    if direct:
+        part_out = part_lse = out  # unused
+        po_strides, pl_strides = (0, 0, 0), (0, 0)
+    else:
+        part_out = torch.empty(B, H, num_kv_splits, Lk, dtype=torch.float32, device=q_latent.device)
+        part_lse = torch.empty(B, H, num_kv_splits, dtype=torch.float32, device=q_latent.device)
+        po_strides, pl_strides = part_out.stride()[:3], part_lse.stride()[:2]
+
+    block_lk, block_r = pow2_at_least(Lk), pow2_at_least(R)
+    _mla_decode_split_kernel[(B, head_blocks, num_kv_splits)](
+        q_latent, q_pe, cache, page_table, context_lens, out, part_out, part_lse,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
+        cache.stride(0), page_table.stride(0),
+        out.stride(0), out.stride(1),
+        *po_strides, *pl_strides,
+        H, page_size, num_kv_splits, scale * LOG2E,
+        LK=Lk, R=R, BLOCK_LK=block_lk, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
+        DIRECT_OUT=direct, **dot_args(cache.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if not direct:
+        _mla_decode_merge_kernel[(B, H)](
+            part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_kv_splits,
+            LK=Lk, BLOCK_LK=block_lk, num_warps=4 if Lk >= 256 else 1,
+        )
+    return out
+
+
+__all__ = ["mla_decode", "mla_decode_ref", "default_num_kv_splits", "decode_config"]

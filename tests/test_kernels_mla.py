@@ -1,0 +1,225 @@
+"""MLA decode / extend Triton kernels and the Triton attention backend against their torch
+oracles. On CPU the kernels run under Triton's interpreter at tiny shapes; with CUDA the same
+tests also run at the real shapes (kv_lora_rank 512, rope 64, heads 16/128)."""
+
+import os
+import types
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
+triton = pytest.importorskip("triton")
+
+from moeserve.attention.backend import MLAWeights  # noqa: E402
+from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
+from moeserve.attention.triton_mla import TritonMLABackend  # noqa: E402
+from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
+from moeserve.engine.context import StepContext  # noqa: E402
+from moeserve.kernels.mla_decode import default_num_kv_splits, mla_decode, mla_decode_ref  # noqa: E402
+from moeserve.kernels.mla_extend import mla_extend, mla_extend_ref, split_head_dim  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEV = "cuda" if CUDA else "cpu"
+real = pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
+
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
+
+
+def scattered_page_tables(context_lens, page_size, num_pages, gen):
+    """Page tables over a random permutation of the pages: ids are non-contiguous and out of
+    order, and page 0 (the padding value) is used by no one unless it is drawn."""
+    need = [triton.cdiv(L, page_size) for L in context_lens]
+    perm = torch.randperm(num_pages, generator=gen)
+    assert sum(need) <= num_pages
+    table = torch.zeros(len(context_lens), max(max(need), 1), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    return table
+
+
+# ---------------------------------------------------------------------------------------------
+# mla_decode
+
+DECODE_SHAPES = [
+    # B, H, Lk, R, page_size, context lens
+    pytest.param(3, 4, 16, 8, 4, [1, 17, 40], id="tiny-ps4"),
+    pytest.param(2, 5, 32, 8, 16, [33, 16], id="tiny-ps16-odd-heads"),
+    pytest.param(4, 16, 512, 64, 64, [1, 700, 4096, 130], id="real-moonlight", marks=real),
+    pytest.param(2, 128, 512, 64, 16, [3000, 65], id="real-v3-heads", marks=real),
+    pytest.param(64, 16, 512, 64, 1, [1 + 37 * i for i in range(64)], id="real-batch64-ps1", marks=real),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,H,Lk,R,page_size,lens", DECODE_SHAPES)
+def test_mla_decode_matches_reference(B, H, Lk, R, page_size, lens, dtype):
+    gen = torch.Generator().manual_seed(B * 100 + H)
+    num_pages = sum(triton.cdiv(L, page_size) for L in lens) + 3
+    cache = torch.randn(num_pages * page_size, Lk + R, generator=gen).to(DEV, dtype)
+    page_table = scattered_page_tables(lens, page_size, num_pages, gen).to(DEV)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q_latent = torch.randn(B, H, Lk, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(B, H, R, generator=gen).to(DEV, dtype)
+    scale = (Lk + R) ** -0.5
+    ref = mla_decode_ref(q_latent, q_pe, cache, page_table, context_lens, page_size, scale)
+    for splits in (None, 1, 3):
+        out = mla_decode(q_latent, q_pe, cache, page_table, context_lens, page_size, scale, num_kv_splits=splits)
+        assert out.shape == (B, H, Lk) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], msg=f"num_kv_splits={splits}")
+
+
+def test_mla_decode_strided_queries_and_padded_sequences():
+    """q_pe as a slice of a wider tensor (as after q.split), more splits than tiles, and a
+    padded sequence of length 0 (CUDA-graph padding), which must come out as zeros."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, Lk, R, ps = 3, 4, 16, 8, 4
+    lens = [5, 0, 9]
+    cache = torch.randn(8 * ps, Lk + R, generator=gen).to(DEV)
+    table = scattered_page_tables(lens, ps, 8, gen).to(DEV)
+    q_latent = torch.randn(B, H, Lk, generator=gen).to(DEV)
+    q_pe = torch.randn(B, H, 24 + R, generator=gen).to(DEV)[..., 24:]
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    out = mla_decode(q_latent, q_pe, cache, table, ctx, ps, 0.3, num_kv_splits=8)
+    ref = mla_decode_ref(q_latent, q_pe, cache, table, ctx, ps, 0.3)
+    torch.testing.assert_close(out[[0, 2]], ref[[0, 2]], **TOL[torch.float32])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    out1 = mla_decode(q_latent, q_pe, cache, table, ctx, ps, 0.3, num_kv_splits=1)
+    assert torch.equal(out1[1], torch.zeros_like(out1[1]))
+
+
+def test_num_kv_splits_heuristic():
+    cpu = torch.device("cpu")
+    assert default_num_kv_splits(1, 1, 4096, cpu) == 32  # batch 1: split, 128 tokens a piece
+    assert default_num_kv_splits(1, 1, 100, cpu) == 1  # short context: not worth splitting
+    assert default_num_kv_splits(1, 1, 1 << 20, cpu) == 128  # capped
+    assert default_num_kv_splits(8, 1, 4096, cpu) == 16  # one wave of programs on 132 SMs
+    assert default_num_kv_splits(32, 1, 4096, cpu) == 4
+    assert default_num_kv_splits(8, 2, 4096, cpu) == 8
+    assert default_num_kv_splits(512, 1, 4096, cpu) == 1  # the batch fills the GPU alone
+    splits = [default_num_kv_splits(b, 1, 8192, cpu) for b in (1, 2, 8, 32, 128)]
+    assert splits == sorted(splits, reverse=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# mla_extend
+
+EXTEND_SHAPES = [
+    # H, Dqk, Dv, (query lens, key lens)
+    pytest.param(4, 24, 16, ([1, 5, 20, 3], [7, 5, 40, 3]), id="tiny-nonpow2-qk"),
+    pytest.param(3, 12, 8, ([6, 1], [6, 30]), id="tiny-narrow"),
+    pytest.param(2, 32, 32, ([17], [17]), id="tiny-prefill"),
+    pytest.param(16, 192, 128, ([1, 300, 77, 1024], [900, 300, 2000, 1024]), id="real-deepseek", marks=real),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("H,Dqk,Dv,lens", EXTEND_SHAPES)
+def test_mla_extend_matches_reference(H, Dqk, Dv, lens, dtype):
+    qlens, klens = lens
+    gen = torch.Generator().manual_seed(H + Dqk)
+    cu_q = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    cu_k = torch.tensor([0] + klens, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(DEV)
+    q = torch.randn(sum(qlens), H, Dqk, generator=gen).to(DEV, dtype)
+    k = torch.randn(sum(klens), H, Dqk, generator=gen).to(DEV, dtype)
+    v = torch.randn(sum(klens), H, Dv, generator=gen).to(DEV, dtype)
+    scale = Dqk ** -0.5
+    out = mla_extend(q, k, v, cu_q, cu_k, scale)
+    ref = mla_extend_ref(q, k, v, cu_q, cu_k, scale)
+    assert out.shape == (sum(qlens), H, Dv) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+def test_split_head_dim():
+    assert split_head_dim(192) == (128, 64)
+    assert split_head_dim(128) == (128, 0)
+    assert split_head_dim(24) == (16, 16)
+    assert split_head_dim(12) == (16, 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend, on a stage whose first layer is not 0
+
+BACKEND_SHAPES = [
+    # H, nope, rope, v, kv_lora
+    pytest.param(4, 16, 8, 16, 16, id="tiny"),
+    pytest.param(3, 8, 8, 8, 32, id="tiny-narrow-heads"),
+    pytest.param(16, 128, 64, 128, 512, id="real-moonlight", marks=real),
+]
+
+
+def _fake_config(kv_lora, rope):
+    return types.SimpleNamespace(kv_lora_rank=kv_lora, qk_rope_head_dim=rope, kv_latent_dim=kv_lora + rope)
+
+
+def _step(query_lens, context_lens, page_size, num_pages, gen):
+    table = scattered_page_tables(context_lens, page_size, num_pages, gen)
+    positions = torch.cat([torch.arange(L - n, L) for n, L in zip(query_lens, context_lens)])
+    seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    slots = table[seq, positions // page_size].long() * page_size + positions % page_size
+    cu = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
+    return StepContext(positions=positions.to(DEV), slot_mapping=slots.to(DEV), query_lens=list(query_lens),
+                       context_lens=list(context_lens), page_tables=table.to(DEV), cu_query_lens=cu.to(DEV),
+                       logits_indices=(cu[1:] - 1).to(DEV), page_size=page_size)
+
+
+STEPS = [
+    pytest.param([1, 1, 1], [1, 9, 40], id="decode"),
+    pytest.param([5, 1, 12, 3], [5, 17, 30, 3], id="mixed-prefill-extend-decode"),
+    pytest.param([16], [16], id="prefill"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize("query_lens,context_lens", STEPS)
+@pytest.mark.parametrize("H,nope,rope,vdim,kv_lora", BACKEND_SHAPES)
+def test_triton_backend_matches_reference_on_a_later_stage(H, nope, rope, vdim, kv_lora, query_lens, context_lens,
+                                                           page_size, dtype):
+    if kv_lora >= 512:  # real shapes: longer contexts, so pages and splits really matter
+        new_lens = [L * 37 + 3 for L in context_lens]
+        query_lens = [1 if n == 1 else (new if n == L else n * 20)
+                      for n, L, new in zip(query_lens, context_lens, new_lens)]
+        context_lens = new_lens
+    gen = torch.Generator().manual_seed(sum(context_lens) + page_size)
+    stage = StageRange(2, 5, stage=1)
+    num_pages = sum(triton.cdiv(L, page_size) for L in context_lens) + 5
+    pool = StageKVPool(_fake_config(kv_lora, rope), stage, num_pages=num_pages, page_size=page_size,
+                       dtype=dtype, device=DEV)
+    # Every owned layer holds different latents: reading the wrong layer would show.
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
+    ctx = _step(query_lens, context_lens, page_size, num_pages, gen)
+    T = sum(query_lens)
+    q_nope = torch.randn(T, H, nope, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(T, H, rope, generator=gen).to(DEV, dtype)
+    w_kv = (torch.randn(H, nope + vdim, kv_lora, generator=gen) * kv_lora ** -0.5).to(DEV, dtype)
+    weights = MLAWeights(w_uk=w_kv[:, :nope], w_uv=w_kv[:, nope:])
+    scale = (nope + rope) ** -0.5
+
+    backend = TritonMLABackend()
+    assert backend.name == "triton"
+    out = backend.forward(3, q_nope, q_pe, weights, pool, ctx, scale)
+    ref = ReferenceMLABackend().forward(3, q_nope, q_pe, weights, pool, ctx, scale)
+    assert out.shape == (T, H, vdim) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+    # Same step, next layer: the cached per-step metadata is reused and the layer changes.
+    out4 = backend.forward(4, q_nope, q_pe, weights, pool, ctx, scale)
+    ref4 = ReferenceMLABackend().forward(4, q_nope, q_pe, weights, pool, ctx, scale)
+    torch.testing.assert_close(out4.float(), ref4.float(), **TOL[dtype])
+
+
+def test_triton_backend_refuses_a_layer_of_another_stage():
+    from moeserve.cache.kv_pool import LayerNotOnStage
+
+    gen = torch.Generator().manual_seed(0)
+    pool = StageKVPool(_fake_config(16, 8), StageRange(2, 5, stage=1), num_pages=4, page_size=4,
+                       dtype=torch.float32, device=DEV)
+    ctx = _step([1], [3], 4, 4, gen)
+    w = torch.randn(2, 32, 16).to(DEV)
+    with pytest.raises(LayerNotOnStage, match=r"layer 0 is not on pipeline stage 1"):
+        TritonMLABackend().forward(0, torch.randn(1, 2, 16).to(DEV), torch.randn(1, 2, 8).to(DEV),
+                                   MLAWeights(w[:, :16], w[:, 16:]), pool, ctx, 0.2)
