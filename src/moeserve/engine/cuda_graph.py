@@ -32,6 +32,8 @@ class DecodeGraphs:
         self.context_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.page_tables = torch.full((B, P), scratch_page, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Each graph reads the tensors of the context it was captured with: keep them alive.
+        self.contexts: dict[int, StepContext] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.mempool = torch.cuda.graph_pool_handle()
 
@@ -48,7 +50,7 @@ class DecodeGraphs:
         r = self.runner
         self._reset_padding(0)
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            ctx = self._ctx(b)
+            ctx = self.contexts[b] = self._ctx(b)
             with step_context(ctx):
                 for _ in range(2):  # warm up (Triton autotuning, lazy allocations) outside capture
                     r.model_forward_logits(self.input_ids[:b], ctx)
