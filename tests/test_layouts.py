@@ -69,7 +69,7 @@ def test_a_dead_rank_takes_the_group_down_with_its_traceback(checkpoints, monkey
     rank = int(where.split(":")[1])
     with pytest.raises(RankFailure, match=rf"rank {rank} \(stage 1\) failed:[\s\S]*injected failure"):
         with LLM(str(checkpoints["v3"]), device="cpu", tensor_parallel_size=2, pipeline_parallel_size=2) as llm:
-            procs = llm.engine.executor.procs
+            procs = list(llm.engine.executor.procs.values())
             llm.generate(PROMPTS, GREEDY)
     if where.startswith("step"):
         assert not any(p.is_alive() for p in procs)
@@ -93,3 +93,31 @@ def test_layout_names_and_ranges():
     assert L.stage_range(1).start_layer == 7 and L.stage_of(3) == 3
     assert Layout.build(61, tp=8, ep=8).name == "ep8"
     assert Layout.build(61, tp=2, pp=4).name == "tp2xpp4"
+
+
+def test_two_nodes_on_loopback_match_single_process(checkpoints, reference, tmp_path):
+    """`--nnodes 2`: node 1 is a separate `moeserve` command that runs ranks 2 and 3 only."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "moeserve", "generate", "--model", str(checkpoints["v3"]), "--device", "cpu",
+         "--dtype", "float32", "--tp", "2", "--pp", "2", "--nnodes", "2", "--node-rank", "1",
+         "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        stdout=open(tmp_path / "node1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", tensor_parallel_size=2,
+                 pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
+                 master_port=port) as llm:
+            assert sorted(llm.engine.executor.procs) == [0, 1]  # ranks 2, 3 live on node 1
+            outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
+        assert node1.wait(timeout=30) == 0, (tmp_path / "node1.log").read_text()
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(timeout=10)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from moeserve.bench.sweep import add_sweep_arguments, run_sweep_cli
@@ -33,6 +34,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1)
     p.add_argument("--pp-layer-partition", default=None,
                    help="layers per pipeline stage, e.g. 7,8,8,8,8,8,7,7")
+    p.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)),
+                   help="hosts the ranks are spread over (torchrun's name)")
+    p.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)),
+                   help="this host's index; node 0 runs the engine, the others only their ranks")
+    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                   help="node 0's address, reachable from every node")
+    p.add_argument("--master-port", type=int, default=int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in
+                   os.environ else None, help="rendezvous port on node 0 (the next port carries the steps)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -49,7 +58,19 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
                 backend=args.backend, trust_remote_code=args.trust_remote_code,
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                expert_parallel_size=args.ep, pp_layer_partition=partition)
+                expert_parallel_size=args.ep, pp_layer_partition=partition, nnodes=args.nnodes,
+                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+
+
+def run_node(args: argparse.Namespace) -> int:
+    from moeserve.config import load_model_config
+    from moeserve.engine.config import EngineConfig
+    from moeserve.parallel.nodes import run_worker_node
+
+    if args.model is None:
+        raise ValueError("a worker node needs --model (the same path as on node 0)")
+    config = EngineConfig(model=args.model, **engine_kwargs(args))
+    return run_worker_node(load_model_config(args.model), config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -143,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll or request is noise
     try:
+        if getattr(args, "node_rank", 0) > 0:  # the same command on another node: run its ranks
+            return run_node(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -44,6 +44,12 @@ class EngineConfig:
     pipeline_parallel_size: int = 1
     expert_parallel_size: int = 1
     pp_layer_partition: list[int] | None = None
+    # Several hosts (torchrun's names): ranks are split evenly over the nodes; node 0 runs the
+    # engine, the others run `moeserve ... --node-rank K` with the same flags.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # torch.distributed rendezvous; master_port + 1 carries the steps
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -53,6 +59,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes={self.nnodes}), got {self.node_rank}")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
 

@@ -11,14 +11,15 @@ import logging
 import multiprocessing as mp
 import socket
 from collections import deque
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection, Listener, wait
 
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 from moeserve.parallel.layout import Layout
-from moeserve.parallel.worker import RankInfo, worker_main
+from moeserve.parallel.nodes import accept_remote_ranks, node_authkey, spawn_rank, stop_processes
+from moeserve.parallel.worker import RankInfo
 
 log = logging.getLogger("moeserve")
 
@@ -31,7 +32,7 @@ class RankFailure(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def _free_port() -> int:  # noqa: D103 - a port for the rendezvous of a single-host group
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -45,19 +46,28 @@ class MultiProcessExecutor:
         self.layout.check_model(model_config)
         self.page_size = config.page_size
         self.max_in_flight = self.layout.pp  # one micro-batch per stage keeps every stage busy
-        ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
-        self.conns: list[Connection] = []
-        self.procs: list[mp.process.BaseProcess] = []
+        world, nodes = self.layout.world_size, config.nnodes
+        if world % nodes:
+            raise ValueError(f"{world} ranks cannot be split evenly over {nodes} nodes")
+        per_node = world // nodes
+        port = config.master_port or _free_port()
+        init = f"tcp://{config.master_addr}:{port}"
+        self.conns: list[Connection] = [None] * world  # type: ignore[list-item]
+        self.procs: dict[int, mp.process.BaseProcess] = {}  # local ranks only
         self._closed = False
-        for rank in range(self.layout.world_size):
-            parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, name=f"moeserve-rank{rank}", daemon=True,
-                            args=(rank, self.layout, model_config, config, child, init, rank))
-            p.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(p)
+        listener = None
+        if nodes > 1:  # remote ranks dial in to hand over their step pipe
+            listener = Listener((config.master_addr, port + 1), authkey=node_authkey())
+        for rank in range(per_node):
+            self.procs[rank] = spawn_rank(rank, self.layout, model_config, config, init, rank, self.conns)
+        if listener is not None:
+            try:
+                accept_remote_ranks(listener, self.conns, self.procs, per_node, world)
+            except BaseException:
+                self.shutdown(force=True)
+                raise
+            finally:
+                listener.close()
         self.result_rank = self.layout.stage_ranks(self.layout.pp - 1)[0]
         self.infos: list[RankInfo] = [None] * self.layout.world_size  # type: ignore[list-item]
         try:
@@ -77,7 +87,7 @@ class MultiProcessExecutor:
     def _next_message(self, want_rank: int | None = None) -> tuple[int, tuple]:
         """The next message from any rank (or from ``want_rank``); fails fast on an error
         message or a dead process."""
-        sentinels = {p.sentinel: r for r, p in enumerate(self.procs)}
+        sentinels = {p.sentinel: r for r, p in self.procs.items()}
         conn_rank = {c: r for r, c in enumerate(self.conns)}
         while True:
             ready = wait(list(conn_rank) + list(sentinels))
@@ -86,8 +96,11 @@ class MultiProcessExecutor:
                     rank = conn_rank[obj]
                     try:
                         msg = obj.recv()
-                    except EOFError:
-                        continue  # the sentinel reports the death with the exit code
+                    except (EOFError, OSError):
+                        if rank in self.procs:
+                            continue  # the sentinel reports the death with the exit code
+                        self._fail(f"rank {rank} (stage {self.layout.stage_of(rank)}) on another node "
+                                   f"closed its connection (the process or its node died)")
                     if msg[0] == "error":
                         self._fail(f"rank {msg[1]} (stage {msg[2]}) failed:\n{msg[3]}")
                     if want_rank is None or rank == want_rank:
@@ -146,18 +159,13 @@ class MultiProcessExecutor:
         if not force:
             for conn in self.conns:
                 try:
-                    conn.send(("stop",))
+                    if conn is not None:
+                        conn.send(("stop",))
                 except (BrokenPipeError, OSError):
                     pass
-            for p in self.procs:
+            for p in self.procs.values():
                 p.join(timeout=10)
-        for p in self.procs:
-            if p.is_alive():
-                p.terminate()
-        for p in self.procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+        stop_processes(list(self.procs.values()))
         for conn in self.conns:
-            conn.close()
+            if conn is not None:
+                conn.close()

@@ -55,9 +55,14 @@ def _exit_with_parent() -> None:
 
 
 def worker_main(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig,
-                conn: Connection, init_method: str, local_rank: int) -> None:
+                conn: Connection | tuple[str, int], init_method: str, local_rank: int) -> None:
+    """``conn``: the pipe to the engine, or node 0's step address to dial (ranks of other nodes)."""
     _exit_with_parent()
     stage = layout.stage_of(rank)
+    if isinstance(conn, tuple):
+        from moeserve.parallel.nodes import dial_engine
+
+        conn = dial_engine(conn, rank)
     try:
         _run(rank, layout, model_config, config, conn, init_method, local_rank)
     except BaseException:
