@@ -7,6 +7,7 @@ import contextlib
 import logging
 import math
 import os
+import time
 from typing import Iterator
 
 import torch
@@ -65,8 +66,12 @@ class ModelRunner:
         with build_defaults(self.device, self.dtype):
             self.model = model_class(model_config.architecture)(model_config, self.stage, is_first, is_last)
         self.model.eval()
+        where = f"layers [{self.stage.start_layer}, {self.stage.end_layer})"
+        log.info("%s: loading %s weights (%s) onto %s", where, config.load_format, self.dtype, self.device)
+        t0 = time.perf_counter()
         load_model_weights(self.model, config.model, config.load_format, config.seed, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
         self.backend = get_backend(choose_backend(config.backend, self.device))
         if self.backend.name == "triton":  # the fast path: fused MoE kernels beside Triton attention
             from moeserve.kernels.fused_moe import fused_moe
@@ -80,6 +85,8 @@ class ModelRunner:
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "reference"
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
+        log.info("%s: KV cache %d pages of %d tokens = %d tokens (%.2f GB)", where, num_pages, self.page_size,
+                 num_pages * self.page_size, num_pages * self.page_size * self.bytes_per_token / 1e9)
         self._generators: dict[int, torch.Generator] = {}
         self.graphs = None
 

@@ -4,6 +4,7 @@ the model, then runs steps sent by the engine, passing hidden states between sta
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import threading
 import time
@@ -59,6 +60,8 @@ def worker_main(rank: int, layout: Layout, model_config: ModelConfig, config: En
     """``conn``: the pipe to the engine, or node 0's step address to dial (ranks of other nodes)."""
     _exit_with_parent()
     stage = layout.stage_of(rank)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} (stage {stage}): "
+                                                   "%(message)s")
     if isinstance(conn, tuple):
         from moeserve.parallel.nodes import dial_engine
 
