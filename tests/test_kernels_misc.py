@@ -1,20 +1,14 @@
 """RMSNorm Triton kernels (plain and fused with the residual add) against ``layers.norm.RMSNorm``."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm  # noqa: E402
 from moeserve.layers.norm import RMSNorm  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-real = pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
+from kernel_utils import CUDA, DEV, real  # noqa: E402
 
 # bf16: one rounding step may land one ulp apart (the interpreter truncates fp32 -> bf16).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}

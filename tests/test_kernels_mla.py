@@ -8,9 +8,7 @@ import types
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.attention.backend import MLAWeights  # noqa: E402
 from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
@@ -20,11 +18,7 @@ from moeserve.engine.context import StepContext  # noqa: E402
 from moeserve.kernels.mla_decode import default_num_kv_splits, mla_decode, mla_decode_ref  # noqa: E402
 from moeserve.kernels.mla_extend import mla_extend, mla_extend_ref, split_head_dim  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-real = pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
-
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+from kernel_utils import CUDA, DEV, DTYPES, real  # noqa: E402
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 

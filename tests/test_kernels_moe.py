@@ -2,23 +2,15 @@
 (``first_expert > 0``, routed ids of other ranks), experts that get no token, tile configs.
 Tiny shapes under Triton's CPU interpreter; with CUDA also Moonlight / DeepSeek-V3 shapes."""
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.kernels.fused_moe import align_pairs_by_expert, fused_moe, gpu_tile_config, moe_config  # noqa: E402
 from moeserve.layers.moe import moe_experts_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available()
-DEV = "cuda" if CUDA else "cpu"
-real = pytest.mark.skipif(not CUDA, reason="real shapes need CUDA")
-
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+from kernel_utils import CUDA, DEV, DTYPES, real  # noqa: E402
 
 
 def assert_moe_close(out, ref):
