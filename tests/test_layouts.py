@@ -36,7 +36,9 @@ LAYOUTS = [
     ("v3", dict(pipeline_parallel_size=3, pp_layer_partition=[1, 3, 1])),
     ("v3", dict(tensor_parallel_size=2, expert_parallel_size=2)),
     ("v3", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
+    ("v2", dict(tensor_parallel_size=2)),
     ("v2", dict(tensor_parallel_size=2, expert_parallel_size=2)),
+    ("v2", dict(tensor_parallel_size=2, pipeline_parallel_size=2)),
     ("v2", dict(pipeline_parallel_size=2, pp_layer_partition=[3, 1])),
 ]
 
