@@ -73,13 +73,8 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
         self.backend = get_backend(choose_backend(config.backend, self.device))
-        if self.backend.name == "triton":  # the fast path: fused MoE kernels beside Triton attention
-            from moeserve.kernels.fused_moe import fused_moe
-            from moeserve.layers.moe import RoutedExperts
-
-            for m in self.model.modules():
-                if isinstance(m, RoutedExperts):
-                    m.impl = fused_moe
+        if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
+            self._use_kernels()
         self.page_size = config.page_size
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers, self.dtype)
         self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "reference"
@@ -121,6 +116,17 @@ class ModelRunner:
             raise ValueError(f"the model needs about {need / 1e9:.0f} GB of weights on this rank in {self.dtype}, "
                              f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, a smaller "
                              f"config, or more pipeline stages")
+
+    def _use_kernels(self) -> None:
+        from moeserve.kernels.fused_moe import fused_moe
+        from moeserve.layers.moe import RoutedExperts
+        from moeserve.layers.norm import RMSNorm
+
+        for m in self.model.modules():
+            if isinstance(m, RoutedExperts):
+                m.impl = fused_moe
+            elif isinstance(m, RMSNorm):
+                m.use_kernel = True
 
     def resize_kv(self, num_pages: int) -> None:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""

@@ -47,10 +47,18 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.scale = rope_inv_freq(rope, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = rope.interleave
+        self._cache: tuple | None = None  # (positions, dtype, cos, sin) of the current step
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a step rotates by the same positions: compute cos/sin once per step
+        # (the module is shared by the stage's layers) rather than once per layer.
+        cached = self._cache
+        if cached is not None and cached[0] is positions and cached[1] == dtype:
+            return cached[2], cached[3]
         freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
-        return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        cos, sin = (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
+        self._cache = (positions, dtype, cos, sin)
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:

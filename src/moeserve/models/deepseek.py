@@ -34,11 +34,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = hidden if residual is None else hidden + residual
-        hidden = self.self_attn(positions, self.input_layernorm(residual))
-        residual = hidden + residual
-        hidden = self.mlp(self.post_attention_layernorm(residual))
-        return hidden, residual
+        if residual is None:
+            residual, normed = hidden, self.input_layernorm(hidden)
+        else:
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(positions, normed)
+        normed, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(normed), residual
 
 
 class DeepseekModel(nn.Module):
@@ -59,7 +61,7 @@ class DeepseekModel(nn.Module):
         for layer in self.layers.values():
             hidden, residual = layer(positions, hidden, residual)
         if self.norm is not None:
-            return self.norm(hidden + residual), None
+            return self.norm.add_and_norm(hidden, residual)[0], None
         return hidden, residual
 
 
