@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.moe_gemv import GEMV_MAX_PAIRS, moe_gemv
 from moeserve.kernels.utils import dot_args, interpreting, mma
 
 
@@ -237,6 +238,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = T * K
     if num_pairs == 0:
         return torch.zeros_like(x)
+    if num_pairs <= GEMV_MAX_PAIRS and config is None:  # decode at small batch: no alignment
+        return moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert)
     cfg = fit_shared_memory({**moe_config(num_pairs, E), **(config or {})}, w13.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
 
