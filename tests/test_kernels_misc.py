@@ -70,3 +70,48 @@ def test_rmsnorm_strided_rows_and_empty():
     x = wide[:, 8:24]  # rows with a stride of 40
     torch.testing.assert_close(rmsnorm(x, norm.weight, norm.eps), norm(x), **TOL[torch.float32])
     assert rmsnorm(torch.randn(0, 16, device=DEV), norm.weight, norm.eps).shape == (0, 16)
+
+
+# ---- router ----
+
+from moeserve.config import parse_model_config  # noqa: E402
+from moeserve.demo import DEMO_CONFIG  # noqa: E402
+from moeserve.layers.moe import Router  # noqa: E402
+
+ROUTINGS = {
+    "v3-grouped": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="noaux_tc",
+                       scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
+    "v3-kimi-like-384": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1,
+                             topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                             routed_scaling_factor=2.827),
+    "v3-groups-of-6": dict(n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=3,
+                           topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                           routed_scaling_factor=1.0),
+    "v2-greedy": dict(n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy",
+                      scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0),
+    "v2-group-limited": dict(n_routed_experts=20, num_experts_per_tok=3, n_group=4, topk_group=2,
+                             topk_method="group_limited_greedy", scoring_func="softmax", norm_topk_prob=False,
+                             routed_scaling_factor=16.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUTINGS))
+def test_router_kernel_matches_torch_router(name):
+    config = parse_model_config({**DEMO_CONFIG, **ROUTINGS[name],
+                                 "architectures": ["DeepseekV2ForCausalLM" if name.startswith("v2")
+                                                   else "DeepseekV3ForCausalLM"]})
+    g = torch.Generator().manual_seed(len(name))
+    router = Router(config)
+    router.weight.data.normal_(0, 0.5, generator=g)
+    if router.e_score_correction_bias is not None:
+        router.e_score_correction_bias.data.uniform_(-0.3, 0.3, generator=g)
+    router = router.to(DEV)
+    x = torch.randn(7, config.hidden_size, generator=g).to(DEV)
+    ref_w, ref_ids = router(x)
+    router.use_kernel = True
+    w, ids = router(x)
+    # Same experts with the same weights (the order within a row may differ).
+    ref_sorted, order = ref_ids.sort(dim=1)
+    got_sorted, got_order = ids.sort(dim=1)
+    assert torch.equal(got_sorted.cpu(), ref_sorted.cpu())
+    torch.testing.assert_close(w.gather(1, got_order).cpu(), ref_w.gather(1, order).cpu(), atol=1e-6, rtol=1e-5)

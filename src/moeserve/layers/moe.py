@@ -38,6 +38,7 @@ class Router(nn.Module):
                                                dtype=torch.float32), requires_grad=False)
         self.weight.weight_loader = replicated_loader
         self.weight.keep_fp32 = True
+        self.use_kernel = False  # set by the runner on the fast path
         self.e_score_correction_bias = None
         if config.topk_method == "noaux_tc":
             self.e_score_correction_bias = nn.Parameter(
@@ -49,6 +50,11 @@ class Router(nn.Module):
         """x: [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
         c = self.config
         logits = F.linear(x.float(), self.weight.float())
+        if self.use_kernel:  # the same choice in one Triton kernel (moeserve.kernels.router)
+            from moeserve.kernels.router import route
+
+            return route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
+                         c.scoring_func, c.topk_method, c.norm_topk_prob, c.routed_scaling_factor)
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         E, G = c.n_routed_experts, c.n_group
         if c.topk_method == "noaux_tc":
