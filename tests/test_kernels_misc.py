@@ -115,3 +115,36 @@ def test_router_kernel_matches_torch_router(name):
     got_sorted, got_order = ids.sort(dim=1)
     assert torch.equal(got_sorted.cpu(), ref_sorted.cpu())
     torch.testing.assert_close(w.gather(1, got_order).cpu(), ref_w.gather(1, order).cpu(), atol=1e-6, rtol=1e-5)
+
+
+# ---- rope + cache write ----
+
+from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
+from moeserve.config import RopeConfig  # noqa: E402
+from moeserve.kernels.rope_cache import rope_and_cache  # noqa: E402
+from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_and_cache_matches_rotary_and_pool_write(interleave, dtype):
+    g = torch.Generator().manual_seed(int(interleave))
+    config = parse_model_config(DEMO_CONFIG)  # kv_lora 32, rope 8
+    T, H, R, Lk = 5, 3, config.qk_rope_head_dim, config.kv_lora_rank
+    rotary = RotaryEmbedding(RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0,
+                                        original_max_position_embeddings=64, interleave=interleave), R).to(DEV)
+    q = torch.randn(T, H, 16 + R, generator=g).to(DEV, dtype)  # q_pe is a strided view, as in the model
+    kv = torch.randn(T, Lk + R, generator=g).to(DEV, dtype)
+    latent, k_pe = kv.split([Lk, R], dim=-1)
+    positions = torch.tensor([0, 3, 4, 9, 100], device=DEV)
+    slots = torch.tensor([17, 2, 30, 5, 8], device=DEV)
+    stage = StageRange(2, 5, stage=1)
+    ref_pool = StageKVPool(config, stage, num_pages=8, page_size=4, dtype=dtype, device=DEV)
+    pool = StageKVPool(config, stage, num_pages=8, page_size=4, dtype=dtype, device=DEV)
+    ref_q, ref_k = rotary(positions, q[..., 16:], k_pe)
+    ref_pool.write(3, slots, latent, ref_k)
+    cos, sin = rotary.cos_sin(positions, dtype)
+    got_q = rope_and_cache(q[..., 16:], k_pe, latent, cos, sin, pool.layer(3), slots, interleave)
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got_q.float().cpu(), ref_q.float().cpu(), **tol)
+    torch.testing.assert_close(pool.buffer.float().cpu(), ref_pool.buffer.float().cpu(), **tol)

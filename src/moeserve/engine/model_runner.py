@@ -119,13 +119,14 @@ class ModelRunner:
 
     def _use_kernels(self) -> None:
         from moeserve.kernels.fused_moe import fused_moe
+        from moeserve.layers.attention import MLAAttention
         from moeserve.layers.moe import RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
 
         for m in self.model.modules():
             if isinstance(m, RoutedExperts):
                 m.impl = fused_moe
-            elif isinstance(m, (RMSNorm, Router)):
+            elif isinstance(m, (RMSNorm, Router, MLAAttention)):
                 m.use_kernel = True
 
     def resize_kv(self, num_pages: int) -> None:

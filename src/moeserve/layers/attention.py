@@ -45,6 +45,7 @@ class MLAAttention(nn.Module):
         self.rotary = rotary
         self.pool: StageKVPool | None = None
         self.backend: AttentionBackend | None = None
+        self.use_kernel = False  # set by the runner on the fast path
 
     def mla_weights(self) -> MLAWeights:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
@@ -57,8 +58,15 @@ class MLAAttention(nn.Module):
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
         ctx = get_context()
-        self.pool.write(self.layer_id, ctx.slot_mapping, latent, k_pe)
+        if self.use_kernel:  # rope and the cache write in one kernel (moeserve.kernels.rope_cache)
+            from moeserve.kernels.rope_cache import rope_and_cache
+
+            cos, sin = self.rotary.cos_sin(positions, q.dtype)
+            q_pe = rope_and_cache(q_pe, k_pe, latent, cos, sin, self.pool.layer(self.layer_id), ctx.slot_mapping,
+                                  self.rotary.interleave)
+        else:
+            q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
+            self.pool.write(self.layer_id, ctx.slot_mapping, latent, k_pe)
         out = self.backend.forward(self.layer_id, q_nope, q_pe, self.mla_weights(), self.pool, ctx, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
