@@ -53,12 +53,12 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
     _sync(llm)
     t0 = time.perf_counter()
     while any(s.num_output_tokens < 1 for s in seqs):
-        eng.step()
+        eng.step(finished_only=True)
     _sync(llm)
     t1 = time.perf_counter()
     steps = 0
     while eng.has_unfinished_requests():
-        eng.step()
+        eng.step(finished_only=True)
         steps += 1
     _sync(llm)
     t2 = time.perf_counter()

@@ -79,7 +79,7 @@ class LLM:
         bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm)
         try:
             while len(results) < len(rids):
-                for out in self.engine.step():
+                for out in self.engine.step(finished_only=True):
                     if out.finished and out.request_id in rids:
                         results[out.request_id] = out
                         bar.update(1)

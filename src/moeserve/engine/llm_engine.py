@@ -160,9 +160,10 @@ class LLMEngine:
         return self.allocator.usage
 
     # ---- the loop ----
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Keep up to ``max_in_flight`` batches submitted, then complete the oldest one; return
-        the requests it changed."""
+        the requests it changed (only those that finished, with ``finished_only``: offline
+        callers skip building a full output per running request per step)."""
         depth = self.executor.max_in_flight
         while len(self._in_flight) < depth:
             cap = None
@@ -185,9 +186,10 @@ class LLMEngine:
                     seq.in_flight = False
             self._in_flight.clear()
             raise
-        return self.process_result(batch, step, result)
+        return self.process_result(batch, step, result, finished_only)
 
-    def process_result(self, batch: ScheduledBatch, step: StepInput, result: SampleResult) -> list[RequestOutput]:
+    def process_result(self, batch: ScheduledBatch, step: StepInput, result: SampleResult,
+                       finished_only: bool = False) -> list[RequestOutput]:
         self.scheduler.finish_step(batch)
         touched: dict[str, Request] = {}
         by_id = {s.seq_id: s for s in batch.seqs}
@@ -206,7 +208,7 @@ class LLMEngine:
             if req.aborted and not seq.finished:
                 self._finish(seq, "abort")
                 touched[req.request_id] = req
-        outputs = [self._output(req) for req in touched.values()]
+        outputs = [self._output(req) for req in touched.values() if req.finished or not finished_only]
         for req in touched.values():
             if req.finished:
                 del self.requests[req.request_id]
