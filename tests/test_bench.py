@@ -62,6 +62,12 @@ def test_offline_bench_on_cpu(tmp_path):
         assert r["decode_tok_s"] > 0 and 0 < r["decode_frac_of_bound"] and r["decode_bound_tok_s"] > 0
         assert r["prefill_tok_s"] > 0 and r["prefill_bound_tok_s"] > 0
     assert doc["peaks"]["bandwidth"] > 0
+    # The planner's calibration reads these results as they are.
+    from moeserve.planner.calibrate import read_bench_results
+
+    measurements, warnings = read_bench_results(tmp_path / "offline.json")
+    assert [m.concurrency for m in measurements] == [1, 3] and not warnings
+    assert (measurements[0].tp, measurements[0].pp) == (1, 1)
 
 
 def test_sweep_two_layouts_and_a_failing_one(tmp_path):
@@ -76,3 +82,7 @@ def test_sweep_two_layouts_and_a_failing_one(tmp_path):
     assert "Measured vs predicted" in report and "| pp2 |" in report and "Winner per concurrency" in report
     assert (tmp_path / "throughput.png").exists() and (tmp_path / "tpot.png").exists()
     assert (tmp_path / "tp1" / "results.json").exists()
+    from moeserve.planner.calibrate import read_bench_results
+
+    measurements, _ = read_bench_results(tmp_path / "pp2" / "results.json")
+    assert {(m.pp, m.concurrency) for m in measurements} == {(2, 1), (2, 2)}

@@ -135,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="random", help="random | FILE.jsonl with a 'prompt' per line")
     b.add_argument("--api-key", default=None)
     b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
+    b.add_argument("--layout", default=None, help="tag results with the server's layout (e.g. tp8) for --calibrate")
+    b.add_argument("--hardware", default=None, help="tag results with the GPU (e.g. h200) for --calibrate")
     b.set_defaults(func=cmd_bench)
 
     sw = sub.add_parser("sweep", help="serve and benchmark several layouts, compare with the planner")

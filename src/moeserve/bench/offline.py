@@ -98,7 +98,8 @@ def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: 
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4,
                                                                        ignore_eos=True))
         results = [run_batch(llm, b, input_len, output_len, peaks) for b in batch_sizes]
-        layout = [line for line in llm.engine.executor.describe()]
+        layout = list(llm.engine.executor.describe())
+        layout_name = getattr(getattr(llm.engine.executor, "layout", None), "name", "tp1")
     table = Table(title=f"moeserve offline: {llm.config.model} ({peaks.device}; measured copy "
                         f"{peaks.bandwidth / 1e12:.2f} TB/s, matmul {peaks.flops / 1e12:.1f} TFLOP/s)")
     for col in ("batch", "prefill tok/s", "bound (FLOPs)", "% peak", "decode tok/s", "bound", "% bound",
@@ -114,6 +115,9 @@ def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: 
         out.mkdir(parents=True, exist_ok=True)
         doc = {"model": llm.config.model, "device": peaks.device, "peaks": asdict(peaks), "layout": layout,
                "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
-               "results": [asdict(r) for r in results]}
+               # Each row also carries the keys `moeserve plan --calibrate` reads.
+               "results": [{**asdict(r), "layout": layout_name, "concurrency": r.batch_size,
+                            "output_throughput": r.decode_tok_s, "mean_tpot_ms": r.step_ms,
+                            "model": str(model), "hardware": peaks.device} for r in results]}
         (out / "offline.json").write_text(json.dumps(doc, indent=2))
     return results

@@ -145,7 +145,10 @@ async def detect_model(url: str, headers: dict) -> str:
 
 def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
                 result_dir: str, model: str | None = None, dataset: str = "random", api_key: str | None = None,
-                vocab: int = 256, seed: int = 0, label: str | None = None, quiet: bool = False) -> list[dict]:
+                vocab: int = 256, seed: int = 0, label: str | None = None, quiet: bool = False,
+                tags: dict | None = None) -> list[dict]:
+    """``tags`` (e.g. layout, hardware) are copied into every result, so that
+    ``moeserve plan --calibrate`` can read them."""
     from tqdm import tqdm
 
     url = url.rstrip("/")
@@ -161,6 +164,7 @@ def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len:
         res.update(model=model, url=url, input_len=input_len, output_len=output_len, num_prompts=num_prompts)
         if label:
             res["label"] = label
+        res.update(tags or {})
         results.append(res)
     write_report(results, result_dir, title=f"moeserve bench: {model} @ {url}")
     return results
@@ -185,8 +189,8 @@ def run_serving_cli(args) -> int:
     levels = [int(x) for x in args.concurrency.split(",")]
     results = run_serving(args.url, levels, args.num_prompts, args.input_len, args.output_len,
                           args.result_dir or "bench-results", model=args.served_model or args.model,
-                          dataset=args.dataset,
-                          api_key=args.api_key, vocab=args.vocab)
+                          dataset=args.dataset, api_key=args.api_key, vocab=args.vocab,
+                          tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v})
     from moeserve.bench.report import markdown_table
 
     print(markdown_table(results))

@@ -89,7 +89,8 @@ def run_layout(run: LayoutRun, model: str, serve_args: list[str], concurrencies:
                 return
             run.time_to_ready_s = time.monotonic() - start
             run.results = run_serving(url, concurrencies, num_prompts, input_len, output_len, str(layout_dir),
-                                      vocab=vocab, label=run.name, quiet=True)
+                                      vocab=vocab, label=run.name, quiet=True,
+                                      tags={"layout": run.name, "model": model})
             run.ok = all(r["failed"] == 0 for r in run.results)
             if not run.ok:
                 run.error = "; ".join(e for r in run.results for e in r.get("errors", []))[:2000]
