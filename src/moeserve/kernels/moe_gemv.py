@@ -32,11 +32,11 @@ def _gate_up_gemv(X, W13, Ids, Inter, first_expert, num_local, hidden, inter_siz
     pid_n = tl.program_id(1)
     token = pair // TOPK
     e = tl.load(Ids + pair).to(tl.int64) - first_expert
+    # Another rank's expert contributes nothing here: its loads are masked off (zeros out).
+    mine = (e >= 0) & (e < num_local)
+    e = tl.where(mine, e, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < inter_size
-    if (e < 0) | (e >= num_local):  # another rank's expert: contributes nothing here
-        tl.store(Inter + pair * stride_i + offs_n, tl.zeros([BLOCK_N], dtype=Inter.dtype.element_ty), mask=mask_n)
-        return
+    mask_n = offs_n < tl.where(mine, inter_size, 0)
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
     w_gate = W13 + e * stride_we + offs_n[:, None] * stride_wn
@@ -49,7 +49,7 @@ def _gate_up_gemv(X, W13, Ids, Inter, first_expert, num_local, hidden, inter_siz
         gate += tl.sum(tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
         up += tl.sum(tl.load(w_up + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=mask_n)
+    tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
 
 
 @triton.jit
@@ -59,11 +59,10 @@ def _down_gemv(Inter, W2, Ids, Weights, Out, first_expert, num_local, hidden, in
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(Ids + pair).to(tl.int64) - first_expert
+    mine = (e >= 0) & (e < num_local)
+    e = tl.where(mine, e, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < hidden
-    if (e < 0) | (e >= num_local):
-        tl.store(Out + pair * stride_o + offs_n, tl.zeros([BLOCK_N], dtype=Out.dtype.element_ty), mask=mask_n)
-        return
+    mask_n = offs_n < tl.where(mine, hidden, 0)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     w = W2 + e * stride_we + offs_n[:, None] * stride_wh
     for k0 in range(0, inter_size, BLOCK_K):
@@ -73,7 +72,7 @@ def _down_gemv(Inter, W2, Ids, Weights, Out, first_expert, num_local, hidden, in
         acc += tl.sum(tl.load(w + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
                       * v[None, :], axis=1)
     scale = tl.load(Weights + pair).to(tl.float32)
-    tl.store(Out + pair * stride_o + offs_n, (acc * scale).to(Out.dtype.element_ty), mask=mask_n)
+    tl.store(Out + pair * stride_o + offs_n, (acc * scale).to(Out.dtype.element_ty), mask=offs_n < hidden)
 
 
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
