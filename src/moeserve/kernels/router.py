@@ -19,7 +19,7 @@ import triton.language as tl
 @triton.jit
 def _route_kernel(Logits, Bias, OutW, OutIds, stride_l, scaling,
                   E: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  TOPK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+                  TOPK: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
                   SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, MASK_NEG_INF: tl.constexpr,
                   NORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -57,23 +57,24 @@ def _route_kernel(Logits, Bias, OutW, OutIds, stride_l, scaling,
         fill = float("-inf") if MASK_NEG_INF else 0.0
         choice = tl.where(keep[:, None] & valid, choice, fill)
         choice = tl.where(valid, choice, float("-inf"))
-    total = 0.0
+    # The k picks stay in registers (no store-then-reload across threads) until the end.
+    slot = tl.arange(0, BLOCK_K)
+    picked_w = tl.zeros([BLOCK_K], dtype=tl.float32)
+    picked_id = tl.zeros([BLOCK_K], dtype=tl.int32)
     for k in tl.static_range(TOPK):
         top = tl.max(tl.max(choice, axis=1), axis=0)
         idx = tl.min(tl.min(tl.where(choice == top, expert, E + 1), axis=1), axis=0)
         hit = expert == idx
         w = tl.sum(tl.sum(tl.where(hit, scores, 0.0), axis=1), axis=0)
-        tl.store(OutIds + row * TOPK + k, idx)
-        tl.store(OutW + row * TOPK + k, w)
-        total += w
+        picked_w = tl.where(slot == k, w, picked_w)
+        picked_id = tl.where(slot == k, idx, picked_id)
         choice = tl.where(hit, float("-inf"), choice)
     if NORM:
-        inv = scaling / (total + 1e-20)
+        picked_w = picked_w * (scaling / (tl.sum(picked_w, axis=0) + 1e-20))
     else:
-        inv = scaling
-    for k in tl.static_range(TOPK):
-        w = tl.load(OutW + row * TOPK + k)
-        tl.store(OutW + row * TOPK + k, w * inv)
+        picked_w = picked_w * scaling
+    tl.store(OutIds + row * TOPK + slot, picked_id, mask=slot < TOPK)
+    tl.store(OutW + row * TOPK + slot, picked_w, mask=slot < TOPK)
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
@@ -91,6 +92,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: 
     _route_kernel[(T,)](
         logits, bias if bias is not None else logits, weights, ids, logits.stride(0), float(scaling),
         E=E, N_GROUP=groups, GROUP_SIZE=size, TOPK_GROUP=topk_group if grouped else groups, TOPK=top_k,
+        BLOCK_K=triton.next_power_of_2(top_k),
         BLOCK_G=triton.next_power_of_2(groups), BLOCK_S=triton.next_power_of_2(size),
         SIGMOID=scoring == "sigmoid", HAS_BIAS=bias is not None, GROUP_TOP2=method == "noaux_tc",
         MASK_NEG_INF=method == "noaux_tc", NORM=bool(norm_topk_prob and top_k > 1), num_warps=4)
