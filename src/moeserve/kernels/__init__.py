@@ -11,9 +11,19 @@ module                 kernel (wrapper)                            reference
 ``fused_moe``          routed experts: align pairs by expert, two  ``fused_moe_ref``
                        grouped GEMMs (SiLU*up and the top-k weight (= ``layers.moe.moe_experts_ref``)
                        fused), combine (``fused_moe``)
+``moe_gemv``           routed experts for <= 32 (token, expert)    ``layers.moe.moe_experts_ref``
+                       pairs: two GEMV kernels, no alignment
+                       (``moe_gemv``; ``fused_moe`` dispatches)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
+``router``             expert choice from router logits: scores,   ``layers.moe.Router`` (torch)
+                       bias, groups, top-k, normalise (``route``)
+``rope_cache``         rope of q and k + the KV-cache write        ``layers.rotary.RotaryEmbedding``
+                       (``rope_and_cache``)                        + ``StageKVPool.write``
 =====================  ==========================================  ================================
+
+The model runner switches the layers to these kernels when the backend is ``triton`` (the
+default on CUDA); ``backend="reference"`` keeps every layer on its torch code.
 
 ``attention.triton_mla.TritonMLABackend`` puts the two attention kernels behind the
 ``AttentionBackend`` interface. ``python -m moeserve.kernels.bench`` checks and times them
