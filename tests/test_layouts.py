@@ -123,3 +123,28 @@ def test_two_nodes_on_loopback_match_single_process(checkpoints, reference, tmp_
         if node1.poll() is None:
             node1.kill()
             node1.wait(timeout=10)
+
+
+def test_a_failing_rank_on_another_node_is_reported(checkpoints, tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "moeserve", "generate", "--model", str(checkpoints["v3"]), "--device", "cpu",
+         "--pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
+        stdout=open(tmp_path / "node1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
+        env={**os.environ, "MOESERVE_INJECT_FAILURE": "load:1"})
+    try:
+        with pytest.raises(RankFailure, match=r"rank 1 \(stage 1\) failed:[\s\S]*injected failure"):
+            LLM(str(checkpoints["v3"]), device="cpu", pipeline_parallel_size=2, nnodes=2, node_rank=0,
+                master_addr="127.0.0.1", master_port=port)
+        assert node1.wait(timeout=30) != 0
+    finally:
+        if node1.poll() is None:
+            node1.kill()
+            node1.wait(timeout=10)
