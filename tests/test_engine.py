@@ -1,6 +1,5 @@
 """Engine behaviour end to end on tiny checkpoints: preemption, bad input, sampling options."""
 
-import json
 
 import pytest
 import torch

@@ -8,7 +8,7 @@ triton = pytest.importorskip("triton")  # conftest runs it in the interpreter wi
 from moeserve.kernels.rmsnorm import fused_add_rmsnorm, fused_add_rmsnorm_ref, rmsnorm  # noqa: E402
 from moeserve.layers.norm import RMSNorm  # noqa: E402
 
-from kernel_utils import CUDA, DEV, real  # noqa: E402
+from kernel_utils import DEV, real  # noqa: E402
 
 # bf16: one rounding step may land one ulp apart (the interpreter truncates fp32 -> bf16).
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1.6e-2)}

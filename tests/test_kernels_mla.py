@@ -2,7 +2,6 @@
 oracles. On CPU the kernels run under Triton's interpreter at tiny shapes; with CUDA the same
 tests also run at the real shapes (kv_lora_rank 512, rope 64, heads 16/128)."""
 
-import os
 import types
 
 import pytest
@@ -18,7 +17,7 @@ from moeserve.engine.context import StepContext  # noqa: E402
 from moeserve.kernels.mla_decode import default_num_kv_splits, mla_decode, mla_decode_ref  # noqa: E402
 from moeserve.kernels.mla_extend import mla_extend, mla_extend_ref, split_head_dim  # noqa: E402
 
-from kernel_utils import CUDA, DEV, DTYPES, real  # noqa: E402
+from kernel_utils import DEV, DTYPES, real  # noqa: E402
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 

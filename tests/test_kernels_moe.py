@@ -10,7 +10,7 @@ triton = pytest.importorskip("triton")  # conftest runs it in the interpreter wi
 from moeserve.kernels.fused_moe import align_pairs_by_expert, fused_moe, gpu_tile_config, moe_config  # noqa: E402
 from moeserve.layers.moe import moe_experts_ref  # noqa: E402
 
-from kernel_utils import CUDA, DEV, DTYPES, real  # noqa: E402
+from kernel_utils import DEV, DTYPES, real  # noqa: E402
 
 
 def assert_moe_close(out, ref):

@@ -1,7 +1,6 @@
 """The planner's per-rank weight bytes equal what the loader actually puts on each rank."""
 
 import pytest
-import torch
 
 from moeserve.config import load_model_config
 from moeserve.loader import load_model_weights

@@ -105,15 +105,17 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
+def _copy_time(n_bytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device).uniform_()  # never time zeros
+    dst = torch.empty_like(src)
+    return _best_time(lambda: dst.copy_(src), device, repeats)
+
+
 def measure_peaks(device: torch.device | str) -> DevicePeaks:
     device = torch.device(device)
     cuda = device.type == "cuda"
     n_bytes = (1 << 30) if cuda else (1 << 26)
-    src = torch.empty(n_bytes // 2, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    t = _best_time(lambda: dst.copy_(src), device, 10 if cuda else 3)
-    bandwidth = 2 * n_bytes / t
-    del src, dst
+    bandwidth = 2 * n_bytes / _copy_time(n_bytes, device, 10 if cuda else 3)
     n = 8192 if cuda else 512
     dtype = torch.bfloat16 if cuda else torch.float32
     a = torch.randn(n, n, dtype=dtype, device=device)

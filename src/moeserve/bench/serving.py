@@ -12,7 +12,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx

@@ -5,7 +5,6 @@ the winner per concurrency, plots. A layout that fails to start is reported with
 from __future__ import annotations
 
 import json
-import os
 import signal
 import socket
 import subprocess

@@ -18,7 +18,7 @@ from moeserve.engine.config import EngineConfig, resolve_max_model_len
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from moeserve.engine.sequence import Sequence, SeqStatus
+from moeserve.engine.sequence import Sequence
 from moeserve.engine.step_input import StepInput, build_step_input
 from moeserve.outputs import CompletionOutput, RequestOutput
 from moeserve.sampling_params import SamplingParams
