@@ -54,7 +54,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="moonlight-16b-a3b")
     ap.add_argument("--out", default="gpu-results")
-    ap.add_argument("--batch-sizes", default="1,64,256")
+    ap.add_argument("--batch-sizes", default="1,8,64,256")  # 8 x 1024: the prefill target
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-bench", action="store_true", help="only the correctness checks")
