@@ -105,3 +105,14 @@ def test_missing_weights_dir_says_use_dummy(tmp_path):
     shutil.copy(cfg, tmp_path / "config.json")
     with pytest.raises(FileNotFoundError, match="load_format='dummy'"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_quantized_checkpoint_is_refused_clearly(v3_checkpoint, tmp_path):
+    cfg = json.loads((v3_checkpoint / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    d = tmp_path / "fp8"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(v3_checkpoint / "model.safetensors", d / "model.safetensors")
+    with pytest.raises(ValueError, match="fp8 8-bit quantized weights.*load_format='dummy'"):
+        LLM(str(d), device="cpu")

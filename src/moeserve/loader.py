@@ -65,6 +65,10 @@ def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None,
     elif load_format in ("auto", "safetensors"):
         if model_dir is None:
             raise ValueError("load_format='auto' needs a model directory")
+        q = model.config.quantization
+        if q is not None:  # loading them as plain weights would silently give garbage
+            raise ValueError(f"{model_dir} holds {q.method} {q.weight_bits}-bit quantized weights, which the engine "
+                             f"cannot load yet (bf16/fp16/fp32 only); use load_format='dummy' for these shapes")
         used = model.load_weights(iter_checkpoint(model, model_dir, device))
     else:
         raise ValueError(f"unknown load_format {load_format!r} (use 'auto' or 'dummy')")
