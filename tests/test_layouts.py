@@ -148,3 +148,12 @@ def test_a_failing_rank_on_another_node_is_reported(checkpoints, tmp_path):
         if node1.poll() is None:
             node1.kill()
             node1.wait(timeout=10)
+
+
+def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, reference):
+    """The Triton backend and kernels (interpreter on CPU) on stage 1 of PP=2, layers [3, 5)."""
+    pytest.importorskip("triton")
+    with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", pipeline_parallel_size=2,
+             max_num_batched_tokens=8) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
