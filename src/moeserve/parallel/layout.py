@@ -10,6 +10,16 @@ from moeserve.config import ModelConfig
 from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 
 
+def layout_name(tp: int, pp: int, ep: int) -> str:
+    """``tp8``, ``ep8`` (experts over all TP ranks), ``tp8ep4``, ``pp8``, ``tp2xpp4``, ``tp1``."""
+    parts = []
+    if tp > 1:
+        parts.append(f"ep{ep}" if ep == tp else f"tp{tp}" + (f"ep{ep}" if ep > 1 else ""))
+    if pp > 1:
+        parts.append(f"pp{pp}")
+    return "x".join(parts) or "tp1"
+
+
 @dataclass(frozen=True)
 class Layout:
     tp: int
@@ -54,13 +64,7 @@ class Layout:
 
     @property
     def name(self) -> str:
-        parts = []
-        if self.tp > 1:
-            parts.append(f"ep{self.ep}" if self.ep == self.tp else f"tp{self.tp}" + (
-                f"ep{self.ep}" if self.ep > 1 else ""))
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}")
-        return "x".join(parts) or "tp1"
+        return layout_name(self.tp, self.pp, self.ep)
 
     # rank = stage * tp + tp_rank: the ranks of a stage are adjacent.
     def stage_of(self, rank: int) -> int:

@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from moeserve.parallel.layout import layout_name
+
 BALANCED_SUFFIX = "-balanced"
 _TOKEN = re.compile(r"(tp|pp|ep)\s*=?\s*(\d+)")
 _SEPARATORS = re.compile(r"[\sx×*,+_/-]+")
@@ -32,14 +34,7 @@ class Layout:
 
     @property
     def base_name(self) -> str:
-        parts = []
-        if self.ep > 1 and self.ep == self.tp:
-            parts.append(f"ep{self.ep}")
-        elif self.tp > 1 or self.pp == 1:
-            parts.append(f"tp{self.tp}" + (f"ep{self.ep}" if self.ep > 1 else ""))
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}")
-        return "x".join(parts)
+        return layout_name(self.tp, self.pp, self.ep)
 
     @property
     def name(self) -> str:
