@@ -148,3 +148,18 @@ def test_rope_and_cache_matches_rotary_and_pool_write(interleave, dtype):
     tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got_q.float().cpu(), ref_q.float().cpu(), **tol)
     torch.testing.assert_close(pool.buffer.float().cpu(), ref_pool.buffer.float().cpu(), **tol)
+
+
+def test_selftest_passes_here_and_a_broken_kernel_is_left_off(monkeypatch, caplog):
+    from moeserve.kernels import selftest
+
+    assert selftest.working_kernels(torch.device(DEV)) == set(selftest.CHECKS)
+
+    def broken(device):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setitem(selftest.CHECKS, "router", broken)
+    with caplog.at_level("WARNING"):
+        ok = selftest.working_kernels(torch.device(DEV))
+    assert "router" not in ok and "rmsnorm" in ok
+    assert "kernel router is unavailable" in caplog.text

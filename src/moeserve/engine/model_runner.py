@@ -118,16 +118,23 @@ class ModelRunner:
                              f"config, or more pipeline stages")
 
     def _use_kernels(self) -> None:
+        """Switch the layers to their Triton kernels, each only if it passes a check on this device."""
+        import functools
+
         from moeserve.kernels.fused_moe import fused_moe
+        from moeserve.kernels.selftest import working_kernels
         from moeserve.layers.attention import MLAAttention
         from moeserve.layers.moe import RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
 
+        ok = working_kernels(self.device)
+        use = {RMSNorm: "rmsnorm" in ok, Router: "router" in ok, MLAAttention: "rope_cache" in ok}
         for m in self.model.modules():
             if isinstance(m, RoutedExperts):
-                m.impl = fused_moe
-            elif isinstance(m, (RMSNorm, Router, MLAAttention)):
-                m.use_kernel = True
+                m.impl = functools.partial(fused_moe, small_batch_gemv="moe_gemv" in ok)
+            elif type(m) in use:
+                m.use_kernel = use[type(m)]
+        log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
 
     def resize_kv(self, num_pages: int) -> None:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""

@@ -227,8 +227,10 @@ def _moe_down_kernel(
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, first_expert: int, config: dict | None = None) -> torch.Tensor:
-    """Drop-in replacement for ``moe_experts_ref`` (same arguments, same result)."""
+              topk_ids: torch.Tensor, first_expert: int, config: dict | None = None,
+              small_batch_gemv: bool = True) -> torch.Tensor:
+    """Drop-in replacement for ``moe_experts_ref`` (same arguments, same result); few pairs go
+    to :func:`moe_gemv` unless ``small_batch_gemv`` is off."""
     T, hidden = x.shape
     E, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -238,7 +240,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = T * K
     if num_pairs == 0:
         return torch.zeros_like(x)
-    if num_pairs <= GEMV_MAX_PAIRS and config is None:  # decode at small batch: no alignment
+    if small_batch_gemv and num_pairs <= GEMV_MAX_PAIRS and config is None:  # small decode: no alignment
         return moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert)
     cfg = fit_shared_memory({**moe_config(num_pairs, E), **(config or {})}, w13.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
