@@ -139,23 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--hardware", default=None, help="tag results with the GPU (e.g. h200) for --calibrate")
     b.set_defaults(func=cmd_bench)
 
-    sw = sub.add_parser("sweep", help="serve and benchmark several layouts, compare with the planner")
-    add_sweep_arguments(sw)
-    sw.set_defaults(func=run_sweep_cli)
-
-    pl = sub.add_parser("plan", help="which TP/PP/EP layout fits and wins on given GPUs")
-    add_plan_arguments(pl)
-    pl.set_defaults(func=run_plan)
-
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    add_serve_arguments(s)
-    s.set_defaults(func=run_serve)
-    w = sub.add_parser("wait-ready", help="wait until a server's /health says ready")
-    add_wait_ready_arguments(w)
-    w.set_defaults(func=run_wait_ready)
-    u = sub.add_parser("systemd-unit", help="print a systemd unit for `moeserve serve ...`")
-    add_systemd_unit_arguments(u)
-    u.set_defaults(func=run_systemd_unit)
+    for name, help_text, add, run in (
+        ("sweep", "serve and benchmark several layouts, compare with the planner", add_sweep_arguments,
+         run_sweep_cli),
+        ("plan", "which TP/PP/EP layout fits and wins on given GPUs", add_plan_arguments, run_plan),
+        ("serve", "OpenAI-compatible HTTP server", add_serve_arguments, run_serve),
+        ("wait-ready", "wait until a server's /health says ready", add_wait_ready_arguments, run_wait_ready),
+        ("systemd-unit", "print a systemd unit for `moeserve serve ...`", add_systemd_unit_arguments,
+         run_systemd_unit),
+    ):
+        command = sub.add_parser(name, help=help_text)
+        add(command)
+        command.set_defaults(func=run)
     return parser
 
 
