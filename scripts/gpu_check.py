@@ -26,6 +26,9 @@ from moeserve import LLM, SamplingParams
 from moeserve.bench.bounds import measure_peaks
 from moeserve.bench.offline import run_batch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from gpu_profile import profile_decode
+
 
 def greedy(llm: LLM, prompts, n: int):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
@@ -59,6 +62,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--skip-bench", action="store_true", help="only the correctness checks")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--profile", default="1,64", help="batch sizes to profile ('' for none)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -87,6 +91,14 @@ def main() -> int:
             print(f"batch {b}: prefill {r.prefill_tok_s:,.0f} tok/s ({100 * r.prefill_frac_of_peak:.1f}% of peak), "
                   f"decode {r.decode_tok_s:,.1f} tok/s (bound {r.decode_bound_tok_s:,.0f}, "
                   f"{100 * r.decode_frac_of_bound:.1f}%), {r.step_ms:.2f} ms/step", flush=True)
+            save()
+        summary["profile"] = []
+        for b in [int(x) for x in args.profile.split(",") if x] if not args.skip_bench else []:
+            try:
+                summary["profile"].append(profile_decode(llm, b, args.input_len, 30, out))
+            except Exception as e:  # noqa: BLE001 - the profile is optional; the checks still run
+                summary["profile"].append({"batch": b, "error": repr(e)})
+                print("profile failed:", repr(e), flush=True)
             save()
         graphs = greedy(llm, prompts, 24)
         runner = llm.engine.executor.runner
