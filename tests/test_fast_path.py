@@ -34,3 +34,29 @@ def test_fast_path_equals_reference(tmp_path, variant):
             assert a.keys() == b.keys()
             for t in a:
                 assert b[t] == pytest.approx(a[t], abs=1e-4)
+
+
+def test_decode_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
+    """The CUDA-graph path's static buffers (filled in place each step, padded to a captured
+    size), emulated on CPU: nothing may be cached across forwards by tensor identity, or the
+    graph replays stale values (rotary cos/sin once did)."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "v3", "v3_qlora_grouped_yarn")
+    eager = run(path, "triton")
+    monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+    with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8,
+             page_size=4, max_num_seqs=4) as llm:
+        graphs = llm.engine.executor.runner.graphs
+        assert graphs is not None and graphs.emulate and graphs.sizes == [1, 2, 4]
+        replays = []
+        run_graph = graphs.run
+        graphs.run = lambda ids, ctx: replays.append(ctx.num_seqs) or run_graph(ids, ctx)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                            SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True))
+    assert 3 in replays  # three sequences padded to the size-4 buffers
+    for (et, el), o in zip(eager, outs):
+        assert o.outputs[0].token_ids == et
+        for a, b in zip(el, o.outputs[0].logprobs):
+            for t in a:
+                assert b[t] == pytest.approx(a[t], abs=1e-4)

@@ -3,11 +3,16 @@ next captured size, eager beyond the largest.
 
 Padded rows decode a dummy token into a scratch page that no sequence owns, so they never
 touch real KV. Graphs read their inputs from static buffers that each step fills in place.
+
+``emulate=True`` (any device) replays by running the forward on those same static buffers
+instead of a captured graph: the tests use it on CPU to catch state that a real graph would
+freeze at capture time (anything cached across forwards, keyed on a tensor's identity).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -20,8 +25,9 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224,
 
 class DecodeGraphs:
     def __init__(self, runner, max_batch: int, max_pages_per_seq: int, scratch_page: int,
-                 sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES):
+                 sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES, emulate: bool = False):
         self.runner = runner
+        self.emulate = emulate
         self.sizes = sorted(s for s in sizes if s <= max_batch) or [1]
         self.scratch_page = scratch_page
         dev = runner.device
@@ -31,11 +37,11 @@ class DecodeGraphs:
         self.slots = torch.zeros(B, dtype=torch.long, device=dev)
         self.context_lens = torch.ones(B, dtype=torch.int32, device=dev)
         self.page_tables = torch.full((B, P), scratch_page, dtype=torch.int32, device=dev)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph | Callable[[], None]] = {}
         # Each graph reads the tensors of the context it was captured with: keep them alive.
         self.contexts: dict[int, StepContext] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.mempool = torch.cuda.graph_pool_handle()
+        self.mempool = None if emulate else torch.cuda.graph_pool_handle()
 
     def _ctx(self, b: int) -> StepContext:
         return StepContext(
@@ -51,6 +57,9 @@ class DecodeGraphs:
         self._reset_padding(0)
         for b in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             ctx = self.contexts[b] = self._ctx(b)
+            if self.emulate:
+                self.graphs[b] = self._emulated(b, ctx)
+                continue
             with step_context(ctx):
                 for _ in range(2):  # warm up (Triton autotuning, lazy allocations) outside capture
                     r.model_forward_logits(self.input_ids[:b], ctx)
@@ -59,8 +68,16 @@ class DecodeGraphs:
                 with torch.cuda.graph(g, pool=self.mempool):
                     self.outputs[b] = r.model_forward_logits(self.input_ids[:b], ctx)
             self.graphs[b] = g
-        torch.cuda.synchronize(r.device)
-        log.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+        if not self.emulate:
+            torch.cuda.synchronize(r.device)
+        log.info("captured decode %sgraphs for batch sizes %s", "(emulated) " * self.emulate, self.sizes)
+
+    def _emulated(self, b: int, ctx: StepContext) -> Callable[[], None]:
+        def replay() -> None:
+            with step_context(ctx):
+                self.outputs[b] = self.runner.model_forward_logits(self.input_ids[:b], ctx)
+        replay()  # the warm-up a capture does
+        return replay
 
     def _reset_padding(self, start: int) -> None:
         self.input_ids[start:] = 0
@@ -83,5 +100,6 @@ class DecodeGraphs:
         self.page_tables[:b, :pages].copy_(ctx.page_tables, non_blocking=True)
         if size > b:
             self._reset_padding(b)
-        self.graphs[size].replay()
+        graph = self.graphs[size]
+        graph() if self.emulate else graph.replay()
         return self.outputs[size][:b]

@@ -77,7 +77,10 @@ class ModelRunner:
             self._use_kernels()
         self.page_size = config.page_size
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers, self.dtype)
-        self.use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "reference"
+        # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
+        self.emulate_graphs = self.device.type != "cuda" and os.environ.get("MOESERVE_EMULATE_CUDA_GRAPHS") == "1"
+        self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not config.enforce_eager \
+            and self.backend.name != "reference"
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
         log.info("%s: KV cache %d pages of %d tokens = %d tokens (%.2f GB)", where, num_pages, self.page_size,
@@ -99,7 +102,7 @@ class ModelRunner:
 
         self.max_context_len = max_model_len
         self.graphs = DecodeGraphs(self, self.config.max_num_seqs, -(-max_model_len // self.page_size),
-                                   scratch_page=self.num_pages)
+                                   scratch_page=self.num_pages, emulate=self.emulate_graphs)
         self.graphs.capture()
 
     def _check_host_memory(self) -> None:

@@ -47,11 +47,16 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.scale = rope_inv_freq(rope, dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.interleave = rope.interleave
-        self._cache: tuple | None = None  # (positions, dtype, cos, sin) of the current step
+        self._cache: tuple | None = None  # (positions, dtype, cos, sin) of the current forward
+
+    def new_forward(self) -> None:
+        """Forget the last forward's cos/sin. Called at the start of every forward: a CUDA graph
+        reuses the same positions tensor with new contents, so identity alone is not enough."""
+        self._cache = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        # Every layer of a step rotates by the same positions: compute cos/sin once per step
-        # (the module is shared by the stage's layers) rather than once per layer.
+        # Every layer of a forward rotates by the same positions: compute cos/sin once per
+        # forward (the module is shared by the stage's layers) rather than once per layer.
         cached = self._cache
         if cached is not None and cached[0] is positions and cached[1] == dtype:
             return cached[2], cached[3]

@@ -48,7 +48,7 @@ class DeepseekModel(nn.Module):
         super().__init__()
         self.stage = stage
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if is_first else None
-        rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
+        self.rotary = rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
         # ModuleDict keyed by the global layer id keeps checkpoint names (model.layers.<id>.*).
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, rotary) for i in stage.layers()})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
@@ -56,6 +56,7 @@ class DeepseekModel(nn.Module):
     def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self.rotary.new_forward()
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         for layer in self.layers.values():
