@@ -91,7 +91,8 @@ def profile_decode(llm: LLM, batch: int, input_len: int, steps: int, out_dir) ->
         table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40)
     except Exception:  # noqa: BLE001 - newer torch names it device time
         table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
-    (out_dir / f"profile_b{batch}.txt").write_text(table)
+    cpu_table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    (out_dir / f"profile_b{batch}.txt").write_text(table + "\n\n" + cpu_table)
     for rid in list(eng.requests):
         eng.abort_request(rid)
     while eng.has_unfinished_requests():

@@ -141,7 +141,8 @@ def test_moe_gemv_matches_reference(T, K, E, first, dtype):
     w2 = (torch.randn(E, H, inter_size, generator=g) * 0.2).to(dtype)
     ids = torch.randint(0, E + first + 2, (T, K), generator=g)  # some ids belong to other ranks
     weights = torch.rand(T, K, generator=g)
-    out = moe_gemv(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), first, block_n=16, block_k=16)
+    out = moe_gemv(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), first,
+                   gate_up_config={"BLOCK_N": 16, "BLOCK_K": 16}, down_config={"BLOCK_N": 16, "BLOCK_K": 16})
     ref = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, first)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float().cpu(), ref, **tol)

@@ -10,6 +10,7 @@ import os
 import time
 from typing import Iterator
 
+import numpy as np
 import torch
 
 from moeserve.attention.backend import get_backend
@@ -138,6 +139,27 @@ class ModelRunner:
             elif type(m) in use:
                 m.use_kernel = use[type(m)]
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
+        self._compile_moe_tiles()
+
+    @torch.inference_mode()
+    def _compile_moe_tiles(self) -> None:
+        """Run the fused MoE once per tile configuration a prefill can pick, so that no request
+        waits for a Triton compile (a few seconds each) after the server says it is ready."""
+        from moeserve.kernels.fused_moe import MOE_TILE_TABLE
+        from moeserve.layers.moe import RoutedExperts
+
+        experts = next((m for m in self.model.modules() if isinstance(m, RoutedExperts)), None)
+        if experts is None or self.device.type != "cuda":
+            return
+        k, E = self.model_config.num_experts_per_tok, experts.num_local
+        lower = 0.0
+        for limit, _ in MOE_TILE_TABLE:  # a token count whose rows per expert fall in (lower, limit]
+            T = min(self.config.max_num_batched_tokens, max(1, math.ceil((lower + 1) * E / k)))
+            lower = limit
+            x = torch.randn(T, experts.w13.shape[2], device=self.device, dtype=self.dtype)
+            ids = torch.randint(0, E, (T, k), device=self.device) + experts.first_expert
+            experts(x, torch.full((T, k), 1.0 / k, device=self.device), ids)
+        torch.cuda.synchronize(self.device)
 
     def resize_kv(self, num_pages: int) -> None:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""
@@ -195,24 +217,32 @@ class ModelRunner:
 
     # ---- one step ----
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, StepContext]:
-        dev = self.device
+        """The step's index tensors, packed on the host into one int64 and one int32 buffer
+        (pinned on CUDA) so that each reaches the device in one copy."""
+        T, B, S = len(step.input_ids), len(step.query_lens), len(step.logits_indices)
         max_pages = max(len(t) for t in step.page_tables)
-        table = [t + [0] * (max_pages - len(t)) for t in step.page_tables]
-        cu = [0]
-        for n in step.query_lens:
-            cu.append(cu[-1] + n)
+        wide = np.empty(3 * T + S, dtype=np.int64)  # ids, positions, slots, logits indices
+        wide[:T], wide[T:2 * T], wide[2 * T:3 * T] = step.input_ids, step.positions, step.slot_mapping
+        wide[3 * T:] = step.logits_indices
+        narrow = np.zeros(2 * B + 1 + B * max_pages, dtype=np.int32)  # cu_query_lens, context lens, pages
+        np.cumsum(step.query_lens, out=narrow[1:B + 1])
+        narrow[B + 1:2 * B + 1] = step.context_lens
+        table = narrow[2 * B + 1:].reshape(B, max_pages)
+        for i, pages in enumerate(step.page_tables):
+            table[i, :len(pages)] = pages
+        wide_t, narrow_t = torch.from_numpy(wide), torch.from_numpy(narrow)
+        if self.device.type == "cuda":
+            wide_t = wide_t.pin_memory().to(self.device, non_blocking=True)
+            narrow_t = narrow_t.pin_memory().to(self.device, non_blocking=True)
+        elif self.device.type != "cpu":
+            wide_t, narrow_t = wide_t.to(self.device), narrow_t.to(self.device)
         ctx = StepContext(
-            positions=torch.tensor(step.positions, device=dev),
-            slot_mapping=torch.tensor(step.slot_mapping, device=dev),
-            query_lens=list(step.query_lens),
-            context_lens=list(step.context_lens),
-            page_tables=torch.tensor(table, device=dev, dtype=torch.int32),
-            cu_query_lens=torch.tensor(cu, device=dev, dtype=torch.int32),
-            logits_indices=torch.tensor(step.logits_indices, device=dev, dtype=torch.long),
-            page_size=self.page_size,
-            context_lens_tensor=torch.tensor(step.context_lens, device=dev, dtype=torch.int32),
-        )
-        return torch.tensor(step.input_ids, device=dev), ctx
+            positions=wide_t[T:2 * T], slot_mapping=wide_t[2 * T:3 * T],
+            query_lens=list(step.query_lens), context_lens=list(step.context_lens),
+            page_tables=narrow_t[2 * B + 1:].view(B, max_pages), cu_query_lens=narrow_t[:B + 1],
+            logits_indices=wide_t[3 * T:], page_size=self.page_size,
+            context_lens_tensor=narrow_t[B + 1:2 * B + 1])
+        return wide_t[:T], ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         out, _ = self.model(input_ids, ctx.positions)

@@ -50,6 +50,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> SampleResult:
     """logits: [B, V] float32, one row per sequence that samples this step."""
     B = logits.shape[0]
+    if B == 0:
+        return SampleResult([], [], [])
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -61,20 +63,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(random_rows):
             noise[j].exponential_(generator=generators[i])
         tokens[idx] = (probs / noise).argmax(dim=-1)
-    token_list = tokens.tolist()
-    logprob_rows: list[dict[int, float] | None] = [None] * B
     want = [p.logprobs for p in params]
-    logp = torch.log_softmax(logits, dim=-1)
-    sampled = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
     top_n = max((n for n in want if n is not None), default=None)
+    # The sampled token's logprob without materialising log_softmax: logit - logsumexp.
+    lse = torch.logsumexp(logits, dim=-1)
+    cols = [tokens.double(), (logits.gather(1, tokens[:, None]).squeeze(1) - lse).double()]
+    if top_n:
+        top_vals, top_ids = logits.topk(top_n, dim=-1)
+        cols += [top_ids.double().T, (top_vals - lse[:, None]).double().T]
+    packed = torch.cat([c.reshape(-1, B) for c in cols]).cpu()  # one device-to-host copy
+    token_list = [int(t) for t in packed[0].tolist()]
+    sampled = packed[1].tolist()
+    logprob_rows: list[dict[int, float] | None] = [None] * B
     if top_n is not None:
-        top_vals, top_ids = logp.topk(max(top_n, 1), dim=-1) if top_n > 0 else (None, None)
+        ids_rows = packed[2:2 + top_n].T.tolist() if top_n else [[]] * B
+        val_rows = packed[2 + top_n:].T.tolist() if top_n else [[]] * B
         for i, n in enumerate(want):
             if n is None:
                 continue
             row = {token_list[i]: sampled[i]}
-            if n > 0:
-                for t, v in zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()):
-                    row.setdefault(t, v)
+            for t, v in zip(ids_rows[i][:n], val_rows[i][:n]):
+                row.setdefault(int(t), v)
             logprob_rows[i] = row
     return SampleResult(token_list, logprob_rows, sampled)

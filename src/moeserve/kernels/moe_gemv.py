@@ -75,8 +75,13 @@ def _down_gemv(Inter, W2, Ids, Weights, Out, first_expert, num_local, hidden, in
     tl.store(Out + pair * stride_o + offs_n, (acc * scale).to(Out.dtype.element_ty), mask=offs_n < hidden)
 
 
+GATE_UP_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+DOWN_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4}
+
+
 def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, first_expert: int, block_n: int = 32, block_k: int = 128) -> torch.Tensor:
+             topk_ids: torch.Tensor, first_expert: int, gate_up_config: dict | None = None,
+             down_config: dict | None = None) -> torch.Tensor:
     """Drop-in for ``moe_experts_ref`` for small T*K (see ``GEMV_MAX_PAIRS``)."""
     T, hidden = x.shape
     E, two_i, _ = w13.shape
@@ -86,16 +91,17 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     pairs = T * K
     if pairs == 0:
         return torch.zeros_like(x)
+    gu = gate_up_config or GATE_UP_CONFIG
+    dn = down_config or DOWN_CONFIG
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty(pairs, inter_size, dtype=x.dtype, device=x.device)
-    _gate_up_gemv[(pairs, triton.cdiv(inter_size, block_n))](
+    _gate_up_gemv[(pairs, triton.cdiv(inter_size, gu["BLOCK_N"]))](
         x, w13, ids, inter, first_expert, E, hidden, inter_size,
         x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0),
-        TOPK=K, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        TOPK=K, **gu)
     pair_out = torch.empty(pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_gemv[(pairs, triton.cdiv(hidden, block_n))](
+    _down_gemv[(pairs, triton.cdiv(hidden, dn["BLOCK_N"]))](
         inter, w2, ids, weights, pair_out, first_expert, E, hidden, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        inter.stride(0), w2.stride(0), w2.stride(1), pair_out.stride(0), **dn)
     return pair_out.view(T, K, hidden).sum(dim=1)
