@@ -1,6 +1,9 @@
-"""GPU: tile sweep for the small-batch GEMV kernels (routed-expert GEMV and dense GEMV) at the
-Moonlight-16B-A3B decode shapes, each beside cuBLAS / the current default and the bandwidth
-bound. ``python scripts/gemv_sweep.py [--bw 4.14]``; prints the best config per shape."""
+"""GPU: tile sweep for the routed-expert GEMV kernels (kernels/moe_gemv.py) at Moonlight-16B-A3B
+decode shapes, each beside the current default and the bandwidth bound.
+``python scripts/gemv_sweep.py [--bw 4.14]``; prints the best config per shape.
+
+(A dense Triton GEMV for the attention / shared-expert projections was tried the same way on
+2026-11-29 and lost to cuBLAS at one token on every shape but lm_head, so it was dropped.)"""
 
 from __future__ import annotations
 
@@ -8,10 +11,8 @@ import argparse
 import itertools
 
 import torch
-import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from moeserve.kernels.gemv import GEMV_CONFIG, gemv
 from moeserve.kernels.moe_gemv import DOWN_CONFIG, GATE_UP_CONFIG, moe_gemv
 from moeserve.layers.moe import moe_experts_ref
 
@@ -58,24 +59,7 @@ def main() -> None:
         rows.append((f"moe_gemv T{T} (E{E} K{K} I{I} H{H})", base, best, bytes_ / bw * 1e6,
                      f"gate_up {best_gu} down {best_dn}"))
         print(rows[-1], flush=True)
-    for M in (1, 4):
-        for N, Kd, what in ([(3072, 2048, "q_proj"), (2048, 2048, "o_proj"), (5632, 2048, "shared gate_up")]
-                            if M > 1 else [(3072, 2048, "q_proj"), (576, 2048, "kv_a"), (2048, 2048, "o_proj"),
-                            (5632, 2048, "shared gate_up"), (2048, 2816, "shared down"), (64, 2048, "router gate"),
-                            (22528, 2048, "dense gate_up"), (2048, 11264, "dense down"), (163840, 2048, "lm_head")]):
-            w = torch.randn(N, Kd, device=DEV, dtype=BF16) * 0.02
-            x = torch.randn(M, Kd, device=DEV, dtype=BF16)
-            ref = F.linear(x.float(), w.float())
-            assert (gemv(x, w).float() - ref).abs().max() < 2e-2 * ref.abs().max() + 1e-3
-            cublas = t_us(lambda: F.linear(x, w))
-            base = t_us(lambda: gemv(x, w))
-            cands = [c for c in configs() if c["BLOCK_N"] <= 32]
-            best_c = min(cands, key=lambda c: t_us(lambda: gemv(x, w, config=c)))
-            best = t_us(lambda: gemv(x, w, config=best_c))
-            rows.append((f"gemv M{M} {what} [{N}x{Kd}] (cuBLAS {cublas:.1f} us)", base, best,
-                         N * Kd * 2 / bw * 1e6, str(best_c)))
-            print(rows[-1], flush=True)
-    print(f"\ndefaults: gate_up {GATE_UP_CONFIG} down {DOWN_CONFIG} gemv {GEMV_CONFIG}")
+    print(f"\ndefaults: gate_up {GATE_UP_CONFIG} down {DOWN_CONFIG}")
     print(f"{'shape':<64} {'default us':>10} {'best us':>8} {'bound us':>8} {'% bound':>7}  best config")
     for name, base, best, bound, cfg in rows:
         print(f"{name:<64} {base:>10.1f} {best:>8.1f} {bound:>8.1f} {100 * bound / best:>7.1f}  {cfg}")
