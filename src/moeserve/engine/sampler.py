@@ -65,12 +65,11 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want = [p.logprobs for p in params]
     top_n = max((n for n in want if n is not None), default=None)
-    # The sampled token's logprob without materialising log_softmax: logit - logsumexp.
-    lse = torch.logsumexp(logits, dim=-1)
-    cols = [tokens.double(), (logits.gather(1, tokens[:, None]).squeeze(1) - lse).double()]
+    logp = torch.log_softmax(logits, dim=-1)
+    cols = [tokens.double(), logp.gather(1, tokens[:, None]).squeeze(1).double()]
     if top_n:
-        top_vals, top_ids = logits.topk(top_n, dim=-1)
-        cols += [top_ids.double().T, (top_vals - lse[:, None]).double().T]
+        top_vals, top_ids = logp.topk(top_n, dim=-1)
+        cols += [top_ids.double().T, top_vals.double().T]
     packed = torch.cat([c.reshape(-1, B) for c in cols]).cpu()  # one device-to-host copy
     token_list = [int(t) for t in packed[0].tolist()]
     sampled = packed[1].tolist()
