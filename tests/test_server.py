@@ -145,6 +145,8 @@ def test_streaming_equals_non_streaming(client, offline, stop_at):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
     assert all(c.usage is None for c in chunks[:-1])
+    if not stop:  # a chunk per token, also where its text is held back: clients time tokens by chunks
+        assert len([c for c in chunks if c.choices]) == whole.usage.completion_tokens
     if stop:
         assert whole.choices[0].text == expected[:expected.find(stop)]
         assert whole.choices[0].finish_reason == "stop"
@@ -399,3 +401,22 @@ def test_chat_without_a_template_is_a_clear_400(demo_dir):
     with pytest.raises(APIError, match="no chat template; use /v1/completions") as e:
         chat_prompt(req, ctx)
     assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path):
+    """A checkpoint with no tokenizer serves token-id prompts; its text is empty, yet the stream
+    still carries one chunk per generated token (benchmarks time tokens by chunks)."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "ckpt", "v3_qlora_grouped_yarn")
+    srv = ServerProcess(str(path), tmp_path / "server.log").start()
+    try:
+        r = srv.wait()
+        assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
+        c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        chunks = list(c.completions.create(model=str(path), prompt=[5, 9, 3, 77], max_tokens=6, temperature=0,
+                                           extra_body={"ignore_eos": True}, stream=True))
+        assert len(chunks) == 6 and all(ch.choices[0].text == "" for ch in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    finally:
+        srv.stop()

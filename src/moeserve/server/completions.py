@@ -94,7 +94,9 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
                     completion_tokens += len(seq["token_ids"])
                     lp = logprobs[key].block(seq["token_ids"], seq["logprobs"]) \
                         if req.logprobs is not None else None
-                    if text or lp or seq["finish_reason"]:
+                    # A chunk per step that made tokens, even while their text is held back
+                    # (a partial UTF-8 character, or no tokenizer): clients time tokens by chunks.
+                    if text or lp or seq["finish_reason"] or seq["token_ids"]:
                         choices.append({"index": p * req.n + seq["index"], "text": text, "logprobs": lp,
                                         "finish_reason": seq["finish_reason"]})
                 if choices:
