@@ -28,6 +28,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV cache size in pages")
     p.add_argument("--backend", default="auto", help="auto | reference")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="schedule the next step while one runs (one rank; auto: on for CUDA)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
@@ -57,6 +60,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
                 backend=args.backend, trust_remote_code=args.trust_remote_code,
+                enforce_eager=args.enforce_eager,
+                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
                 expert_parallel_size=args.ep, pp_layer_partition=partition, nnodes=args.nnodes,
                 node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)

@@ -38,6 +38,8 @@ class EngineConfig:
     num_kv_pages: int | None = None  # explicit KV size, overrides gpu_memory_utilization
     backend: str = "auto"  # "auto" (triton on CUDA, reference elsewhere), "triton" or "reference"
     enforce_eager: bool = False  # no CUDA graphs
+    # Schedule step n+1 while step n runs (one rank only); None: on for CUDA, off elsewhere.
+    async_scheduling: bool | None = None
     tokenizer: str | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1

@@ -8,7 +8,7 @@ import torch
 
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_max_model_len
-from moeserve.engine.model_runner import ModelRunner
+from moeserve.engine.model_runner import ModelRunner, PendingStep
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 
@@ -20,14 +20,16 @@ class LocalExecutor:
         self.runner.capture_graphs(resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
                                                          self.kv_capacity_pages * self.runner.page_size))
         self.page_size = self.runner.page_size
+        # Asynchronous scheduling: the engine schedules step n+1 while step n runs on the device.
+        self.overlap = config.async_scheduling if config.async_scheduling is not None \
+            else self.runner.device.type == "cuda"
+        self.max_in_flight = 2 if self.overlap else 1
 
-    max_in_flight = 1
+    def submit(self, step: StepInput) -> PendingStep:
+        return self.runner.launch(step)
 
-    def submit(self, step: StepInput) -> SampleResult:
-        return self.runner.execute(step)
-
-    def wait(self, handle: SampleResult) -> SampleResult:
-        return handle
+    def wait(self, handle: PendingStep) -> SampleResult:
+        return self.runner.collect(handle)
 
     def describe(self) -> list[str]:
         r = self.runner

@@ -165,11 +165,12 @@ class LLMEngine:
         the requests it changed (only those that finished, with ``finished_only``: offline
         callers skip building a full output per running request per step)."""
         depth = self.executor.max_in_flight
+        overlap = getattr(self.executor, "overlap", False)
         while len(self._in_flight) < depth:
             cap = None
-            if depth > 1:  # share the sequences out so every pipeline stage has work
+            if depth > 1 and not overlap:  # share the sequences out so every pipeline stage has work
                 cap = max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))
-            batch = self.scheduler.schedule(max_seqs=cap)
+            batch = self.scheduler.schedule(max_seqs=cap, overlap=overlap)
             if not batch.seqs:
                 break
             step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
@@ -183,7 +184,8 @@ class LLMEngine:
         except BaseException:
             for b, _, _ in [(batch, step, handle), *self._in_flight]:
                 for seq in b.seqs:
-                    seq.in_flight = False
+                    seq.in_flight = 0
+                    seq.num_scheduled = seq.num_computed
             self._in_flight.clear()
             raise
         return self.process_result(batch, step, result, finished_only)
@@ -196,16 +198,18 @@ class LLMEngine:
         now = time.monotonic()
         for j, seq_id in enumerate(step.sample_seq_ids):
             seq = by_id[seq_id]
-            req = self.requests[seq.request_id]
-            if seq.finished:
+            if seq.finished:  # e.g. a stop token in the step before (asynchronous scheduling)
                 continue
+            req = self.requests[seq.request_id]
             if req.first_token_time is None:
                 req.first_token_time = now
             self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
             touched[req.request_id] = req
         for seq in batch.seqs:  # aborted while in flight
+            if seq.finished:
+                continue
             req = self.requests[seq.request_id]
-            if req.aborted and not seq.finished:
+            if req.aborted:
                 self._finish(seq, "abort")
                 touched[req.request_id] = req
         outputs = [self._output(req) for req in touched.values() if req.finished or not finished_only]

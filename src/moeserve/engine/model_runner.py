@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import time
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -18,7 +19,7 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.engine.context import StepContext, step_context
-from moeserve.engine.sampler import SampleResult, sample
+from moeserve.engine.sampler import DeviceSample, SampleResult, sample_on_device
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
 from moeserve.models import model_class
@@ -26,6 +27,15 @@ from moeserve.models import model_class
 log = logging.getLogger("moeserve")
 
 CPU_DEFAULT_KV_TOKENS = 1 << 16
+
+
+@dataclass
+class PendingStep:
+    """A launched step: its sampling on the device, the host buffer its result is copied into,
+    and the event that says the copy is done (None on CPU, where it is done already)."""
+    sample: DeviceSample | None
+    host: torch.Tensor | None
+    done: torch.cuda.Event | None
 
 
 @contextlib.contextmanager
@@ -87,6 +97,8 @@ class ModelRunner:
         log.info("%s: KV cache %d pages of %d tokens = %d tokens (%.2f GB)", where, num_pages, self.page_size,
                  num_pages * self.page_size, num_pages * self.page_size * self.bytes_per_token / 1e9)
         self._generators: dict[int, torch.Generator] = {}
+        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's samples
+        self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
         self.graphs = None
 
     def _make_pool(self, num_pages: int) -> None:
@@ -219,11 +231,16 @@ class ModelRunner:
     def prepare(self, step: StepInput) -> tuple[torch.Tensor, StepContext]:
         """The step's index tensors, packed on the host into one int64 and one int32 buffer
         (pinned on CUDA) so that each reaches the device in one copy."""
-        T, B, S = len(step.input_ids), len(step.query_lens), len(step.logits_indices)
+        T, B, S, D = len(step.input_ids), len(step.query_lens), len(step.logits_indices), len(step.deferred)
         max_pages = max(len(t) for t in step.page_tables)
-        wide = np.empty(3 * T + S, dtype=np.int64)  # ids, positions, slots, logits indices
+        # ids, positions, slots, logits indices; then where deferred tokens go and which row of
+        # the previous step's samples each one is
+        wide = np.empty(3 * T + S + 2 * D, dtype=np.int64)
         wide[:T], wide[T:2 * T], wide[2 * T:3 * T] = step.input_ids, step.positions, step.slot_mapping
-        wide[3 * T:] = step.logits_indices
+        wide[3 * T:3 * T + S] = step.logits_indices
+        if D:
+            wide[3 * T + S:3 * T + S + D] = [flat for flat, _ in step.deferred]
+            wide[3 * T + S + D:] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
         narrow = np.zeros(2 * B + 1 + B * max_pages, dtype=np.int32)  # cu_query_lens, context lens, pages
         np.cumsum(step.query_lens, out=narrow[1:B + 1])
         narrow[B + 1:2 * B + 1] = step.context_lens
@@ -240,9 +257,12 @@ class ModelRunner:
             positions=wide_t[T:2 * T], slot_mapping=wide_t[2 * T:3 * T],
             query_lens=list(step.query_lens), context_lens=list(step.context_lens),
             page_tables=narrow_t[2 * B + 1:].view(B, max_pages), cu_query_lens=narrow_t[:B + 1],
-            logits_indices=wide_t[3 * T:], page_size=self.page_size,
+            logits_indices=wide_t[3 * T:3 * T + S], page_size=self.page_size,
             context_lens_tensor=narrow_t[B + 1:2 * B + 1])
-        return wide_t[:T], ctx
+        ids = wide_t[:T]
+        if D:  # tokens sampled by the step before, which the host has not seen yet
+            ids[wide_t[3 * T + S:3 * T + S + D]] = self._last_tokens[wide_t[3 * T + S + D:]]
+        return ids, ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         out, _ = self.model(input_ids, ctx.positions)
@@ -262,6 +282,9 @@ class ModelRunner:
 
     def sample(self, step: StepInput, logits: torch.Tensor) -> SampleResult:
         """Last stage: draw the next token of every sequence that reached its end this step."""
+        return self.collect(self._sample_async(step, logits))
+
+    def _sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         gens = []
@@ -271,10 +294,34 @@ class ModelRunner:
                 g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
                 self._generators[seq_id] = g
             gens.append(g)
-        return sample(logits, step.sample_params, gens)
+        if logits.shape[0] == 0:
+            return PendingStep(None, None, None)
+        drawn = sample_on_device(logits, step.sample_params, gens)
+        self._last_tokens = drawn.tokens
+        self._last_rows = {seq_id: j for j, seq_id in enumerate(step.sample_seq_ids)}
+        if self.device.type != "cuda":
+            return PendingStep(drawn, drawn.packed.cpu(), None)
+        host = torch.empty(drawn.packed.shape, dtype=drawn.packed.dtype, pin_memory=True)
+        host.copy_(drawn.packed, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return PendingStep(drawn, host, done)
+
+    def launch(self, step: StepInput) -> PendingStep:
+        """Single-stage step: enqueue the forward and the sampling; returns before they finish."""
+        ids, ctx = self.prepare(step)
+        logits, _ = self.forward(ids, ctx)
+        return self._sample_async(step, logits)
+
+    @staticmethod
+    def collect(pending: PendingStep) -> SampleResult:
+        """Wait for a launched step and read its sampled tokens."""
+        if pending.sample is None:
+            return SampleResult([], [], [])
+        if pending.done is not None:
+            pending.done.synchronize()
+        return pending.sample.result(pending.host)
 
     def execute(self, step: StepInput) -> SampleResult:
         """Single-stage step: forward and sample."""
-        ids, ctx = self.prepare(step)
-        logits, _ = self.forward(ids, ctx)
-        return self.sample(step, logits)
+        return self.collect(self.launch(step))

@@ -46,12 +46,37 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> SampleResult:
-    """logits: [B, V] float32, one row per sequence that samples this step."""
-    B = logits.shape[0]
-    if B == 0:
-        return SampleResult([], [], [])
+@dataclass
+class DeviceSample:
+    """A step's sampling, enqueued on the device and not yet read back."""
+    tokens: torch.Tensor  # [B] sampled ids, on the device (the next step's deferred inputs)
+    packed: torch.Tensor  # [2 + 2 * top_n, B] float64: ids, logprobs, then top ids and top logprobs
+    want: list[int | None]  # logprobs asked per row
+    top_n: int | None
+
+    def result(self, packed: torch.Tensor) -> SampleResult:
+        """``packed``: this sample's ``packed`` on the host."""
+        B = packed.shape[1]
+        token_list = [int(t) for t in packed[0].tolist()]
+        sampled = packed[1].tolist()
+        logprob_rows: list[dict[int, float] | None] = [None] * B
+        if self.top_n is not None:
+            k = self.top_n
+            ids_rows = packed[2:2 + k].T.tolist() if k else [[]] * B
+            val_rows = packed[2 + k:].T.tolist() if k else [[]] * B
+            for i, n in enumerate(self.want):
+                if n is None:
+                    continue
+                row = {token_list[i]: sampled[i]}
+                for t, v in zip(ids_rows[i][:n], val_rows[i][:n]):
+                    row.setdefault(int(t), v)
+                logprob_rows[i] = row
+        return SampleResult(token_list, logprob_rows, sampled)
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None]) -> DeviceSample:
+    """logits: [B, V] float32, one row per sequence that samples this step. No host sync."""
     tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
@@ -70,18 +95,14 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if top_n:
         top_vals, top_ids = logp.topk(top_n, dim=-1)
         cols += [top_ids.double().T, top_vals.double().T]
-    packed = torch.cat([c.reshape(-1, B) for c in cols]).cpu()  # one device-to-host copy
-    token_list = [int(t) for t in packed[0].tolist()]
-    sampled = packed[1].tolist()
-    logprob_rows: list[dict[int, float] | None] = [None] * B
-    if top_n is not None:
-        ids_rows = packed[2:2 + top_n].T.tolist() if top_n else [[]] * B
-        val_rows = packed[2 + top_n:].T.tolist() if top_n else [[]] * B
-        for i, n in enumerate(want):
-            if n is None:
-                continue
-            row = {token_list[i]: sampled[i]}
-            for t, v in zip(ids_rows[i][:n], val_rows[i][:n]):
-                row.setdefault(int(t), v)
-            logprob_rows[i] = row
-    return SampleResult(token_list, logprob_rows, sampled)
+    packed = torch.cat([c.reshape(-1, logits.shape[0]) for c in cols])
+    return DeviceSample(tokens, packed, want, top_n)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> SampleResult:
+    """Sample and read the result back (one device-to-host copy)."""
+    if logits.shape[0] == 0:
+        return SampleResult([], [], [])
+    pending = sample_on_device(logits, params, generators)
+    return pending.result(pending.packed.cpu())

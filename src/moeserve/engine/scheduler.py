@@ -5,6 +5,12 @@ Each step takes a token budget (``max_num_batched_tokens``). Running sequences g
 are admitted while the budget, ``max_num_seqs`` and free KV pages allow. When pages run out
 the most recently admitted running sequence is preempted: its pages are freed and it goes
 back to the front of the queue to be recomputed later. Nothing is ever dropped.
+
+With ``overlap`` (asynchronous scheduling) the next step is scheduled while the previous one
+still runs on the device. A sequence whose in-flight step samples its next token is then
+scheduled again for that token before its value is known: the batch marks it ``deferred``
+and the model runner takes the token from the previous step's output on the device. Should
+that token end the sequence, the extra step's token is dropped when its result comes back.
 """
 
 from __future__ import annotations
@@ -27,6 +33,9 @@ class SchedulerConfig:
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)  # first position each sequence computes
+    sampling: list[bool] = field(default_factory=list)  # whether it samples a new token this step
+    deferred: list[bool] = field(default_factory=list)  # its input token comes from the step in flight
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -37,8 +46,7 @@ class ScheduledBatch:
 
     def samples(self, i: int) -> bool:
         """Whether sequence i reaches its last known token this step (so a new token is sampled)."""
-        s = self.seqs[i]
-        return s.num_computed + self.num_new_tokens[i] == s.num_tokens
+        return self.sampling[i]
 
 
 class Scheduler:
@@ -57,9 +65,10 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_seqs: int | None = None) -> ScheduledBatch:
+    def schedule(self, max_seqs: int | None = None, overlap: bool = False) -> ScheduledBatch:
         """Pick the next batch; ``max_seqs`` caps its size so that several pipeline
-        micro-batches can share the running sequences."""
+        micro-batches can share the running sequences; ``overlap`` lets a sequence whose
+        previous step is still in flight join (see the module doc)."""
         batch = ScheduledBatch()
         cap = max_seqs or self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
@@ -67,20 +76,29 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0 and len(batch) < cap:
             seq = self.running[i]
+            deferred = False
             if seq.in_flight:
+                if not overlap or seq.in_flight > 1:
+                    i += 1
+                    continue
+                deferred = seq.num_scheduled == seq.num_tokens  # the step in flight samples its next token
+                if deferred and self._ends_by_length_after_next(seq):
+                    i += 1
+                    continue
+            n = 1 if deferred else min(seq.num_tokens - seq.num_scheduled, budget)
+            if n <= 0:
                 i += 1
                 continue
-            n = min(seq.num_tokens - seq.num_computed, budget)
             if not self._make_room(seq, n):
                 preempted = True
                 break
-            self._add_to(batch, seq, n)
+            self._add_to(batch, seq, n, deferred)
             budget -= n
             i += 1
         while (self.waiting and budget > 0 and not preempted and len(batch) < cap
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = min(seq.num_tokens - seq.num_scheduled, budget)
             if self._pages_needed(seq, n) > self.allocator.num_free:
                 break
             self.waiting.popleft()
@@ -90,14 +108,25 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int) -> None:
+    def _ends_by_length_after_next(self, seq: Sequence) -> bool:
+        """The token the step in flight samples is the sequence's last (max_tokens, max_model_len)."""
+        max_tokens = seq.params.max_tokens
+        return (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens) or \
+            seq.num_tokens + 1 >= self.config.max_model_len
+
+    def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int, deferred: bool = False) -> None:
         self._grow(seq, n)
-        seq.in_flight = True  # also keeps it from being picked as a preemption victim this step
+        seq.in_flight += 1  # also keeps it from being picked as a preemption victim
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
+        batch.starts.append(seq.num_scheduled)
+        batch.deferred.append(deferred)
+        seq.num_scheduled += n
+        # Known tokens: those in token_ids, plus the one the step in flight samples if deferred.
+        batch.sampling.append(seq.num_scheduled == seq.num_tokens + int(deferred))
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
-        return max(0, self.allocator.pages_for(seq.num_computed + n) - len(seq.pages))
+        return max(0, self.allocator.pages_for(seq.num_scheduled + n) - len(seq.pages))
 
     def _grow(self, seq: Sequence, n: int) -> None:
         seq.pages.extend(self.allocator.allocate(self._pages_needed(seq, n)))
@@ -118,7 +147,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.pages)
         seq.pages = []
-        seq.num_computed = 0
+        seq.num_computed = seq.num_scheduled = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -127,7 +156,7 @@ class Scheduler:
     def finish_step(self, batch: ScheduledBatch) -> None:
         """The batch's forward pass is done: its tokens are in the cache."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.in_flight = False
+            seq.in_flight -= 1
             seq.num_computed += n
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:

@@ -25,8 +25,9 @@ class Sequence:
     params: SamplingParams
     status: SeqStatus = SeqStatus.WAITING
     num_computed: int = 0  # tokens whose KV is in the cache
+    num_scheduled: int = 0  # ... or being computed by a batch in flight
     pages: list[int] = field(default_factory=list)
-    in_flight: bool = False  # part of a batch whose result has not come back (pipeline micro-batches)
+    in_flight: int = 0  # batches holding it whose results have not come back
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0

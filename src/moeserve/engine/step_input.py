@@ -22,6 +22,8 @@ class StepInput:
     sample_params: list[SamplingParams]
     sample_seed_offsets: list[int]  # the completion index: seed + index seeds its generator
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their sampler state
+    # (flat token index, seq id): input tokens sampled by the step before, still on the device
+    deferred: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -37,9 +39,14 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
     sample_ids: list[int] = []
     sample_params: list[SamplingParams] = []
     offsets: list[int] = []
+    deferred: list[tuple[int, int]] = []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        start = seq.num_computed
-        ids.extend(seq.token_ids[start:start + n])
+        start = batch.starts[i]
+        if batch.deferred[i]:
+            deferred.append((len(ids), seq.seq_id))
+            ids.append(0)  # placeholder: the runner copies the token in on the device
+        else:
+            ids.extend(seq.token_ids[start:start + n])
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
@@ -51,4 +58,4 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
             offsets.append(seq.index)
     return StepInput(ids, positions, slots, list(batch.num_new_tokens), context_lens,
                      [list(s.pages) for s in batch.seqs], logits_idx, sample_ids, sample_params,
-                     offsets, list(finished_seq_ids))
+                     offsets, list(finished_seq_ids), deferred)

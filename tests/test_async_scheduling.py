@@ -1,0 +1,82 @@
+"""Asynchronous scheduling (step n+1 scheduled while step n runs, its input token taken from
+step n's output on the device) gives exactly what synchronous scheduling gives: tokens,
+logprobs, finish reasons, pages returned. Run on CPU, where the overlap is only logical but
+every bookkeeping path is the same."""
+
+import pytest
+
+from moeserve import LLM, SamplingParams
+
+PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2], [11, 12], [90, 1, 2, 3, 4, 5], [8] * 13, [60, 61, 62]]
+PARAMS = [
+    SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2),
+    SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=9, n=2, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+    SamplingParams(temperature=1.0, top_k=5, seed=11, max_tokens=10, ignore_eos=True, logprobs=1),
+]
+
+
+def run(path, overlap: bool, params=PARAMS, **kw):
+    with LLM(str(path), device="cpu", dtype="float32", async_scheduling=overlap, **kw) as llm:
+        assert llm.engine.executor.max_in_flight == (2 if overlap else 1)
+        submit, deferred = llm.engine.executor.submit, []
+        llm.engine.executor.submit = lambda step: deferred.append(len(step.deferred)) or submit(step)
+        outs = llm.generate(PROMPTS, params)
+        assert (sum(deferred) > 0) == overlap  # decode steps really took their input from the device
+        eng = llm.engine
+        while eng.has_unfinished_requests():  # a step launched for a sequence that then stopped
+            assert eng.step() == []
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        return [[(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs], \
+            eng.scheduler.num_preemptions
+
+
+def test_same_outputs_as_synchronous(v3_checkpoint):
+    sync, _ = run(v3_checkpoint, False)
+    overlapped, _ = run(v3_checkpoint, True)
+    assert overlapped == sync
+
+
+def test_stop_token_in_flight_drops_the_extra_token(v3_checkpoint):
+    """A stop token sampled at step n: step n+1 already runs for that sequence; its token
+    must not appear and the sequence must end exactly at the stop."""
+    full, _ = run(v3_checkpoint, False, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             stop_token_ids=[seqs[0][0][3]]) for seqs in full]
+    sync, _ = run(v3_checkpoint, False, params)
+    overlapped, _ = run(v3_checkpoint, True, params)
+    assert overlapped == sync
+    assert all(seqs[0][2] == "stop" and len(seqs[0][0]) <= 4 for seqs in overlapped)
+
+
+def test_preemption_and_chunked_prefill_with_overlap(v3_checkpoint):
+    kw = dict(num_kv_pages=7, page_size=4, max_model_len=28, max_num_batched_tokens=8)
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5
+    sync, _ = run(v3_checkpoint, False, params, **kw)
+    overlapped, preemptions = run(v3_checkpoint, True, params, **kw)
+    assert preemptions > 0
+    assert overlapped == sync
+
+
+def test_abort_while_two_steps_are_in_flight(v3_checkpoint):
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True) as llm:
+        eng = llm.engine
+        keep = eng.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        gone = eng.add_request([4, 5, 6, 7], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))
+        eng.step()
+        eng.step()
+        assert len(eng._in_flight) == 1
+        eng.abort_request(gone)
+        done = {}
+        for _ in range(50):
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+            if not eng.has_unfinished_requests():
+                break
+        assert done[gone].outputs[0].finish_reason == "abort"
+        assert done[keep].outputs[0].finish_reason == "length" and len(done[keep].outputs[0].token_ids) == 6
+        assert eng.allocator.num_free == eng.allocator.num_pages
+        with pytest.raises(KeyError):
+            eng.requests[gone]
