@@ -8,6 +8,7 @@ disagreements are bf16 rounding in a flat distribution, not a fast-path error.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import torch
@@ -17,21 +18,27 @@ from moeserve import LLM, SamplingParams
 TOP = 20
 
 
-def run(**kw):
+def run(model: str, device: str, vocab: int = 1000, **kw):
     g = torch.Generator().manual_seed(0)  # the prompts of scripts/gpu_check.py
-    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (7, 300, 1000)]
-    common = dict(load_format="dummy", device="cuda", seed=0, gpu_memory_utilization=0.85, max_model_len=1400,
+    prompts = [torch.randint(0, min(1000, vocab), (n,), generator=g).tolist() for n in (7, 300, 1000)]
+    common = dict(load_format="dummy", device=device, seed=0, gpu_memory_utilization=0.85, max_model_len=1400,
                   max_num_seqs=8, max_num_batched_tokens=4096)
-    with LLM("moonlight-16b-a3b", **common, **kw) as llm:
+    with LLM(model, **common, **kw) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=2, logprobs=TOP, ignore_eos=True))
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
 def main() -> None:
-    paths = {"fp32 reference": run(dtype="float32", backend="reference", enforce_eager=True),
-             "bf16 reference": run(dtype="bfloat16", backend="reference", enforce_eager=True),
-             "bf16 fast": run(dtype="bfloat16")}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="moonlight-16b-a3b")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--vocab", type=int, default=1000, help="prompt token ids are drawn below this")
+    args = ap.parse_args()
+    m, d = args.model, args.device
+    paths = {"fp32 reference": run(m, d, args.vocab, dtype="float32", backend="reference", enforce_eager=True),
+             "bf16 reference": run(m, d, args.vocab, dtype="bfloat16", backend="reference", enforce_eager=True),
+             "bf16 fast": run(m, d, args.vocab, dtype="bfloat16", backend="triton")}
     truth = paths["fp32 reference"]
     rows = []
     for name, res in paths.items():
