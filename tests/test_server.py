@@ -405,11 +405,12 @@ def test_chat_without_a_template_is_a_clear_400(demo_dir):
 
 def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path):
     """A checkpoint with no tokenizer serves token-id prompts; its text is empty, yet the stream
-    still carries one chunk per generated token (benchmarks time tokens by chunks)."""
+    still carries one chunk per generated token (benchmarks time tokens by chunks). The server
+    runs with asynchronous scheduling here (on CPU it is off unless asked)."""
     from checkpoints import make_checkpoint
 
     path = make_checkpoint(tmp_path / "ckpt", "v3_qlora_grouped_yarn")
-    srv = ServerProcess(str(path), tmp_path / "server.log").start()
+    srv = ServerProcess(str(path), tmp_path / "server.log", "--async-scheduling", "on").start()
     try:
         r = srv.wait()
         assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
@@ -418,5 +419,8 @@ def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path):
                                            extra_body={"ignore_eos": True}, stream=True))
         assert len(chunks) == 6 and all(ch.choices[0].text == "" for ch in chunks)
         assert chunks[-1].choices[0].finish_reason == "length"
+        many = [c.completions.create(model=str(path), prompt=[i + 1, 7, 8], max_tokens=5, temperature=0,
+                                     extra_body={"ignore_eos": True}) for i in range(3)]
+        assert all(m.usage.completion_tokens == 5 for m in many)
     finally:
         srv.stop()
