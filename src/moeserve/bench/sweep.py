@@ -36,22 +36,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def predict(model: str, tp: int, pp: int, ep: int, concurrencies: list[int], context: int, gpu: str | None,
-            gpu_memory_gb: float | None, interconnect: str | None) -> list[dict]:
-    """The planner's decode prediction for this layout at each concurrency."""
+def predict(model: str, tp: int, pp: int, ep: int, concurrencies: list[int], num_prompts: int, input_len: int,
+            output_len: int, gpu: str | None, gpu_memory_gb: float | None, interconnect: str | None,
+            calibrate: list[str] | None = None) -> list[dict]:
+    """The planner's prediction of this benchmark run (prefill included) at each concurrency;
+    ``calibrate``: bench result files whose fitted constants replace the priors."""
+    from dataclasses import replace
+
     from moeserve.config import load_model_config
+    from moeserve.planner.calibrate import calibrate_from_files
     from moeserve.planner.hardware import resolve_hardware
     from moeserve.planner.layouts import Layout
     from moeserve.planner.plan import Workload, evaluate_layout
+    from moeserve.planner.serving import predict_bench
 
     cfg = load_model_config(model)
     hw = resolve_hardware(tp * pp, gpu=gpu, memory_gb=gpu_memory_gb, interconnect=interconnect)
+    if calibrate:
+        cal = calibrate_from_files(list(calibrate), hw, cfg, model, input_len + output_len / 2)
+        hw = replace(hw, constants=cal.after)
+    layout = Layout(tp, pp, ep)
     out = []
     for c in concurrencies:
-        lp = evaluate_layout(cfg, hw, Layout(tp, pp, ep), Workload(context=context, concurrency=c))
-        step = lp.aggregate
-        out.append({"concurrency": c, "output_throughput": step.tok_s,
-                    "mean_tpot_ms": step.cycle_ms, "fits": lp.fits})
+        fits = evaluate_layout(cfg, hw, layout, Workload(context=input_len + output_len, concurrency=c)).fits
+        run = predict_bench(cfg, hw, layout, c, num_prompts, input_len, output_len)
+        out.append({"concurrency": c, "output_throughput": run.output_throughput, "mean_tpot_ms": run.mean_tpot_ms,
+                    "prefill_s": run.prefill_s, "decode_s": run.decode_s, "fits": fits})
     return out
 
 
@@ -100,7 +110,7 @@ def run_layout(run: LayoutRun, model: str, serve_args: list[str], concurrencies:
 def run_sweep(model: str, layouts: list[str], concurrencies: list[int], result_dir: str, serve_args: list[str],
               num_prompts: int = 32, input_len: int = 128, output_len: int = 64, ready_timeout: float = 900,
               vocab: int = 256, gpu: str | None = "h200", gpu_memory_gb: float | None = None,
-              interconnect: str | None = None) -> list[LayoutRun]:
+              interconnect: str | None = None, calibrate: list[str] | None = None) -> list[LayoutRun]:
     from moeserve.planner.layouts import parse_layout
 
     out = Path(result_dir)
@@ -110,8 +120,8 @@ def run_sweep(model: str, layouts: list[str], concurrencies: list[int], result_d
         tp, pp, ep = parse_layout(name)
         run = LayoutRun(name, tp, pp, ep)
         try:
-            run.predicted = predict(model, tp, pp, ep, concurrencies, input_len + output_len, gpu, gpu_memory_gb,
-                                    interconnect)
+            run.predicted = predict(model, tp, pp, ep, concurrencies, num_prompts, input_len, output_len, gpu,
+                                    gpu_memory_gb, interconnect, calibrate)
         except (ValueError, FileNotFoundError) as e:
             run.predicted = []
             run.error = f"planner: {e}"
@@ -171,6 +181,8 @@ def add_sweep_arguments(p) -> None:
     p.add_argument("--gpu", default="h200", help="planner hardware preset for the predictions")
     p.add_argument("--gpu-memory-gb", type=float, default=None)
     p.add_argument("--interconnect", default=None)
+    p.add_argument("--calibrate", action="append", default=None, metavar="FILE",
+                   help="bench results whose fitted cost constants the predictions use (as in `moeserve plan`)")
     p.add_argument("serve_args", nargs="*", help="extra `moeserve serve` flags after `--`")
 
 
@@ -178,6 +190,6 @@ def run_sweep_cli(args) -> int:
     runs = run_sweep(args.model, [x for x in args.layouts.split(",") if x],
                      [int(x) for x in args.concurrency.split(",")], args.result_dir, list(args.serve_args),
                      args.num_prompts, args.input_len, args.output_len, args.ready_timeout, args.vocab,
-                     args.gpu, args.gpu_memory_gb, args.interconnect)
+                     args.gpu, args.gpu_memory_gb, args.interconnect, args.calibrate)
     print((Path(args.result_dir) / "report.md").read_text())
     return 0 if any(r.ok for r in runs) else 1

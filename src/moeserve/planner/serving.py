@@ -1,0 +1,50 @@
+"""What a closed-loop serving benchmark should measure on a layout, by the planner's cost model.
+
+``moeserve bench`` sends ``num_prompts`` requests, ``concurrency`` at a time, each with
+``input_len`` prompt tokens and exactly ``output_len`` output tokens. Its output throughput is
+not the decode rate alone: every prompt is prefilled too, and at high concurrency with few
+prompts that is most of the run. Here:
+
+* prefill: the model FLOPs of all prompts (matmuls + causal attention) at the layout's
+  compute rate (every GPU busy: TP splits each matmul, PP stages work on different chunks);
+* decode: ``ceil(N / C)`` waves of ``output_len - 1`` decode cycles at batch ``min(C, N)`` with
+  the average cache of ``input_len + output_len / 2`` tokens (the first token comes from the
+  prefill);
+* output tok/s = all output tokens / (prefill + decode time).
+
+Tensor-parallel all-reduces during prefill are not counted (they overlap poorly, so this
+errs fast for TP layouts on slow links).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from moeserve.bench.bounds import prefill_flops
+from moeserve.config import ModelConfig
+from moeserve.planner.cost import decode_step
+from moeserve.planner.hardware import Hardware
+from moeserve.planner.layouts import Layout
+from moeserve.planner.memory import resolve_partition
+
+
+@dataclass(frozen=True)
+class BenchPrediction:
+    output_throughput: float  # tok/s over the whole run
+    mean_tpot_ms: float  # one decode cycle at the run's batch
+    prefill_s: float
+    decode_s: float
+
+
+def predict_bench(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, num_prompts: int,
+                  input_len: int, output_len: int) -> BenchPrediction:
+    if min(concurrency, num_prompts, input_len, output_len) < 1:
+        raise ValueError("concurrency, num_prompts, input_len and output_len must be positive")
+    prefill_s = prefill_flops(cfg, num_prompts, input_len) / (layout.world * hw.flops_per_s)
+    batch = min(concurrency, num_prompts)
+    partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
+    cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, batch,
+                        input_len + output_len / 2)
+    decode_s = math.ceil(num_prompts / concurrency) * (output_len - 1) * cycle.cycle_ms / 1e3
+    return BenchPrediction(num_prompts * output_len / (prefill_s + decode_s), cycle.cycle_ms, prefill_s, decode_s)
