@@ -54,3 +54,41 @@ def test_counting_prefill_is_closer_to_the_h200_sweep(moonlight):
         decode_only = c / (with_prefill.mean_tpot_ms / 1e3)
         assert abs(with_prefill.output_throughput / measured - 1) < abs(decode_only / measured - 1)
         assert abs(with_prefill.output_throughput / measured - 1) < 0.6
+
+
+def test_prefill_results_calibrate_compute_efficiency(tmp_path, moonlight):
+    """Offline rows with prefill_tok_s pin flops_efficiency (decode alone cannot); prefills
+    shorter than one full step are left out of the fit."""
+    from moeserve.planner.calibrate import MIN_PREFILL_TOKENS, Measurement, predict_prefill_s, read_bench_results
+
+    hw = resolve_hardware(1, gpu="h200")
+    truth = replace(hw, constants=replace(hw.constants, flops_efficiency=0.3))
+    rows = []
+    for batch in (1, 16, 64):
+        row = {"layout": "tp1", "concurrency": batch, "batch_size": batch, "input_len": 1024, "output_len": 128,
+               "model": "moonlight-16b-a3b", "hardware": "h200"}
+        m = Measurement(1, 1, 1, batch, None, 1.0, prefill_tok_s=1.0, prefill_seqs=batch, input_len=1024)
+        cycle = decode_step(moonlight, truth, 1, 1, 1, [27], batch, 1024 + 64).cycle_ms
+        rows.append({**row, "mean_tpot_ms": cycle,
+                     "prefill_tok_s": batch * 1024 / predict_prefill_s(moonlight, truth, m)})
+    rows[0]["prefill_tok_s"] /= 10  # a small prefill far off the FLOP model: must not count
+    path = tmp_path / "offline.json"
+    path.write_text(json.dumps({"results": rows}))
+    measurements, _ = read_bench_results(path)
+    assert [m.has_prefill for m in measurements] == [b * 1024 >= MIN_PREFILL_TOKENS for b in (1, 16, 64)]
+    cal = calibrate_from_files([str(path)], hw, moonlight, "moonlight-16b-a3b", 1088)
+    assert len(cal.prefill_rows) == 2
+    assert cal.after.flops_efficiency == pytest.approx(0.3, rel=0.05)
+    assert all(abs(r.error_after) < 3 for r in cal.prefill_rows)
+
+
+def test_sweep_prediction_calibrated_on_offline_results(moonlight):
+    """Calibrated on `moeserve bench --offline` from the same GPU (decode and prefill), the
+    prediction of each level of the H200 sweep is within 15 %."""
+    hw = resolve_hardware(1, gpu="h200")
+    cal = calibrate_from_files([str(H200_RUN / "offline_cli.json")], hw, moonlight, "moonlight-16b-a3b", 1088)
+    hw = replace(hw, constants=cal.after)
+    for r in json.loads((H200_RUN / "sweep" / "sweep.json").read_text())[0]["results"]:
+        p = predict_bench(moonlight, hw, Layout(1), r["concurrency"], r["num_prompts"], r["input_len"],
+                          r["output_len"])
+        assert p.output_throughput == pytest.approx(r["output_throughput"], rel=0.15)

@@ -8,7 +8,11 @@ A results file is one JSON object or a list of them (also accepted: an object wi
 read are skipped with a warning, never fatal.
 
 The fit: the measured decode cycle is ``mean_tpot_ms`` (else concurrency / output
-throughput). Residuals are log(predicted / measured) cycle times; the parameters are the
+throughput). Entries that also carry ``prefill_tok_s`` (``moeserve bench --offline`` writes
+it, with ``batch_size`` and ``input_len``) for at least ``MIN_PREFILL_TOKENS`` prompt tokens
+add their prefill time, which is what pins the compute efficiency: decode alone is
+bandwidth-bound and cannot. Residuals are
+log(predicted / measured) times; the parameters are the
 logs of the five constants relative to their priors, with a weak pull towards the priors
 so that constants the data cannot see (e.g. FLOP/s when every run is bandwidth-bound) stay
 where they were. Solved by damped Gauss-Newton (Levenberg-Marquardt) in numpy.
@@ -30,6 +34,9 @@ from moeserve.planner.hardware import FITTED_CONSTANTS, GPU_PRESETS, CostConstan
 from moeserve.planner.layouts import Layout, parse_layout
 from moeserve.planner.memory import resolve_partition
 
+# A prefill shorter than one full default step (max_num_batched_tokens) is dominated by fixed
+# costs (weight reads, launches) that the FLOP model has not got: it does not calibrate compute.
+MIN_PREFILL_TOKENS = 8192
 PRIOR_WEIGHT = 1e-3  # pull of each log-constant towards its prior, against squared log errors
 MAX_LOG_STEP = 4.0  # constants stay within e^4 ~ 55x of their priors
 
@@ -46,6 +53,19 @@ class Measurement:
     model: str | None = None
     hardware: str | None = None
     kv_len: float | None = None  # average cached tokens per sequence while decoding
+    prefill_tok_s: float | None = None  # prompt tokens per second while prefilling ...
+    prefill_seqs: int | None = None  # ... this many prompts ...
+    input_len: int | None = None  # ... of this many tokens each
+
+    @property
+    def has_prefill(self) -> bool:
+        return bool(self.prefill_tok_s and self.prefill_seqs and self.input_len
+                    and self.prefill_seqs * self.input_len >= MIN_PREFILL_TOKENS)
+
+    @property
+    def prefill_s(self) -> float:
+        assert self.has_prefill
+        return self.prefill_seqs * self.input_len / self.prefill_tok_s
 
     @property
     def label(self) -> str:
@@ -103,6 +123,8 @@ def parse_measurement(entry: Any) -> Measurement:
     in_len = _first(entry, "input_len", "random_input_len", "mean_input_tokens")
     out_len = _first(entry, "output_len", "random_output_len", "mean_output_tokens")
     kv_len = float(in_len) + float(out_len or 0) / 2 if in_len is not None else None
+    prefill_tok_s = _first(entry, "prefill_tok_s")
+    prefill_seqs = _first(entry, "batch_size", "num_prompts")
     hardware = entry.get("hardware")
     return Measurement(
         tp=tp,
@@ -115,6 +137,9 @@ def parse_measurement(entry: Any) -> Measurement:
         model=entry.get("model"),
         hardware=_hardware_name(hardware) if hardware is not None else None,
         kv_len=kv_len,
+        prefill_tok_s=float(prefill_tok_s) if prefill_tok_s else None,
+        prefill_seqs=int(prefill_seqs) if prefill_seqs else None,
+        input_len=int(in_len) if in_len else None,
     )
 
 
@@ -156,11 +181,31 @@ class CalibrationRow:
 
 
 @dataclass(frozen=True)
+class PrefillRow:
+    measurement: Measurement
+    before_s: float
+    after_s: float
+
+    def tok_s(self, seconds: float) -> float:
+        m = self.measurement
+        return m.prefill_seqs * m.input_len / seconds
+
+    @property
+    def error_before(self) -> float:
+        return (self.measurement.prefill_s / self.before_s - 1) * 100  # % error of predicted tok/s
+
+    @property
+    def error_after(self) -> float:
+        return (self.measurement.prefill_s / self.after_s - 1) * 100
+
+
+@dataclass(frozen=True)
 class Calibration:
     before: CostConstants
     after: CostConstants
     rows: tuple[CalibrationRow, ...]
     warnings: tuple[str, ...] = ()
+    prefill_rows: tuple[PrefillRow, ...] = ()
 
     @staticmethod
     def _rms(errors: list[float]) -> float:
@@ -181,6 +226,13 @@ def predict_cycle_ms(cfg: ModelConfig, hw: Hardware, m: Measurement, default_kv_
     return decode_step(cfg, hw, m.tp, m.pp, m.ep, partition, m.concurrency, kv_len).cycle_ms
 
 
+def predict_prefill_s(cfg: ModelConfig, hw: Hardware, m: Measurement) -> float:
+    """Prompt FLOPs over the compute of all the layout's GPUs (as ``planner.serving`` predicts)."""
+    from moeserve.bench.bounds import prefill_flops
+
+    return prefill_flops(cfg, m.prefill_seqs, m.input_len) / (m.tp * m.pp * hw.flops_per_s)
+
+
 def _constants(prior: CostConstants, theta: np.ndarray) -> CostConstants:
     return replace(prior, **{k: getattr(prior, k) * math.exp(t) for k, t in zip(FITTED_CONSTANTS, theta)})
 
@@ -192,11 +244,13 @@ def fit_constants(
     if not items:
         raise ValueError("no usable measurements to calibrate on")
     prior = hw.constants
-    measured = np.log([m.cycle_ms for _, m in items])
+    prefills = [(cfg, m) for cfg, m in items if m.has_prefill]
+    measured = np.log([m.cycle_ms for _, m in items] + [m.prefill_s for _, m in prefills])
 
     def predict(theta: np.ndarray) -> np.ndarray:
         h = hw.with_constants(_constants(prior, theta))
-        return np.log([predict_cycle_ms(cfg, h, m, default_kv_len) for cfg, m in items])
+        return np.log([predict_cycle_ms(cfg, h, m, default_kv_len) for cfg, m in items]
+                      + [predict_prefill_s(cfg, h, m) for cfg, m in prefills])
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         return np.concatenate([predict(theta) - measured, math.sqrt(prior_weight) * theta])
@@ -222,10 +276,11 @@ def fit_constants(
         if not improved:
             break
     after = _constants(prior, theta)
-    before_ms = np.exp(predict(np.zeros_like(theta)))
-    after_ms = np.exp(predict(theta))
-    rows = tuple(CalibrationRow(m, float(b), float(a)) for (_, m), b, a in zip(items, before_ms, after_ms))
-    return Calibration(prior, after, rows)
+    before, after_t = np.exp(predict(np.zeros_like(theta))), np.exp(predict(theta))
+    n = len(items)
+    rows = tuple(CalibrationRow(m, float(b), float(a)) for (_, m), b, a in zip(items, before[:n], after_t[:n]))
+    prefill_rows = tuple(PrefillRow(m, float(b), float(a)) for (_, m), b, a in zip(prefills, before[n:], after_t[n:]))
+    return Calibration(prior, after, rows, prefill_rows=prefill_rows)
 
 
 def _config_for(model: str, fallback: ModelConfig, fallback_name: str, warnings: list[str]) -> ModelConfig:

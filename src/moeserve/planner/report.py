@@ -86,6 +86,19 @@ def calibration_summary(cal: Calibration) -> dict[str, Any]:
             }
             for r in cal.rows
         ],
+        "prefill_runs": [
+            {
+                "layout": r.measurement.label,
+                "prompts": r.measurement.prefill_seqs,
+                "input_len": r.measurement.input_len,
+                "measured_prefill_tok_s": round(r.measurement.prefill_tok_s, 1),
+                "predicted_before_tok_s": round(r.tok_s(r.before_s), 1),
+                "predicted_after_tok_s": round(r.tok_s(r.after_s), 1),
+                "error_pct_before": round(r.error_before, 2),
+                "error_pct_after": round(r.error_after, 2),
+            }
+            for r in cal.prefill_rows
+        ],
         "warnings": list(cal.warnings),
     }
 
@@ -253,6 +266,16 @@ def render_calibration(cal: Calibration, console: Console) -> None:
             f"{r.error_after:+.1f}",
         )
     console.print(table)
+    if cal.prefill_rows:
+        table = Table(title="calibration: prefill tok/s", header_style="bold")
+        for col in ("layout", "prompts x len", "measured", "before", "err %", "after", "err %"):
+            table.add_column(col, justify="left" if col == "layout" else "right")
+        for r in cal.prefill_rows:
+            m = r.measurement
+            table.add_row(m.label, f"{m.prefill_seqs} x {m.input_len}", f"{m.prefill_tok_s:,.0f}",
+                          f"{r.tok_s(r.before_s):,.0f}", f"{r.error_before:+.1f}", f"{r.tok_s(r.after_s):,.0f}",
+                          f"{r.error_after:+.1f}")
+        console.print(table)
     fmt = lambda c: ", ".join(f"{k}={v:.3g}" for k, v in c.as_dict().items())  # noqa: E731
     console.print(f"constants before: {fmt(cal.before)}")
     console.print(f"constants after:  {fmt(cal.after)}")
