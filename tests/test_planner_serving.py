@@ -92,3 +92,15 @@ def test_sweep_prediction_calibrated_on_offline_results(moonlight):
         p = predict_bench(moonlight, hw, Layout(1), r["concurrency"], r["num_prompts"], r["input_len"],
                           r["output_len"])
         assert p.output_throughput == pytest.approx(r["output_throughput"], rel=0.15)
+
+
+def test_sweep_predict_uses_the_calibration():
+    from moeserve.bench.sweep import predict
+
+    prior = predict("moonlight-16b-a3b", 1, 1, 1, [1, 128], 128, 1024, 128, "h200", None, None)
+    cal = predict("moonlight-16b-a3b", 1, 1, 1, [1, 128], 128, 1024, 128, "h200", None, None,
+                  [str(H200_RUN / "offline_cli.json")])
+    assert [p["concurrency"] for p in cal] == [1, 128] and all(p["fits"] for p in cal)
+    assert all(c["output_throughput"] < p["output_throughput"] for c, p in zip(cal, prior))
+    assert cal[1]["output_throughput"] == pytest.approx(3631.7, rel=0.15)  # the measured sweep
+    assert cal[1]["prefill_s"] > prior[1]["prefill_s"]
