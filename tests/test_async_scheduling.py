@@ -80,3 +80,39 @@ def test_abort_while_two_steps_are_in_flight(v3_checkpoint):
         assert eng.allocator.num_free == eng.allocator.num_pages
         with pytest.raises(KeyError):
             eng.requests[gone]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("where", ["submit", "wait"])
+def test_a_failed_step_loses_nothing(v3_checkpoint, overlap, where):
+    """A step that raises (say, out of memory) propagates; the next steps finish every request
+    with the tokens an undisturbed run gives."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    expected, _ = run(v3_checkpoint, False, [params] * 5)
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=overlap) as llm:
+        eng, ex = llm.engine, llm.engine.executor
+        real, calls = getattr(ex, where), []
+
+        def flaky(arg):
+            calls.append(1)
+            if len(calls) == 3:
+                raise RuntimeError("injected step failure")
+            return real(arg)
+
+        setattr(ex, where, flaky)
+        for p in PROMPTS:
+            eng.add_request(p, params)
+        done = {}
+        with pytest.raises(RuntimeError, match="injected"):
+            for _ in range(100):
+                for out in eng.step():
+                    done[out.request_id] = out
+        for _ in range(100):
+            for out in eng.step():
+                done[out.request_id] = out
+            if not eng.has_unfinished_requests():
+                break
+        got = [done[str(i)].outputs[0] for i in range(len(PROMPTS))]
+        assert [(o.token_ids, o.logprobs, o.finish_reason, o.stop_reason) for o in got] == \
+            [seqs[0] for seqs in expected]
+        assert eng.allocator.num_free == eng.allocator.num_pages

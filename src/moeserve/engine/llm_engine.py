@@ -175,20 +175,30 @@ class LLMEngine:
                 break
             step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
             self._finished_seq_ids = []
-            self._in_flight.append((batch, step, self.executor.submit(step)))
+            try:
+                handle = self.executor.submit(step)
+            except BaseException:
+                self._forget_in_flight(batch)
+                raise
+            self._in_flight.append((batch, step, handle))
         if not self._in_flight:
             return []
         batch, step, handle = self._in_flight.popleft()
         try:
             result = self.executor.wait(handle)
         except BaseException:
-            for b, _, _ in [(batch, step, handle), *self._in_flight]:
-                for seq in b.seqs:
-                    seq.in_flight = 0
-                    seq.num_scheduled = seq.num_computed
-            self._in_flight.clear()
+            self._forget_in_flight(batch)
             raise
         return self.process_result(batch, step, result, finished_only)
+
+    def _forget_in_flight(self, *batches: ScheduledBatch) -> None:
+        """A step failed: drop every batch in flight; their sequences are scheduled again from
+        what is in the cache (nothing is lost if the executor still works)."""
+        for b in [*batches, *(b for b, _, _ in self._in_flight)]:
+            for seq in b.seqs:
+                seq.in_flight = 0
+                seq.num_scheduled = seq.num_computed
+        self._in_flight.clear()
 
     def process_result(self, batch: ScheduledBatch, step: StepInput, result: SampleResult,
                        finished_only: bool = False) -> list[RequestOutput]:
