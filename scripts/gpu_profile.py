@@ -67,7 +67,7 @@ def profile_decode(llm: LLM, batch: int, input_len: int, steps: int, out_dir) ->
     runner.forward = forward
     patch(eng.scheduler, "schedule", "schedule")
     patch(runner, "prepare", "prepare (H2D tensors)")
-    patch(runner, "_sample_async", "sample (launch)")
+    patch(runner, "sample_async", "sample (launch)")
     patch(runner, "collect", "collect (wait for sample)")
     patch(eng, "process_result", "process result")
     import moeserve.engine.llm_engine as le

@@ -116,3 +116,28 @@ def test_a_failed_step_loses_nothing(v3_checkpoint, overlap, where):
         assert [(o.token_ids, o.logprobs, o.finish_reason, o.stop_reason) for o in got] == \
             [seqs[0] for seqs in expected]
         assert eng.allocator.num_free == eng.allocator.num_pages
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
+                                    dict(tensor_parallel_size=2, expert_parallel_size=2)], ids=["tp2", "ep2"])
+def test_tensor_parallel_ranks_overlap_steps_too(v3_checkpoint, layout):
+    """Several ranks of one stage (gloo): the sampling rank broadcasts each step's ids so that
+    every rank fills the next step's deferred tokens; same outputs as one synchronous rank."""
+    params = PARAMS[:1] + PARAMS[2:4]  # greedy with logprobs, seeded n=2, short greedy
+    prompts = PROMPTS[:3]
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=False) as llm:
+        expected = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True, **layout) as llm:
+        ex = llm.engine.executor
+        assert ex.overlap and ex.max_in_flight == 2
+        submit, deferred = ex.submit, []
+        ex.submit = lambda step: deferred.append(len(step.deferred)) or submit(step)
+        got = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
+    assert sum(deferred) > 0
+    assert got == expected
+
+
+def test_pipeline_stages_keep_micro_batches_instead(v3_checkpoint):
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True,
+             pipeline_parallel_size=2) as llm:
+        assert not llm.engine.executor.overlap and llm.engine.executor.max_in_flight == 2

@@ -30,7 +30,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", default="auto", help="auto | reference")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                   help="schedule the next step while one runs (one rank; auto: on for CUDA)")
+                   help="schedule the next step while one runs (one pipeline stage; auto: on for CUDA)")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)

@@ -38,7 +38,7 @@ class EngineConfig:
     num_kv_pages: int | None = None  # explicit KV size, overrides gpu_memory_utilization
     backend: str = "auto"  # "auto" (triton on CUDA, reference elsewhere), "triton" or "reference"
     enforce_eager: bool = False  # no CUDA graphs
-    # Schedule step n+1 while step n runs (one rank only); None: on for CUDA, off elsewhere.
+    # Schedule step n+1 while step n runs (one pipeline stage); None: on for CUDA, off elsewhere.
     async_scheduling: bool | None = None
     tokenizer: str | None = None
     trust_remote_code: bool = False
@@ -67,6 +67,14 @@ class EngineConfig:
             raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
+
+
+def uses_async_scheduling(config: EngineConfig, pp: int) -> bool:
+    """Whether steps overlap (see ``EngineConfig.async_scheduling``): one pipeline stage only,
+    since with several the micro-batches in flight already keep every stage busy."""
+    if pp > 1:
+        return False
+    return config.async_scheduling if config.async_scheduling is not None else config.device.startswith("cuda")
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int, capacity_tokens: int) -> int:

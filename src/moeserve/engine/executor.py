@@ -7,7 +7,7 @@ import gc
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig, resolve_max_model_len
+from moeserve.engine.config import EngineConfig, resolve_max_model_len, uses_async_scheduling
 from moeserve.engine.model_runner import ModelRunner, PendingStep
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
@@ -21,8 +21,7 @@ class LocalExecutor:
                                                          self.kv_capacity_pages * self.runner.page_size))
         self.page_size = self.runner.page_size
         # Asynchronous scheduling: the engine schedules step n+1 while step n runs on the device.
-        self.overlap = config.async_scheduling if config.async_scheduling is not None \
-            else self.runner.device.type == "cuda"
+        self.overlap = uses_async_scheduling(config, pp=1)
         self.max_in_flight = 2 if self.overlap else 1
 
     def submit(self, step: StepInput) -> PendingStep:

@@ -282,9 +282,9 @@ class ModelRunner:
 
     def sample(self, step: StepInput, logits: torch.Tensor) -> SampleResult:
         """Last stage: draw the next token of every sequence that reached its end this step."""
-        return self.collect(self._sample_async(step, logits))
+        return self.collect(self.sample_async(step, logits))
 
-    def _sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
+    def sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
         gens = []
@@ -297,8 +297,7 @@ class ModelRunner:
         if logits.shape[0] == 0:
             return PendingStep(None, None, None)
         drawn = sample_on_device(logits, step.sample_params, gens)
-        self._last_tokens = drawn.tokens
-        self._last_rows = {seq_id: j for j, seq_id in enumerate(step.sample_seq_ids)}
+        self.keep_samples(step, drawn.tokens)
         if self.device.type != "cuda":
             return PendingStep(drawn, drawn.packed.cpu(), None)
         host = torch.empty(drawn.packed.shape, dtype=drawn.packed.dtype, pin_memory=True)
@@ -307,11 +306,17 @@ class ModelRunner:
         done.record()
         return PendingStep(drawn, host, done)
 
+    def keep_samples(self, step: StepInput, tokens: torch.Tensor) -> None:
+        """A rank that does not sample: the sampled ids of ``step`` (broadcast by the rank that
+        does), for the next step's deferred input tokens."""
+        self._last_tokens = tokens
+        self._last_rows = {seq_id: j for j, seq_id in enumerate(step.sample_seq_ids)}
+
     def launch(self, step: StepInput) -> PendingStep:
         """Single-stage step: enqueue the forward and the sampling; returns before they finish."""
         ids, ctx = self.prepare(step)
         logits, _ = self.forward(ids, ctx)
-        return self._sample_async(step, logits)
+        return self.sample_async(step, logits)
 
     @staticmethod
     def collect(pending: PendingStep) -> SampleResult:

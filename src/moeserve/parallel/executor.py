@@ -14,7 +14,7 @@ from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig
+from moeserve.engine.config import EngineConfig, uses_async_scheduling
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 from moeserve.parallel.layout import Layout
@@ -45,7 +45,10 @@ class MultiProcessExecutor:
                                    config.pp_layer_partition)
         self.layout.check_model(model_config)
         self.page_size = config.page_size
-        self.max_in_flight = self.layout.pp  # one micro-batch per stage keeps every stage busy
+        # One micro-batch per stage keeps every stage busy; with one stage, asynchronous
+        # scheduling keeps the next step queued while the ranks run this one.
+        self.overlap = uses_async_scheduling(config, self.layout.pp)
+        self.max_in_flight = 2 if self.overlap else self.layout.pp
         world, nodes = self.layout.world_size, config.nnodes
         if world % nodes:
             raise ValueError(f"{world} ranks cannot be split evenly over {nodes} nodes")

@@ -9,6 +9,7 @@ import os
 import threading
 import time
 import traceback
+from collections import deque
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig, resolve_max_model_len
+from moeserve.engine.config import EngineConfig, resolve_max_model_len, uses_async_scheduling
 from moeserve.parallel.comm import TPGroup, set_tp_group
 from moeserve.parallel.layout import Layout
 
@@ -105,9 +106,48 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
     conn.send(("ready", RankInfo(rank, stage, tp_rank, (runner.stage.start_layer, runner.stage.end_layer),
                                  runner.weight_bytes, runner.num_pages, experts)))
 
+    if uses_async_scheduling(config, layout.pp):
+        _serve_overlapped(conn, runner, rank, tp_rank, stage_groups[0], layout.stage_ranks(0)[0])
+    else:
+        _serve_pipeline(conn, runner, rank, layout, tp_rank, is_first, is_last, model_config.hidden_size)
+    dist.destroy_process_group()
+
+
+def _serve_overlapped(conn: Connection, runner, rank: int, tp_rank: int, group, sampling_rank: int) -> None:
+    """One stage with asynchronous scheduling: step n+1 is launched before step n is read back.
+    The sampling rank broadcasts each step's sampled ids to its TP peers, whose next step may
+    take deferred input tokens from them."""
+    in_flight: deque = deque()
+    steps = 0
+    while True:
+        if in_flight and (len(in_flight) > 1 or not conn.poll()):
+            pending = in_flight.popleft()
+            if pending is not None:
+                conn.send(("result", runner.collect(pending)))
+            continue
+        msg = conn.recv()
+        if msg[0] == "stop":
+            break
+        step = msg[1]
+        steps += 1
+        _maybe_fail("step", rank, steps)
+        ids, ctx = runner.prepare(step)
+        out, _ = runner.forward(ids, ctx)
+        pending = runner.sample_async(step, out) if tp_rank == 0 else None
+        if step.sample_seq_ids:
+            tokens = pending.sample.tokens if pending is not None else torch.empty(
+                len(step.sample_seq_ids), dtype=torch.long, device=runner.device)
+            dist.broadcast(tokens, src=sampling_rank, group=group)
+            if pending is None:
+                runner.keep_samples(step, tokens)
+        in_flight.append(pending)
+
+
+def _serve_pipeline(conn: Connection, runner, rank: int, layout: Layout, tp_rank: int, is_first: bool,
+                    is_last: bool, hidden_size: int) -> None:
+    """Steps in order, hidden states passed stage to stage; up to pp micro-batches in flight."""
     prev_rank = rank - layout.tp if not is_first else None
     next_rank = rank + layout.tp if not is_last else None
-    hidden_size = model_config.hidden_size
     pending_sends: list = []
     steps = 0
     while True:
@@ -135,4 +175,3 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
             conn.send(("result", runner.sample(step, out)))
     for work, _ in pending_sends:
         work.wait()
-    dist.destroy_process_group()
