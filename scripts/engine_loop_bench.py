@@ -16,6 +16,7 @@ from moeserve.engine.sampler import SampleResult
 class InstantExecutor:
     def __init__(self, pages: int, page_size: int):
         self.kv_capacity_pages, self.page_size, self.max_in_flight = pages, page_size, 1
+        self.overlap = False
 
     def submit(self, step):
         n = len(step.sample_seq_ids)

@@ -35,6 +35,7 @@ class Executor(Protocol):
     kv_capacity_pages: int
     page_size: int
     max_in_flight: int
+    overlap: bool  # asynchronous scheduling: steps may take input tokens from the step in flight
 
     def submit(self, step: StepInput) -> object: ...
 
@@ -165,7 +166,7 @@ class LLMEngine:
         the requests it changed (only those that finished, with ``finished_only``: offline
         callers skip building a full output per running request per step)."""
         depth = self.executor.max_in_flight
-        overlap = getattr(self.executor, "overlap", False)
+        overlap = self.executor.overlap
         while len(self._in_flight) < depth:
             cap = None
             if depth > 1 and not overlap:  # share the sequences out so every pipeline stage has work
@@ -250,13 +251,8 @@ class LLMEngine:
                 return
         if stop_token is not None:
             self._finish(seq, "stop", stop_token if token in p.stop_token_ids else None)
-        elif self._hits_length(seq):
+        elif seq.at_length_limit(self.max_model_len):
             self._finish(seq, "length")
-
-    def _hits_length(self, seq: Sequence) -> bool:
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and seq.num_output_tokens >= max_tokens) or \
-            seq.num_tokens >= self.max_model_len
 
     def _check_stop_strings(self, seq: Sequence, text_before: int) -> bool:
         longest = max(len(s) for s in seq.params.stop_list)

@@ -235,22 +235,24 @@ class ModelRunner:
         max_pages = max(len(t) for t in step.page_tables)
         # ids, positions, slots, logits indices; then where deferred tokens go and which row of
         # the previous step's samples each one is
-        wide = np.empty(3 * T + S + 2 * D, dtype=np.int64)
+        pin = self.device.type == "cuda"
+        wide_t = torch.empty(3 * T + S + 2 * D, dtype=torch.int64, pin_memory=pin)
+        narrow_t = torch.zeros(2 * B + 1 + B * max_pages, dtype=torch.int32, pin_memory=pin)
+        wide, narrow = wide_t.numpy(), narrow_t.numpy()
         wide[:T], wide[T:2 * T], wide[2 * T:3 * T] = step.input_ids, step.positions, step.slot_mapping
         wide[3 * T:3 * T + S] = step.logits_indices
         if D:
             wide[3 * T + S:3 * T + S + D] = [flat for flat, _ in step.deferred]
             wide[3 * T + S + D:] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
-        narrow = np.zeros(2 * B + 1 + B * max_pages, dtype=np.int32)  # cu_query_lens, context lens, pages
+        # narrow: cu_query_lens, context lens, page table
         np.cumsum(step.query_lens, out=narrow[1:B + 1])
         narrow[B + 1:2 * B + 1] = step.context_lens
         table = narrow[2 * B + 1:].reshape(B, max_pages)
         for i, pages in enumerate(step.page_tables):
             table[i, :len(pages)] = pages
-        wide_t, narrow_t = torch.from_numpy(wide), torch.from_numpy(narrow)
-        if self.device.type == "cuda":
-            wide_t = wide_t.pin_memory().to(self.device, non_blocking=True)
-            narrow_t = narrow_t.pin_memory().to(self.device, non_blocking=True)
+        if pin:
+            wide_t = wide_t.to(self.device, non_blocking=True)
+            narrow_t = narrow_t.to(self.device, non_blocking=True)
         elif self.device.type != "cpu":
             wide_t, narrow_t = wide_t.to(self.device), narrow_t.to(self.device)
         ctx = StepContext(

@@ -82,7 +82,7 @@ class Scheduler:
                     i += 1
                     continue
                 deferred = seq.num_scheduled == seq.num_tokens  # the step in flight samples its next token
-                if deferred and self._ends_by_length_after_next(seq):
+                if deferred and seq.at_length_limit(self.config.max_model_len, pending=1):
                     i += 1
                     continue
             n = 1 if deferred else min(seq.num_tokens - seq.num_scheduled, budget)
@@ -107,12 +107,6 @@ class Scheduler:
             self._add_to(batch, seq, n)
             budget -= n
         return batch
-
-    def _ends_by_length_after_next(self, seq: Sequence) -> bool:
-        """The token the step in flight samples is the sequence's last (max_tokens, max_model_len)."""
-        max_tokens = seq.params.max_tokens
-        return (max_tokens is not None and seq.num_output_tokens + 1 >= max_tokens) or \
-            seq.num_tokens + 1 >= self.config.max_model_len
 
     def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int, deferred: bool = False) -> None:
         self._grow(seq, n)

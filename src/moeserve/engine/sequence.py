@@ -49,6 +49,13 @@ class Sequence:
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
 
+    def at_length_limit(self, max_model_len: int, pending: int = 0) -> bool:
+        """Whether it has (with ``pending`` tokens more, would have) reached ``max_tokens`` or
+        ``max_model_len``."""
+        max_tokens = self.params.max_tokens
+        return (max_tokens is not None and self.num_output_tokens + pending >= max_tokens) or \
+            self.num_tokens + pending >= max_model_len
+
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

@@ -10,6 +10,7 @@ import threading
 import time
 import traceback
 from collections import deque
+from collections.abc import Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import ModelConfig
+from moeserve.engine.step_input import StepInput
 from moeserve.engine.config import EngineConfig, resolve_max_model_len, uses_async_scheduling
 from moeserve.parallel.comm import TPGroup, set_tp_group
 from moeserve.parallel.layout import Layout
@@ -113,24 +115,30 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
     dist.destroy_process_group()
 
 
+def _steps(conn: Connection, rank: int) -> Iterator[StepInput]:
+    """The engine's steps, in order, until it says stop."""
+    count = 0
+    while (msg := conn.recv())[0] != "stop":
+        count += 1
+        _maybe_fail("step", rank, count)
+        yield msg[1]
+
+
 def _serve_overlapped(conn: Connection, runner, rank: int, tp_rank: int, group, sampling_rank: int) -> None:
     """One stage with asynchronous scheduling: step n+1 is launched before step n is read back.
     The sampling rank broadcasts each step's sampled ids to its TP peers, whose next step may
     take deferred input tokens from them."""
     in_flight: deque = deque()
-    steps = 0
+    steps = _steps(conn, rank)
     while True:
         if in_flight and (len(in_flight) > 1 or not conn.poll()):
             pending = in_flight.popleft()
             if pending is not None:
                 conn.send(("result", runner.collect(pending)))
             continue
-        msg = conn.recv()
-        if msg[0] == "stop":
+        step = next(steps, None)
+        if step is None:
             break
-        step = msg[1]
-        steps += 1
-        _maybe_fail("step", rank, steps)
         ids, ctx = runner.prepare(step)
         out, _ = runner.forward(ids, ctx)
         pending = runner.sample_async(step, out) if tp_rank == 0 else None
@@ -149,14 +157,7 @@ def _serve_pipeline(conn: Connection, runner, rank: int, layout: Layout, tp_rank
     prev_rank = rank - layout.tp if not is_first else None
     next_rank = rank + layout.tp if not is_last else None
     pending_sends: list = []
-    steps = 0
-    while True:
-        msg = conn.recv()
-        if msg[0] == "stop":
-            break
-        step = msg[1]
-        steps += 1
-        _maybe_fail("step", rank, steps)
+    for step in _steps(conn, rank):
         ids, ctx = runner.prepare(step)
         hidden = residual = None
         if prev_rank is not None:

@@ -165,6 +165,11 @@ def read_bench_results(path: str | Path) -> tuple[list[Measurement], list[str]]:
     return measurements, warnings
 
 
+def _error_pct(measured_s: float, predicted_s: float) -> float:
+    """% error of the predicted rate (tok/s) given measured and predicted times."""
+    return (measured_s / predicted_s - 1) * 100
+
+
 @dataclass(frozen=True)
 class CalibrationRow:
     measurement: Measurement
@@ -173,11 +178,11 @@ class CalibrationRow:
 
     @property
     def error_before(self) -> float:
-        return (self.measurement.cycle_ms / self.before_ms - 1) * 100  # % error of predicted tok/s
+        return _error_pct(self.measurement.cycle_ms, self.before_ms)
 
     @property
     def error_after(self) -> float:
-        return (self.measurement.cycle_ms / self.after_ms - 1) * 100
+        return _error_pct(self.measurement.cycle_ms, self.after_ms)
 
 
 @dataclass(frozen=True)
@@ -192,11 +197,11 @@ class PrefillRow:
 
     @property
     def error_before(self) -> float:
-        return (self.measurement.prefill_s / self.before_s - 1) * 100  # % error of predicted tok/s
+        return _error_pct(self.measurement.prefill_s, self.before_s)
 
     @property
     def error_after(self) -> float:
-        return (self.measurement.prefill_s / self.after_s - 1) * 100
+        return _error_pct(self.measurement.prefill_s, self.after_s)
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
-from moeserve.server.serving import (SSEResponse, SeqResult, ServerContext, collect, new_id, now,
+from moeserve.server.serving import (SSEResponse, ServerContext, collect_while_connected, new_id, now,
                                      reject_unsupported, sampling_kwargs, sse_events, submit, top_logprobs,
-                                     unless_disconnected, usage)
+                                     usage)
 
 
 def _content(m: ChatMessage, i: int) -> str:
@@ -114,10 +114,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
 
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
-    try:
-        results: dict[tuple[int, int], SeqResult] = await unless_disconnected(raw, collect(group, req.n))
-    finally:
-        group.abort_unfinished()
+    results = await collect_while_connected(raw, group, req.n)
     choices = []
     for (_, i), r in sorted(results.items()):
         lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top)} if req.logprobs else None

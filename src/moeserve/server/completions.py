@@ -9,9 +9,9 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import CompletionRequest
-from moeserve.server.serving import (SSEResponse, SeqResult, ServerContext, collect, new_id, now,
+from moeserve.server.serving import (SSEResponse, ServerContext, collect_while_connected, new_id, now,
                                      prompt_index, reject_unsupported, sampling_kwargs, sse_events, submit,
-                                     top_logprobs, unless_disconnected, usage)
+                                     top_logprobs, usage)
 
 
 def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | None, list[int]]]:
@@ -106,10 +106,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
 
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
-    try:
-        results: dict[tuple[int, int], SeqResult] = await unless_disconnected(raw, collect(group, req.n))
-    finally:
-        group.abort_unfinished()
+    results = await collect_while_connected(raw, group, req.n)
     choices = []
     for (p, i), r in sorted(results.items()):
         lp = _Logprobs(ctx, req.logprobs or 0).block(r.token_ids, r.logprobs) if req.logprobs is not None else None

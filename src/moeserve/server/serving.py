@@ -152,6 +152,16 @@ async def collect(group: RequestGroup, n: int) -> dict[tuple[int, int], SeqResul
     return results
 
 
+async def collect_while_connected(request: Request, group: RequestGroup, n: int
+                                  ) -> dict[tuple[int, int], SeqResult]:
+    """``collect`` for a non-streaming response; whatever is unfinished when it returns or
+    fails (the client left, an error) is aborted."""
+    try:
+        return await unless_disconnected(request, collect(group, n))
+    finally:
+        group.abort_unfinished()
+
+
 async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: float = 0.5) -> Any:
     """Run ``work``; cancel it (its generators abort their requests) if the client goes away."""
     task = asyncio.ensure_future(work)
