@@ -42,6 +42,8 @@ DECODE_SHAPES = [
     # B, H, Lk, R, page_size, context lens
     pytest.param(3, 4, 16, 8, 4, [1, 17, 40], id="tiny-ps4"),
     pytest.param(2, 5, 32, 8, 16, [33, 16], id="tiny-ps16-odd-heads"),
+    # Several splits of 64 tokens; one past LONG_CONTEXT (splits of 128); an empty (padded) row.
+    pytest.param(5, 4, 16, 8, 16, [1, 65, 300, 2100, 0], id="tiny-multi-split"),
     pytest.param(4, 16, 512, 64, 64, [1, 700, 4096, 130], id="real-moonlight", marks=real),
     pytest.param(2, 128, 512, 64, 16, [3000, 65], id="real-v3-heads", marks=real),
     pytest.param(64, 16, 512, 64, 1, [1 + 37 * i for i in range(64)], id="real-batch64-ps1", marks=real),
@@ -60,7 +62,7 @@ def test_mla_decode_matches_reference(B, H, Lk, R, page_size, lens, dtype):
     q_pe = torch.randn(B, H, R, generator=gen).to(DEV, dtype)
     scale = (Lk + R) ** -0.5
     ref = mla_decode_ref(q_latent, q_pe, cache, page_table, context_lens, page_size, scale)
-    for splits in (None, 1, 3):
+    for splits in (None, 1, 3, 40):  # 40: more splits than a short row can use, as in a CUDA graph
         out = mla_decode(q_latent, q_pe, cache, page_table, context_lens, page_size, scale, num_kv_splits=splits)
         assert out.shape == (B, H, Lk) and out.dtype == dtype
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], msg=f"num_kv_splits={splits}")
@@ -88,7 +90,8 @@ def test_mla_decode_strided_queries_and_padded_sequences():
 def test_num_kv_splits_heuristic():
     cpu = torch.device("cpu")
     assert default_num_kv_splits(1, 1, 4096, cpu) == 32  # batch 1: split, 128 tokens a piece
-    assert default_num_kv_splits(1, 1, 100, cpu) == 1  # short context: not worth splitting
+    assert default_num_kv_splits(1, 1, 1152, cpu) == 18  # up to 2k tokens: 64 a piece
+    assert default_num_kv_splits(1, 1, 64, cpu) == 1  # short context: not worth splitting
     assert default_num_kv_splits(1, 1, 1 << 20, cpu) == 128  # capped
     assert default_num_kv_splits(8, 1, 4096, cpu) == 16  # one wave of programs on 132 SMs
     assert default_num_kv_splits(32, 1, 4096, cpu) == 4

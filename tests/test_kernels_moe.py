@@ -159,3 +159,51 @@ def test_fused_moe_uses_gemv_for_few_pairs_and_agrees():
     weights = torch.rand(T, K, generator=g)
     out = fused_moe(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), 0)
     torch.testing.assert_close(out.cpu(), moe_experts_ref(x, w13, w2, weights, ids, 0), atol=1e-5, rtol=1e-5)
+
+
+def _shared_ref(x: torch.Tensor, sw13: torch.Tensor, sw2: torch.Tensor) -> torch.Tensor:
+    gate, up = torch.nn.functional.linear(x, sw13).chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2)
+
+
+# Shared widths: a multiple of the routed width (Moonlight: 2 x), one slice, a partial last slice
+# (TP splits of the shared MLP need not line up with the routed width), and narrower than it.
+@pytest.mark.parametrize("shared_size", [48, 24, 40, 10])
+@pytest.mark.parametrize("T, K, E, first", [(1, 3, 4, 0), (3, 2, 6, 2)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_moe_gemv_with_shared_experts_matches_reference(shared_size, T, K, E, first, dtype):
+    g = torch.Generator().manual_seed(T * 100 + E + shared_size)
+    H, inter_size = 40, 24
+    x = torch.randn(T, H, generator=g).to(dtype)
+    w13 = (torch.randn(E, 2 * inter_size, H, generator=g) * 0.2).to(dtype)
+    w2 = (torch.randn(E, H, inter_size, generator=g) * 0.2).to(dtype)
+    sw13 = (torch.randn(2 * shared_size, H, generator=g) * 0.2).to(dtype)
+    sw2 = (torch.randn(H, shared_size, generator=g) * 0.2).to(dtype)
+    ids = torch.randint(0, E + first + 2, (T, K), generator=g)
+    weights = torch.rand(T, K, generator=g)
+    out = moe_gemv(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), first,
+                   sw13.to(DEV), sw2.to(DEV),
+                   gate_up_config={"BLOCK_N": 16, "BLOCK_K": 16}, down_config={"BLOCK_N": 8, "BLOCK_K": 16})
+    xf = x.float()
+    ref = moe_experts_ref(xf, w13.float(), w2.float(), weights, ids, first) + _shared_ref(xf, sw13.float(),
+                                                                                          sw2.float())
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.float().cpu(), ref, **tol)
+
+
+@real
+@pytest.mark.parametrize("T", [1, 4])
+def test_moe_gemv_with_shared_experts_real_shape(T):
+    g = torch.Generator().manual_seed(T)
+    E, K, I, H, Is = 64, 6, 1408, 2048, 2816  # Moonlight-16B-A3B
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    w2 = (torch.randn(E, H, I, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    sw13 = (torch.randn(2 * Is, H, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    sw2 = (torch.randn(H, Is, generator=g) * 0.02).to(DEV, torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(DEV)
+    weights = torch.rand(T, K, generator=g).to(DEV)
+    out = moe_gemv(x, w13, w2, weights, ids, 0, sw13, sw2)
+    xf = x.float()
+    ref = moe_experts_ref(xf, w13.float(), w2.float(), weights, ids, 0) + _shared_ref(xf, sw13.float(), sw2.float())
+    assert (out.float() - ref).abs().max() < 2e-2 * ref.abs().max()

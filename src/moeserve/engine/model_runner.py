@@ -84,6 +84,7 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
         self.backend = get_backend(choose_backend(config.backend, self.device))
+        self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
             self._use_kernels()
         self.page_size = config.page_size
@@ -140,7 +141,7 @@ class ModelRunner:
         from moeserve.kernels.fused_moe import fused_moe
         from moeserve.kernels.selftest import working_kernels
         from moeserve.layers.attention import MLAAttention
-        from moeserve.layers.moe import RoutedExperts, Router
+        from moeserve.layers.moe import MoE, RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
 
         ok = working_kernels(self.device)
@@ -148,8 +149,13 @@ class ModelRunner:
         for m in self.model.modules():
             if isinstance(m, RoutedExperts):
                 m.impl = functools.partial(fused_moe, small_batch_gemv="moe_gemv" in ok)
+            elif isinstance(m, MoE):
+                m.small_batch_gemv = "moe_gemv" in ok
             elif type(m) in use:
                 m.use_kernel = use[type(m)]
+            if isinstance(m, MLAAttention):
+                m.fuse_input_projections()
+        self.sample_kernel = "sampling" in ok
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
         self._compile_moe_tiles()
 
@@ -298,7 +304,7 @@ class ModelRunner:
             gens.append(g)
         if logits.shape[0] == 0:
             return PendingStep(None, None, None)
-        drawn = sample_on_device(logits, step.sample_params, gens)
+        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel)
         self.keep_samples(step, drawn.tokens)
         if self.device.type != "cuda":
             return PendingStep(drawn, drawn.packed.cpu(), None)

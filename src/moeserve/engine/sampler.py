@@ -75,9 +75,20 @@ class DeviceSample:
 
 
 def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
-                     generators: list[torch.Generator | None]) -> DeviceSample:
-    """logits: [B, V] float32, one row per sequence that samples this step. No host sync."""
-    tokens = logits.argmax(dim=-1)
+                     generators: list[torch.Generator | None], *, use_kernel: bool = False) -> DeviceSample:
+    """logits: [B, V] float32, one row per sequence that samples this step. No host sync.
+
+    ``use_kernel``: greedy ids and the log-sum-exp from one split-row Triton pass
+    (``kernels.sampling``) instead of torch's one-CTA-per-row ``argmax`` and ``log_softmax``.
+    Either way the full ``log_softmax`` is only computed when some row wants top-N logprobs.
+    """
+    lse = None
+    if use_kernel:
+        from moeserve.kernels.sampling import argmax_logsumexp  # needs Triton
+
+        tokens, lse = argmax_logsumexp(logits)
+    else:
+        tokens = logits.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
@@ -90,8 +101,16 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want = [p.logprobs for p in params]
     top_n = max((n for n in want if n is not None), default=None)
-    logp = torch.log_softmax(logits, dim=-1)
-    cols = [tokens.double(), logp.gather(1, tokens[:, None]).squeeze(1).double()]
+    if top_n:
+        # The sampled logprob from the same tensor as the top-N, so a sampled token that is
+        # also in the top-N gets the identical value.
+        logp = torch.log_softmax(logits, dim=-1)
+        sampled = logp.gather(1, tokens[:, None]).squeeze(1)
+    else:
+        if lse is None:
+            lse = torch.logsumexp(logits, dim=-1)
+        sampled = logits.gather(1, tokens[:, None]).squeeze(1) - lse
+    cols = [tokens.double(), sampled.double()]
     if top_n:
         top_vals, top_ids = logp.topk(top_n, dim=-1)
         cols += [top_ids.double().T, top_vals.double().T]

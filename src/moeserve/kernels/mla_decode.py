@@ -31,10 +31,25 @@ from moeserve.kernels.utils import dot_args, mma, num_sms, pow2_at_least
 
 LOG2E = 1.4426950408889634
 
-# A split shorter than this is not worth its partial write + merge (measured on an H200: batch
-# 1 at 4k context is fastest with 32 splits of 128 tokens, at 32k with 128 splits).
-MIN_TOKENS_PER_SPLIT = 128
+# A split shorter than this is not worth its partial write + merge. Measured on an H200
+# (`scripts/b1_sweep.py`, 16 heads): batch 1 and 4 at 1,152 tokens are fastest with splits of 64
+# tokens (18 splits: 11.7 us against 13.5 with 9 of 128); at 4k, 32 splits of 128; at 32k, 128
+# splits. The kernels apply it per sequence from its own length (`_split_len`), so a CUDA graph
+# captured with the longest context's split count still cuts a short context finely and merges
+# only the splits that hold tokens.
+MIN_TOKENS_PER_SPLIT = 64
+LONG_CONTEXT = 2048  # beyond this, splits of at least twice that
+_MIN_SPLIT = tl.constexpr(MIN_TOKENS_PER_SPLIT)
+_LONG = tl.constexpr(LONG_CONTEXT)
 MAX_KV_SPLITS = 128
+
+
+@triton.jit
+def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
+    """Tokens per split for a sequence of ``ctx_len`` tokens: a multiple of BLOCK_N (so only a
+    split's last tile is partial), at least the minimum split length."""
+    shortest = tl.where(ctx_len <= _LONG, _MIN_SPLIT, 2 * _MIN_SPLIT)
+    return tl.cdiv(tl.maximum(tl.cdiv(ctx_len, num_splits), shortest), BLOCK_N) * BLOCK_N
 
 
 def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
@@ -69,8 +84,7 @@ def _mla_decode_split_kernel(
     split = tl.program_id(2)
 
     ctx_len = tl.load(ContextLens + b)
-    # Split boundaries are multiples of BLOCK_N so that only a split's last tile is partial.
-    split_len = tl.cdiv(tl.cdiv(ctx_len, num_splits), BLOCK_N) * BLOCK_N
+    split_len = _split_len(ctx_len, num_splits, BLOCK_N)
     start = split * split_len
     end = tl.minimum(start + split_len, ctx_len)
 
@@ -132,8 +146,8 @@ def _mla_decode_split_kernel(
 def _mla_decode_merge_kernel(
     PartOut, PartLse, Out,
     stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_out_b, stride_out_h,
-    num_splits,
-    LK: tl.constexpr, BLOCK_LK: tl.constexpr,
+    ContextLens, num_splits,
+    LK: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """One program per (sequence, head): merge the splits' partial outputs by their lse
     (log2 domain), with a running max so no split count has to be a compile-time constant."""
@@ -144,7 +158,8 @@ def _mla_decode_merge_kernel(
     m = float("-inf")
     total = 0.0
     acc = tl.zeros([BLOCK_LK], dtype=tl.float32)
-    for s in range(0, num_splits):
+    ctx_len = tl.load(ContextLens + b)
+    for s in range(0, tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))):  # splits with tokens
         lse = tl.load(PartLse + b * stride_pl_b + h * stride_pl_h + s)
         if lse > float("-inf"):  # empty splits carry no weight (and would make exp2 produce nan)
             part = tl.load(PartOut + b * stride_po_b + h * stride_po_h + s * stride_po_s + offs_c,
@@ -170,7 +185,8 @@ def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int
     16. Batch 1 is capped by the context instead (4k tokens -> 32 splits)."""
     programs = batch * num_head_blocks
     want = max(1, num_sms(device) // programs)
-    useful = triton.cdiv(max(max_context_len, 1), MIN_TOKENS_PER_SPLIT)
+    shortest = MIN_TOKENS_PER_SPLIT * (1 if max_context_len <= LONG_CONTEXT else 2)  # as _split_len
+    useful = triton.cdiv(max(max_context_len, 1), shortest)
     return max(1, min(want, useful, MAX_KV_SPLITS))
 
 
@@ -252,8 +268,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     )
     if not direct:
         _mla_decode_merge_kernel[(B, H)](
-            part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1), num_kv_splits,
-            LK=Lk, BLOCK_LK=block_lk, num_warps=4 if Lk >= 256 else 1,
+            part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
+            context_lens, num_kv_splits, LK=Lk, BLOCK_LK=block_lk, BLOCK_N=cfg["BLOCK_N"], num_warps=4 if Lk >= 256 else 1,
         )
     return out
 

@@ -29,7 +29,7 @@ def check_rmsnorm(device: torch.device) -> bool:
 
 
 def check_router(device: torch.device) -> bool:
-    from moeserve.kernels.router import route
+    from moeserve.kernels.router import route, selfcheck_route_hidden
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(3, 16, generator=g).to(device)
@@ -44,11 +44,12 @@ def check_router(device: torch.device) -> bool:
     ref_w = 2.0 * ref_w / ref_w.sum(-1, keepdim=True)
     ids_sorted, order = ids.sort(dim=1)
     ref_sorted, ref_order = ref_ids.sort(dim=1)
-    return torch.equal(ids_sorted.cpu(), ref_sorted.cpu()) and _close(w.gather(1, order), ref_w.gather(1, ref_order))
+    ok = torch.equal(ids_sorted.cpu(), ref_sorted.cpu()) and _close(w.gather(1, order), ref_w.gather(1, ref_order))
+    return ok and selfcheck_route_hidden(device)  # the router GEMV folded in
 
 
 def check_rope_cache(device: torch.device) -> bool:
-    from moeserve.kernels.rope_cache import rope_and_cache
+    from moeserve.kernels.rope_cache import rope_and_cache, selfcheck
     from moeserve.layers.rotary import apply_rope
 
     g = torch.Generator().manual_seed(2)
@@ -59,7 +60,8 @@ def check_rope_cache(device: torch.device) -> bool:
     slots = torch.tensor([5, 0, 2], device=device)
     out = rope_and_cache(q, k, lat, cos, sin, cache, slots, True)
     ok = _close(out, apply_rope(q, cos[:, None], sin[:, None], True))
-    return ok and _close(cache[slots], torch.cat([lat, apply_rope(k, cos, sin, True)], dim=-1))
+    ok = ok and _close(cache[slots], torch.cat([lat, apply_rope(k, cos, sin, True)], dim=-1))
+    return ok and selfcheck(device)  # the variant that also normalises the latent
 
 
 def check_moe_gemv(device: torch.device) -> bool:
@@ -72,11 +74,18 @@ def check_moe_gemv(device: torch.device) -> bool:
     w2 = (torch.randn(4, 32, 16, generator=g) * 0.2).to(device)
     ids = torch.tensor([[0, 3], [5, 1]], device=device)  # 5: another rank's expert
     w = torch.rand(2, 2, generator=g).to(device)
-    return _close(moe_gemv(x, w13, w2, w, ids, 0), moe_experts_ref(x, w13, w2, w, ids, 0))
+    sw13 = (torch.randn(40, 32, generator=g) * 0.2).to(device)  # shared width 20: one whole slice, one partial
+    sw2 = (torch.randn(32, 20, generator=g) * 0.2).to(device)
+    gate, up = torch.nn.functional.linear(x, sw13).chunk(2, dim=-1)
+    shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2)
+    ref = moe_experts_ref(x, w13, w2, w, ids, 0)
+    return (_close(moe_gemv(x, w13, w2, w, ids, 0), ref)
+            and _close(moe_gemv(x, w13, w2, w, ids, 0, sw13, sw2), ref + shared))
 
 
 CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "rmsnorm": check_rmsnorm, "router": check_router, "rope_cache": check_rope_cache, "moe_gemv": check_moe_gemv,
+    "sampling": lambda device: __import__("moeserve.kernels.sampling", fromlist=["selfcheck"]).selfcheck(device),
 }
 
 

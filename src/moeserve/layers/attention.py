@@ -4,6 +4,7 @@ heads plus one shared rope key; the cache stores only the latent and the rope ke
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moeserve.attention.backend import AttentionBackend, MLAWeights
@@ -46,6 +47,36 @@ class MLAAttention(nn.Module):
         self.pool: StageKVPool | None = None
         self.backend: AttentionBackend | None = None
         self.use_kernel = False  # set by the runner on the fast path
+        # fuse_input_projections(): one [q (or q_a) | kv_a] weight for the two GEMVs on `hidden`
+        self.input_fused = False
+        self.register_buffer("fused_in_weight", None, persistent=False)
+        self.register_buffer("fused_in_bias", None, persistent=False)
+
+    def _input_projections(self) -> tuple[nn.Module, nn.Module]:
+        return (self.q_a_proj if self.q_lora else self.q_proj), self.kv_a_proj_with_mqa
+
+    @torch.no_grad()
+    def fuse_input_projections(self) -> None:
+        """Concatenate the weights (and biases) of the two projections that read ``hidden`` into
+        one tensor, and re-point both parameters at views of it: forward then runs one GEMM
+        instead of two, with no extra copy of the weights. Call after the weights are loaded
+        (a later load writes through the views) and after the last ``.to()``."""
+        if self.input_fused:
+            return
+        projs = self._input_projections()
+        sizes = [p.weight.shape[0] for p in projs]
+        weight = torch.cat([p.weight for p in projs])
+        bias = None
+        if any(p.bias is not None for p in projs):  # q_proj has no bias even with attention_bias
+            bias = torch.cat([p.bias if p.bias is not None else weight.new_zeros(n) for p, n in zip(projs, sizes)])
+        for p, w in zip(projs, weight.split(sizes)):
+            p.weight.data = w
+        if bias is not None:
+            for p, b in zip(projs, bias.split(sizes)):
+                if p.bias is not None:
+                    p.bias.data = b
+        self.fused_in_weight, self.fused_in_bias = weight, bias
+        self.input_fused = True
 
     def mla_weights(self) -> MLAWeights:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
@@ -53,20 +84,27 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         T = hidden.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden))) if self.q_lora else self.q_proj(hidden)
+        if self.input_fused:
+            kv_dim = self.kv_lora_rank + self.rope_dim
+            q_in, kv = F.linear(hidden, self.fused_in_weight, self.fused_in_bias).split(
+                [self.fused_in_weight.shape[0] - kv_dim, kv_dim], dim=-1)
+        else:
+            first, kv_a = self._input_projections()
+            q_in, kv = first(hidden), kv_a(hidden)
+        q = self.q_b_proj(self.q_a_layernorm(q_in)) if self.q_lora else q_in
         q = q.view(T, self.num_heads, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent)
+        latent, k_pe = kv.split([self.kv_lora_rank, self.rope_dim], dim=-1)
         ctx = get_context()
-        if self.use_kernel:  # rope and the cache write in one kernel (moeserve.kernels.rope_cache)
+        if self.use_kernel:  # norm, rope and the cache write in one kernel (moeserve.kernels.rope_cache)
             from moeserve.kernels.rope_cache import rope_and_cache
 
             cos, sin = self.rotary.cos_sin(positions, q.dtype)
+            norm = self.kv_a_layernorm
             q_pe = rope_and_cache(q_pe, k_pe, latent, cos, sin, self.pool.layer(self.layer_id), ctx.slot_mapping,
-                                  self.rotary.interleave)
+                                  self.rotary.interleave, norm_weight=norm.weight, eps=norm.eps)
         else:
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
-            self.pool.write(self.layer_id, ctx.slot_mapping, latent, k_pe)
+            self.pool.write(self.layer_id, ctx.slot_mapping, self.kv_a_layernorm(latent), k_pe)
         out = self.backend.forward(self.layer_id, q_nope, q_pe, self.mla_weights(), self.pool, ctx, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))

@@ -10,6 +10,8 @@ from moeserve.config import ModelConfig
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_checked, replicated_loader
 from moeserve.parallel.comm import tp_all_reduce, tp_group
 
+GEMV_MAX_PAIRS = 32  # moeserve.kernels.moe_gemv's limit, here so the torch-only path needs no triton
+
 
 class DenseMLP(nn.Module):
     """SiLU-gated MLP, TP-split over its intermediate size (dense layers, shared experts)."""
@@ -49,12 +51,13 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [T, hidden] -> (weights [T, k] float32, expert ids [T, k])."""
         c = self.config
-        logits = F.linear(x.float(), self.weight.float())
-        if self.use_kernel:  # the same choice in one Triton kernel (moeserve.kernels.router)
-            from moeserve.kernels.router import route
+        if self.use_kernel:  # logits and the same choice in one Triton launch (moeserve.kernels.router)
+            from moeserve.kernels.router import route_hidden
 
-            return route(logits, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group, c.topk_group,
-                         c.scoring_func, c.topk_method, c.norm_topk_prob, c.routed_scaling_factor)
+            return route_hidden(x, self.weight, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
+                                c.topk_group, c.scoring_func, c.topk_method, c.norm_topk_prob,
+                                c.routed_scaling_factor)
+        logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         E, G = c.n_routed_experts, c.n_group
         if c.topk_method == "noaux_tc":
@@ -153,9 +156,18 @@ class MoE(nn.Module):
             self.shared_experts = DenseMLP(config.hidden_size,
                                            config.moe_intermediate_size * config.n_shared_experts,
                                            reduce=False)
+        self.small_batch_gemv = False  # set by the runner on the fast path (moeserve.kernels.moe_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
+        if self.small_batch_gemv and topk_ids.numel() <= GEMV_MAX_PAIRS:
+            # Decode at small batch: routed and shared experts and their sum in two launches.
+            from moeserve.kernels.moe_gemv import moe_gemv
+
+            e, s = self.experts, self.shared_experts
+            out = moe_gemv(x, e.w13, e.w2, topk_weights, topk_ids, e.first_expert,
+                           s.gate_up_proj.weight if s else None, s.down_proj.weight if s else None)
+            return tp_all_reduce(out)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
