@@ -3,13 +3,12 @@ current default and its bandwidth bound (times are CUDA-graph replays, as a capt
 
 - MoE GEMV (kernels/moe_gemv.py) with the shared experts folded in, at 1 and 4 tokens; also the
   layout it replaced (routed GEMV without shared, then cuBLAS shared MLP and the add).
+- Dense GEMV (kernels/gemv.py) against cuBLAS at one token.
 - MLA decode (kernels/mla_decode.py) at batch 1 and 4, 16 heads, contexts 1,152 and 4,096:
   split count, tile and warps.
 
-``python scripts/b1_sweep.py [--bw 4.14] [--only moe|mla]``; prints the best config per shape.
-
-(A dense Triton GEMV for the attention projections was tried on 2026-11-29 and lost to cuBLAS at
-one token on every shape but lm_head, so it was dropped.)"""
+``python scripts/b1_sweep.py [--bw 4.14] [--only moe|dense|mla]``; prints the best config per shape.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
+from moeserve.kernels.gemv import gemv, gemv_config
 from moeserve.kernels.mla_decode import decode_config, default_num_kv_splits, mla_decode, mla_decode_ref
 from moeserve.kernels.moe_gemv import DOWN_CONFIG_MORE, DOWN_CONFIGS, GATE_UP_CONFIG, moe_gemv
 from moeserve.layers.moe import moe_experts_ref
@@ -75,6 +75,25 @@ def sweep_moe(bw: float, rows: list) -> None:
     print(f"defaults: gate_up {GATE_UP_CONFIG} down {DOWN_CONFIGS}, beyond {DOWN_CONFIG_MORE}")
 
 
+def sweep_dense(bw: float, rows: list) -> None:
+    """cuBLAS against kernels.gemv at one token: fused q/kv_a, o_proj, dense MLP, V3 q_a+kv_a."""
+    for N, K in ((3648, 2048), (2048, 2048), (22528, 2048), (2048, 11264), (2112, 7168)):
+        x = torch.randn(1, K, device=DEV, dtype=BF16)
+        w = torch.randn(N, K, device=DEV, dtype=BF16) * K ** -0.5
+        ref = F.linear(x.float(), w.float())
+        assert (gemv(x, w).float() - ref).abs().max() < 2e-2 * ref.abs().max()
+        cublas = t_us(lambda: F.linear(x, w))
+        base = t_us(lambda: gemv(x, w))
+        best, best_cfg = base, f"default {gemv_config(1, N)}"
+        for bn, bk, nw in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)):
+            cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
+            t = t_us(lambda: gemv(x, w, None, cfg))
+            if t < best:
+                best, best_cfg = t, str(cfg)
+        rows.append((f"gemv N{N} K{K} T1 (cuBLAS {cublas:.1f} us)", base, best, N * K * 2 / bw * 1e6, best_cfg))
+        print(rows[-1], flush=True)
+
+
 def sweep_mla(bw: float, rows: list) -> None:
     H, Lk, R, page = 16, 512, 64, 64
     for B, ctx in ((1, 1152), (1, 4096), (4, 1152)):
@@ -105,11 +124,13 @@ def sweep_mla(bw: float, rows: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bw", type=float, default=4.14, help="copy bandwidth, TB/s")
-    ap.add_argument("--only", choices=["moe", "mla"])
+    ap.add_argument("--only", choices=["moe", "dense", "mla"])
     args = ap.parse_args()
     rows: list = []
     if args.only in (None, "moe"):
         sweep_moe(args.bw * 1e12, rows)
+    if args.only in (None, "dense"):
+        sweep_dense(args.bw * 1e12, rows)
     if args.only in (None, "mla"):
         sweep_mla(args.bw * 1e12, rows)
     print(f"\n{'shape':<90} {'default us':>10} {'best us':>8} {'bound us':>8} {'% bound':>7}  best config")

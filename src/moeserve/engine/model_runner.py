@@ -27,6 +27,8 @@ from moeserve.models import model_class
 log = logging.getLogger("moeserve")
 
 CPU_DEFAULT_KV_TOKENS = 1 << 16
+# Dense projections of <= 4 tokens through moeserve.kernels.gemv instead of cuBLAS on the fast path.
+SMALL_GEMV = True
 
 
 @dataclass
@@ -141,6 +143,7 @@ class ModelRunner:
         from moeserve.kernels.fused_moe import fused_moe
         from moeserve.kernels.selftest import working_kernels
         from moeserve.layers.attention import MLAAttention
+        from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
         from moeserve.layers.moe import MoE, RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
 
@@ -155,6 +158,8 @@ class ModelRunner:
                 m.use_kernel = use[type(m)]
             if isinstance(m, MLAAttention):
                 m.fuse_input_projections()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, MLAAttention)):
+                m.small_gemv = SMALL_GEMV and "gemv" in ok
         self.sample_kernel = "sampling" in ok
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
         self._compile_moe_tiles()

@@ -147,31 +147,36 @@ def _mla_decode_merge_kernel(
     PartOut, PartLse, Out,
     stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_out_b, stride_out_h,
     ContextLens, num_splits,
-    LK: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_N: tl.constexpr,
+    LK: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
-    """One program per (sequence, head): merge the splits' partial outputs by their lse
-    (log2 domain), with a running max so no split count has to be a compile-time constant."""
+    """One program per (sequence, head): merge the splits that hold tokens by their lse (log2
+    domain). All lse values are read at once for the max; the partial outputs are then read
+    ``CHUNK`` splits at a time, accumulated elementwise and summed once at the end."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_c = tl.arange(0, BLOCK_LK)
     mask_c = offs_c < LK
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([BLOCK_LK], dtype=tl.float32)
     ctx_len = tl.load(ContextLens + b)
-    for s in range(0, tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))):  # splits with tokens
-        lse = tl.load(PartLse + b * stride_pl_b + h * stride_pl_h + s)
-        if lse > float("-inf"):  # empty splits carry no weight (and would make exp2 produce nan)
-            part = tl.load(PartOut + b * stride_po_b + h * stride_po_h + s * stride_po_s + offs_c,
-                           mask=mask_c, other=0.0)
-            m_new = tl.maximum(m, lse)
-            alpha = tl.exp2(m - m_new)
-            w = tl.exp2(lse - m_new)
-            acc = acc * alpha + w * part
-            total = total * alpha + w
-            m = m_new
-    acc = acc / tl.where(total > 0.0, total, 1.0)  # a padded sequence of length 0 gets zeros
-    tl.store(Out + b * stride_out_b + h * stride_out_h + offs_c, acc.to(Out.dtype.element_ty), mask=mask_c)
+    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))
+    lse_row = PartLse + b * stride_pl_b + h * stride_pl_h
+    offs_s = tl.arange(0, BLOCK_S)
+    m = tl.max(tl.load(lse_row + offs_s, mask=offs_s < used, other=float("-inf")), axis=0)
+    m = tl.where(m > float("-inf"), m, 0.0)  # no tokens at all (a padded row): weights all zero
+    acc = tl.zeros([CHUNK, BLOCK_LK], dtype=tl.float32)
+    total = tl.zeros([CHUNK], dtype=tl.float32)
+    for s0 in range(0, used, CHUNK):
+        offs = s0 + tl.arange(0, CHUNK)
+        lse = tl.load(lse_row + offs, mask=offs < used, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)  # an empty split weighs nothing
+        part = tl.load(PartOut + b * stride_po_b + h * stride_po_h + offs[:, None] * stride_po_s + offs_c[None, :],
+                       mask=(w > 0.0)[:, None] & mask_c[None, :], other=0.0)
+        acc += w[:, None] * part
+        total += w
+    out = tl.sum(acc, axis=0)
+    denom = tl.sum(total, axis=0)
+    out = out / tl.where(denom > 0.0, denom, 1.0)  # a padded sequence of length 0 gets zeros
+    tl.store(Out + b * stride_out_b + h * stride_out_h + offs_c, out.to(Out.dtype.element_ty), mask=mask_c)
 
 
 def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int, device: torch.device) -> int:
@@ -269,7 +274,8 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     if not direct:
         _mla_decode_merge_kernel[(B, H)](
             part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
-            context_lens, num_kv_splits, LK=Lk, BLOCK_LK=block_lk, BLOCK_N=cfg["BLOCK_N"], num_warps=4 if Lk >= 256 else 1,
+            context_lens, num_kv_splits, LK=Lk, BLOCK_LK=block_lk, BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_S=triton.next_power_of_2(num_kv_splits), CHUNK=4, num_warps=4 if Lk >= 256 else 1,
         )
     return out
 

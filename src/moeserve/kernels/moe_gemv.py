@@ -50,16 +50,19 @@ def _gate_up_gemv(X, W13, SW13, Ids, Inter, first_expert, num_local, hidden, int
         w_gate = SW13 + (row0 + offs_n[:, None]) * stride_sw
         up_offset = shared_size * stride_sw
     mask_n = offs_n < rows
-    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # Products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile and are summed over K once at
+    # the end: a reduction across warps inside the loop would stall every iteration's loads.
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < hidden
         x = tl.load(X + token * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         m = mask_n[:, None] & mask_k[None, :]
-        gate += tl.sum(tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
-        up += tl.sum(tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :],
-                     axis=1)
+        acc_gate += tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :]
+        acc_up += tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :]
+    gate = tl.sum(acc_gate, axis=1)
+    up = tl.sum(acc_up, axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up  # zero past ``rows``: the down kernel may read it
     tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
 
@@ -72,7 +75,7 @@ def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidde
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # summed over K once, at the end
     for slot in tl.static_range(TOPK + SHARED_SLOTS):
         if slot < TOPK:
             e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
@@ -86,13 +89,12 @@ def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidde
             w = SW2 + offs_n[:, None] * stride_sw + col0
             scale = 1.0
         inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        part = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in range(0, inter_size, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(inter_row + offs_k, mask=offs_k < inter_size, other=0.0).to(tl.float32)
+            v = tl.load(inter_row + offs_k, mask=offs_k < inter_size, other=0.0).to(tl.float32) * scale
             m = mask_n[:, None] & (offs_k < cols)[None, :]
-            part += tl.sum(tl.load(w + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :], axis=1)
-        acc += part * scale
+            acc += tl.load(w + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
+    acc = tl.sum(acc, axis=1)
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 

@@ -85,6 +85,7 @@ def check_moe_gemv(device: torch.device) -> bool:
 
 CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "rmsnorm": check_rmsnorm, "router": check_router, "rope_cache": check_rope_cache, "moe_gemv": check_moe_gemv,
+    "gemv": lambda device: __import__("moeserve.kernels.gemv", fromlist=["selfcheck"]).selfcheck(device),
     "sampling": lambda device: __import__("moeserve.kernels.sampling", fromlist=["selfcheck"]).selfcheck(device),
 }
 

@@ -11,7 +11,7 @@ from moeserve.attention.backend import AttentionBackend, MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.config import ModelConfig
 from moeserve.engine.context import get_context
-from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.parallel.comm import tp_group
@@ -47,6 +47,7 @@ class MLAAttention(nn.Module):
         self.pool: StageKVPool | None = None
         self.backend: AttentionBackend | None = None
         self.use_kernel = False  # set by the runner on the fast path
+        self.small_gemv = False  # likewise: the fused input projection through kernels.gemv at few tokens
         # fuse_input_projections(): one [q (or q_a) | kv_a] weight for the two GEMVs on `hidden`
         self.input_fused = False
         self.register_buffer("fused_in_weight", None, persistent=False)
@@ -86,7 +87,7 @@ class MLAAttention(nn.Module):
         T = hidden.shape[0]
         if self.input_fused:
             kv_dim = self.kv_lora_rank + self.rope_dim
-            q_in, kv = F.linear(hidden, self.fused_in_weight, self.fused_in_bias).split(
+            q_in, kv = linear(hidden, self.fused_in_weight, self.fused_in_bias, self.small_gemv).split(
                 [self.fused_in_weight.shape[0] - kv_dim, kv_dim], dim=-1)
         else:
             first, kv_a = self._input_projections()

@@ -20,6 +20,19 @@ def _divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
+SMALL_GEMV_MAX_TOKENS = 4  # moeserve.kernels.gemv serves up to this many tokens
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           small_gemv: bool = False) -> torch.Tensor:
+    """``F.linear``; with ``small_gemv`` (the fast path), a few tokens go to the Triton GEMV."""
+    if small_gemv and x.dim() == 2 and x.shape[0] <= SMALL_GEMV_MAX_TOKENS and x.stride(-1) == 1:
+        from moeserve.kernels.gemv import gemv
+
+        return gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
@@ -44,9 +57,10 @@ class ReplicatedLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = replicated_loader
+        self.small_gemv = False  # set by the runner on the fast path
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_gemv)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -65,6 +79,7 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
             self.bias.weight_loader = self._load
+        self.small_gemv = False  # set by the runner on the fast path
 
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
         g = tp_group()
@@ -85,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
             copy_checked(param.data.narrow(0, dst_offset, local), part, getattr(param, "checkpoint_name", ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_gemv)
 
 
 class RowParallelLinear(nn.Module):
@@ -97,6 +112,7 @@ class RowParallelLinear(nn.Module):
         g = tp_group()
         self.in_local = _divide(in_features, g.size, "input size")
         self.reduce = reduce
+        self.small_gemv = False  # set by the runner on the fast path
         self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
         self.weight.weight_loader = self._load
         self.bias = None
@@ -113,7 +129,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param, loaded.narrow(1, g.rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
+        out = linear(x, self.weight, None, self.small_gemv)
         if self.reduce:
             out = tp_all_reduce(out)
         if self.bias is not None:
