@@ -84,7 +84,7 @@ def sweep_dense(bw: float, rows: list) -> None:
         assert (gemv(x, w).float() - ref).abs().max() < 2e-2 * ref.abs().max()
         cublas = t_us(lambda: F.linear(x, w))
         base = t_us(lambda: gemv(x, w))
-        best, best_cfg = base, f"default {gemv_config(1, N)}"
+        best, best_cfg = base, f"default {gemv_config(1, K)}"
         for bn, bk, nw in itertools.product((2, 4, 8, 16), (256, 512, 1024), (4, 8)):
             cfg = {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw}
             t = t_us(lambda: gemv(x, w, None, cfg))

