@@ -35,7 +35,8 @@ def t_us(fn) -> float:
 
 
 def gemv_configs(down: bool):
-    for bn, bk, w in itertools.product((4, 8, 16, 32) if down else (8, 16, 32), (128, 256, 512), (4, 8)):
+    for bn, bk, w in itertools.product((2, 4, 8, 16, 32) if down else (8, 16, 32),
+                                       (128, 256, 512, 1024) if down else (128, 256, 512), (4, 8)):
         if 512 <= bn * bk <= 16384:
             yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
 

@@ -67,9 +67,12 @@ def _gate_up_gemv(X, W13, SW13, Ids, Inter, first_expert, num_local, hidden, int
 
 
 @triton.jit
-def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidden, inter_size, shared_size,
-               stride_i, stride_we, stride_wh, stride_sw, stride_o,
+def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidden, shared_size,
+               stride_i, stride_we, stride_wh, stride_sw, stride_o, INTER: tl.constexpr,
                TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Slots and K chunks are both unrolled (INTER is a compile-time constant), so the loads of
+    # every slot are independent instructions the compiler can issue ahead of the arithmetic:
+    # at one token each program has little else to hide memory latency with.
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -79,18 +82,18 @@ def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidde
         if slot < TOPK:
             e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
             mine = (e >= 0) & (e < num_local)
-            cols = tl.where(mine, inter_size, 0)
+            cols = tl.where(mine, INTER, 0)
             w = W2 + tl.where(mine, e, 0) * stride_we + offs_n[:, None] * stride_wh
             scale = tl.load(Weights + token * TOPK + slot).to(tl.float32)
         else:
-            col0 = (slot - TOPK) * inter_size
-            cols = tl.minimum(inter_size, shared_size - col0)
+            col0 = (slot - TOPK) * INTER
+            cols = tl.minimum(INTER, shared_size - col0)
             w = SW2 + offs_n[:, None] * stride_sw + col0
             scale = 1.0
         inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        for k0 in range(0, inter_size, BLOCK_K):
+        for k0 in tl.static_range(0, INTER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            v = tl.load(inter_row + offs_k, mask=offs_k < inter_size, other=0.0).to(tl.float32) * scale
+            v = tl.load(inter_row + offs_k, mask=offs_k < INTER, other=0.0).to(tl.float32) * scale
             m = mask_n[:, None] & (offs_k < cols)[None, :]
             acc += tl.load(w + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
     acc = tl.sum(acc, axis=1)
@@ -141,8 +144,8 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
         x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0), inter.stride(0),
         TOPK=K, SHARED_SLOTS=shared_slots, **gu)
     _down_gemv[(T, triton.cdiv(hidden, dn["BLOCK_N"]))](
-        inter, w2, sw2, ids, weights, out, first_expert, E, hidden, inter_size, shared_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), sw2.stride(0), out.stride(0),
+        inter, w2, sw2, ids, weights, out, first_expert, E, hidden, shared_size,
+        inter.stride(0), w2.stride(0), w2.stride(1), sw2.stride(0), out.stride(0), INTER=inter_size,
         TOPK=K, SHARED_SLOTS=shared_slots, **dn)
     return out
 
