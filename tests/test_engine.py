@@ -147,3 +147,23 @@ def test_demo_model_with_tokenizer_stop_strings_and_streaming_text():
 def test_max_model_len_larger_than_kv_capacity_is_an_error(v3_checkpoint):
     with pytest.raises(ValueError, match=r"max_model_len 100 is larger than the KV cache capacity of 32 tokens"):
         LLM(str(v3_checkpoint), device="cpu", num_kv_pages=8, page_size=4, max_model_len=100)
+
+
+def test_resize_kv_lets_go_of_the_old_pool(v3_checkpoint):
+    """A rank that shrinks its pool to match its peers must not keep the old one alive (every
+    attention layer held it: on two H200s the old and new pool did not fit together)."""
+    import gc
+    import weakref
+
+    from moeserve.config import load_model_config
+    from moeserve.engine.config import EngineConfig
+    from moeserve.engine.model_runner import ModelRunner
+
+    runner = ModelRunner(load_model_config(str(v3_checkpoint)),
+                         EngineConfig(model=str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=9))
+    old = weakref.ref(runner.pool.buffer)
+    runner.resize_kv(5)
+    gc.collect()
+    assert old() is None
+    assert runner.num_pages == 5
+    assert all(m.pool is runner.pool for m in runner.model.modules() if hasattr(m, "pool"))

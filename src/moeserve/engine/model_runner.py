@@ -188,6 +188,9 @@ class ModelRunner:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""
         if num_pages == self.num_pages:
             return
+        # Every attention layer holds the pool: drop those references too, or the old pool stays
+        # allocated beside the new one (found on two H200s: rank 1 ran out of memory here).
+        self.model.bind(None, self.backend)
         del self.pool
         self._make_pool(num_pages)
 

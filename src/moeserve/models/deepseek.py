@@ -85,8 +85,9 @@ class DeepseekForCausalLM(nn.Module):
             p.checkpoint_name = name
 
     # ---- runtime wiring ----
-    def bind(self, pool: StageKVPool, backend: AttentionBackend) -> None:
-        if pool.stage != self.stage:
+    def bind(self, pool: StageKVPool | None, backend: AttentionBackend) -> None:
+        """Point every attention layer at the KV pool (``None`` lets go of the current one)."""
+        if pool is not None and pool.stage != self.stage:
             raise ValueError(f"KV pool covers layers [{pool.stage.start_layer}, {pool.stage.end_layer}) "
                              f"but the model stage owns [{self.stage.start_layer}, {self.stage.end_layer})")
         for layer in self.model.layers.values():
