@@ -149,21 +149,29 @@ def test_max_model_len_larger_than_kv_capacity_is_an_error(v3_checkpoint):
         LLM(str(v3_checkpoint), device="cpu", num_kv_pages=8, page_size=4, max_model_len=100)
 
 
-def test_resize_kv_lets_go_of_the_old_pool(v3_checkpoint):
-    """A rank that shrinks its pool to match its peers must not keep the old one alive (every
-    attention layer held it: on two H200s the old and new pool did not fit together)."""
+def test_resize_kv_lets_go_of_the_old_pool(v3_checkpoint, monkeypatch):
+    """A rank that shrinks its pool to match its peers must free the old one before allocating the
+    new one (every attention layer held it: on two H200s the two pools did not fit together)."""
     import gc
     import weakref
 
+    import moeserve.engine.model_runner as mr
     from moeserve.config import load_model_config
     from moeserve.engine.config import EngineConfig
-    from moeserve.engine.model_runner import ModelRunner
 
-    runner = ModelRunner(load_model_config(str(v3_checkpoint)),
-                         EngineConfig(model=str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=9))
+    runner = mr.ModelRunner(load_model_config(str(v3_checkpoint)),
+                            EngineConfig(model=str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=9))
     old = weakref.ref(runner.pool.buffer)
+    old_alive_at_new_pool = []
+    make_pool = mr.StageKVPool
+
+    def new_pool(*args, **kwargs):
+        gc.collect()
+        old_alive_at_new_pool.append(old() is not None)
+        return make_pool(*args, **kwargs)
+
+    monkeypatch.setattr(mr, "StageKVPool", new_pool)
     runner.resize_kv(5)
-    gc.collect()
-    assert old() is None
+    assert old_alive_at_new_pool == [False]
     assert runner.num_pages == 5
     assert all(m.pool is runner.pool for m in runner.model.modules() if hasattr(m, "pool"))
