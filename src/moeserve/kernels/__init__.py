@@ -11,15 +11,19 @@ module                 kernel (wrapper)                            reference
 ``fused_moe``          routed experts: align pairs by expert, two  ``fused_moe_ref``
                        grouped GEMMs (SiLU*up and the top-k weight (= ``layers.moe.moe_experts_ref``)
                        fused), combine (``fused_moe``)
-``moe_gemv``           routed experts for <= 32 (token, expert)    ``layers.moe.moe_experts_ref``
-                       pairs: two GEMV kernels, no alignment
-                       (``moe_gemv``; ``fused_moe`` dispatches)
+``moe_gemv``           routed + shared experts for <= 32 (token,   ``layers.moe.moe_experts_ref``
+                       expert) pairs: two GEMV kernels, no         + the shared ``DenseMLP``
+                       alignment, the sum inside (``moe_gemv``)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
-``router``             expert choice from router logits: scores,   ``layers.moe.Router`` (torch)
-                       bias, groups, top-k, normalise (``route``)
-``rope_cache``         rope of q and k + the KV-cache write        ``layers.rotary.RotaryEmbedding``
-                       (``rope_and_cache``)                        + ``StageKVPool.write``
+``router``             expert choice: router GEMV, scores, bias,   ``layers.moe.Router`` (torch)
+                       groups, top-k, normalise (``route_hidden``,
+                       ``route``, ``router_logits``)
+``rope_cache``         rope of q and k, RMSNorm of the latent, the ``layers.rotary.RotaryEmbedding``
+                       KV-cache write (``rope_and_cache``)         + ``StageKVPool.write``
+``gemv``               dense projections of <= 4 tokens (``gemv``) ``F.linear``
+``sampling``           argmax + logsumexp of a row of logits       ``argmax_logsumexp_ref``
+                       (``argmax_logsumexp``)
 =====================  ==========================================  ================================
 
 The model runner switches the layers to these kernels when the backend is ``triton`` (the
