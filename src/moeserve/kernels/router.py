@@ -19,6 +19,7 @@ Ties between exactly equal scores go to the lower expert id (torch.topk promises
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -271,12 +272,17 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
     Up to ``FUSE_MAX_T`` tokens this is one launch (logits and routing together; at decode the
     launches, not the arithmetic, are the cost); beyond, :func:`router_logits` then :func:`route`
-    (routing a block of tokens in one program would serialise them)."""
+    (routing a block of tokens in one program would serialise them). Beyond, the logits come
+    from cuBLAS: on an H200 at 256 tokens this module's tl.dot logits took 45 us a layer against
+    13 us for the cast and cuBLAS's fp32 GEMM."""
     x, weight = _check_shapes(x, weight)
     T, H = x.shape
     E = weight.shape[0]
+    if T > FUSE_MAX_T:
+        return route(F.linear(x.float(), weight), bias, top_k, n_group, topk_group, scoring_func, topk_method,
+                     norm_topk_prob, routed_scaling_factor)
     cfg = logits_config(T, E, H, x.device)
-    counters = _counters(x.device) if 0 < T <= FUSE_MAX_T and not cfg["USE_DOT"] else None
+    counters = _counters(x.device) if 0 < T and not cfg["USE_DOT"] else None
     if counters is None:
         return route(router_logits(x, weight, cfg), bias, top_k, n_group, topk_group, scoring_func, topk_method,
                      norm_topk_prob, routed_scaling_factor)
@@ -294,7 +300,7 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def selfcheck_route_hidden(device: torch.device) -> bool:
     """route_hidden against torch at a tiny V3-style shape, for ``kernels.selftest``: bf16 hidden
     states, grouped sigmoid routing, 3 tokens (the fused launch, which also allocates its
-    counters before any CUDA-graph capture) and 20 tokens (dot-tile logits, then :func:`route`)."""
+    counters before any CUDA-graph capture) and 20 tokens (cuBLAS logits, then :func:`route`)."""
     g = torch.Generator().manual_seed(4)
     weight = torch.randn(16, 40, generator=g).to(device)
     bias = (torch.rand(16, generator=g) * 0.1).to(device)
