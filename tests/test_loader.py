@@ -116,3 +116,15 @@ def test_quantized_checkpoint_is_refused_clearly(v3_checkpoint, tmp_path):
     shutil.copy(v3_checkpoint / "model.safetensors", d / "model.safetensors")
     with pytest.raises(ValueError, match="fp8 8-bit quantized weights.*load_format='dummy'"):
         LLM(str(d), device="cpu")
+
+
+def test_attention_bias_without_q_lora_loads(tmp_path):
+    """transformers gives q_proj no bias even with attention_bias: such a checkpoint loads."""
+    from checkpoints import make_checkpoint
+
+    from moeserve import LLM, SamplingParams
+
+    path = make_checkpoint(tmp_path / "v3_plain_bias", "v3_plain", attention_bias=True)
+    with LLM(str(path), device="cpu", dtype="float32", backend="reference") as llm:
+        out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=2))
+    assert len(out[0].outputs[0].token_ids) == 2

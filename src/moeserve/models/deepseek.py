@@ -187,9 +187,9 @@ def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[i
         yield f"{a}.kv_b_proj.weight", (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
                                          c.kv_lora_rank)
         yield f"{a}.o_proj.weight", (H, c.num_attention_heads * c.v_head_dim)
-        if c.attention_bias:
-            yield f"{a}.q_a_proj.bias" if c.q_lora_rank else f"{a}.q_proj.bias", (
-                c.q_lora_rank or q_out,)
+        if c.attention_bias:  # as in transformers, q_proj (no q_lora) has no bias
+            if c.q_lora_rank:
+                yield f"{a}.q_a_proj.bias", (c.q_lora_rank,)
             yield f"{a}.kv_a_proj_with_mqa.bias", (c.kv_latent_dim,)
             yield f"{a}.o_proj.bias", (H,)
         m = f"{p}.mlp"
