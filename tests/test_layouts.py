@@ -157,3 +157,15 @@ def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, ref
              max_num_batched_tokens=8) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)],
+                         ids=["tp2", "tp2-ep2"])
+def test_fast_path_splits_like_the_reference(checkpoints, reference, layout):
+    """The small-batch fused MoE (routed experts of other ranks masked off, TP-split shared
+    experts as extra slots), fused input projections and the dense GEMV under TP and EP."""
+    pytest.importorskip("triton")
+    with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8,
+             **layout) as llm:
+        outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
