@@ -4,18 +4,7 @@
 # at real shapes, and (with the wheels of scripts/fetch_server_wheels.sh carried as .whl) the
 # serving sweep. The device returns at most 8 files, so everything is packed into one archive.
 #   run: bash scripts/gpu_session.sh $OUT        (carry [".whl"] for the sweep)
-set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${1:?output dir}
-work=$(mktemp -d)
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-step() {  # name, seconds, command...: run with a time limit, log to $work/name.log, one summary line
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc $rc in $((SECONDS - t0)) s" | tee -a "$work/summary.txt"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null || true
 step bench_bf16 200 python3 scripts/gpu_check.py --out "$work/bf16" --batch-sizes 1,8,64,256 \
@@ -32,6 +21,4 @@ step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_router
 grep -h "^ *[0-9]* \+[0-9,]* \+[0-9.]* \+[0-9,.]* \|CHECK" "$work/bench_bf16.log" "$work/exact_fp32.log" \
   >> "$work/summary.txt" 2>/dev/null
 tail -3 "$work/kernel_tests.log" >> "$work/summary.txt" 2>/dev/null
-cp "$work/summary.txt" "$out/summary.txt"
-tar czf "$out/results.tgz" -C "$work" .
-cat "$out/summary.txt"
+pack

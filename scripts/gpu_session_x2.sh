@@ -4,18 +4,7 @@
 # sweep of tp2 / pp2 / ep2 next to the planner (carry the wheels of fetch_server_wheels.sh as
 # `.whl`). Everything is packed into one archive (the device returns at most 8 files).
 #   run (kind nvidia-h200-x2): bash scripts/gpu_session_x2.sh $OUT
-set -uo pipefail
-cd "$(dirname "$0")/.."
-out=${1:?output dir}
-work=$(mktemp -d)
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
-step() {  # name, seconds, command...: run with a time limit, log to $work/name.log, one summary line
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$work/$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc $rc in $((SECONDS - t0)) s" | tee -a "$work/summary.txt"
-}
+source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi -L > "$work/gpu.txt" 2>&1
 step layouts_fp32 240 python3 scripts/layouts_check.py --out "$work/layouts_fp32" --layouts tp2,pp2,ep2 \
   --dtype float32 --tokens 16
@@ -23,6 +12,4 @@ if ls .whl/*.whl > /dev/null 2>&1; then
   step sweep 300 bash scripts/gpu_sweep.sh "$work/sweep" tp2,pp2,ep2 1,32,128
 fi
 grep -h -A6 "^layout" "$work/layouts_fp32.log" >> "$work/summary.txt" 2>/dev/null
-cp "$work/summary.txt" "$out/summary.txt"
-tar czf "$out/results.tgz" -C "$work" .
-cat "$out/summary.txt"
+pack

@@ -271,10 +271,9 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     router weight [E, H] -> (weights [T, top_k] float32, ids [T, top_k] int64).
 
     Up to ``FUSE_MAX_T`` tokens this is one launch (logits and routing together; at decode the
-    launches, not the arithmetic, are the cost); beyond, :func:`router_logits` then :func:`route`
-    (routing a block of tokens in one program would serialise them). Beyond, the logits come
-    from cuBLAS: on an H200 at 256 tokens this module's tl.dot logits took 45 us a layer against
-    13 us for the cast and cuBLAS's fp32 GEMM."""
+    launches, not the arithmetic, are the cost). Beyond, cuBLAS logits then :func:`route`
+    (routing a block of tokens in one program would serialise them; on an H200 at 256 tokens
+    this module's tl.dot logits took 45 us a layer against 13 us for the cast and cuBLAS)."""
     x, weight = _check_shapes(x, weight)
     T, H = x.shape
     E = weight.shape[0]
@@ -282,8 +281,8 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return route(F.linear(x.float(), weight), bias, top_k, n_group, topk_group, scoring_func, topk_method,
                      norm_topk_prob, routed_scaling_factor)
     cfg = logits_config(T, E, H, x.device)
-    counters = _counters(x.device) if 0 < T and not cfg["USE_DOT"] else None
-    if counters is None:
+    counters = _counters(x.device) if T else None
+    if counters is None:  # no tokens, or a graph capture before any eager call
         return route(router_logits(x, weight, cfg), bias, top_k, n_group, topk_group, scoring_func, topk_method,
                      norm_topk_prob, routed_scaling_factor)
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)

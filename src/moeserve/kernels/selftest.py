@@ -83,10 +83,21 @@ def check_moe_gemv(device: torch.device) -> bool:
             and _close(moe_gemv(x, w13, w2, w, ids, 0, sw13, sw2), ref + shared))
 
 
+def check_gemv(device: torch.device) -> bool:
+    from moeserve.kernels.gemv import selfcheck
+
+    return selfcheck(device)
+
+
+def check_sampling(device: torch.device) -> bool:
+    from moeserve.kernels.sampling import selfcheck
+
+    return selfcheck(device)
+
+
 CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "rmsnorm": check_rmsnorm, "router": check_router, "rope_cache": check_rope_cache, "moe_gemv": check_moe_gemv,
-    "gemv": lambda device: __import__("moeserve.kernels.gemv", fromlist=["selfcheck"]).selfcheck(device),
-    "sampling": lambda device: __import__("moeserve.kernels.sampling", fromlist=["selfcheck"]).selfcheck(device),
+    "gemv": check_gemv, "sampling": check_sampling,
 }
 
 

@@ -4,7 +4,6 @@ heads plus one shared rope key; the cache stores only the latent and the rope ke
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moeserve.attention.backend import AttentionBackend, MLAWeights
@@ -49,9 +48,12 @@ class MLAAttention(nn.Module):
         self.use_kernel = False  # set by the runner on the fast path
         self.small_gemv = False  # likewise: the fused input projection through kernels.gemv at few tokens
         # fuse_input_projections(): one [q (or q_a) | kv_a] weight for the two GEMVs on `hidden`
-        self.input_fused = False
         self.register_buffer("fused_in_weight", None, persistent=False)
         self.register_buffer("fused_in_bias", None, persistent=False)
+
+    @property
+    def input_fused(self) -> bool:
+        return self.fused_in_weight is not None
 
     def _input_projections(self) -> tuple[nn.Module, nn.Module]:
         return (self.q_a_proj if self.q_lora else self.q_proj), self.kv_a_proj_with_mqa
@@ -77,7 +79,6 @@ class MLAAttention(nn.Module):
                 if p.bias is not None:
                     p.bias.data = b
         self.fused_in_weight, self.fused_in_bias = weight, bias
-        self.input_fused = True
 
     def mla_weights(self) -> MLAWeights:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
