@@ -22,7 +22,7 @@ from triton.testing import do_bench_cudagraph
 from moeserve.kernels.gemv import gemv, gemv_config
 from moeserve.kernels.mla_decode import decode_config, default_num_kv_splits, mla_decode, mla_decode_ref
 from moeserve.kernels.moe_gemv import DOWN_CONFIG_MORE, DOWN_CONFIGS, GATE_UP_CONFIG, moe_gemv
-from moeserve.layers.moe import moe_experts_ref
+from moeserve.kernels.moe_ref import moe_experts_ref
 
 DEV, BF16 = "cuda", torch.bfloat16
 

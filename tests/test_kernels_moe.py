@@ -8,7 +8,7 @@ import torch
 triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.kernels.fused_moe import align_pairs_by_expert, fused_moe, gpu_tile_config, moe_config  # noqa: E402
-from moeserve.layers.moe import moe_experts_ref  # noqa: E402
+from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: E402
 
 from kernel_utils import DEV, DTYPES, real  # noqa: E402
 

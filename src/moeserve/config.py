@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,13 +41,33 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """What the checkpoint says about quantized weights (planner input; the engine loads bf16/fp16/fp32)."""
+    """What the checkpoint's ``quantization_config`` says about its weights."""
 
     method: str  # "fp8", "compressed-tensors", ...
     weight_bits: int
     group_size: int | None = None  # INT4 group quantization
     block_size: tuple[int, int] | None = None  # FP8 block quantization
     ignore: tuple[str, ...] = ()
+    # compressed-tensors details, checked against what the engine runs (``quant.int4``)
+    format: str | None = None  # "pack-quantized", ...
+    strategy: str | None = None  # "group", "channel", ...
+    symmetric: bool = True
+    actorder: str | None = None
+    weight_type: str = "int"
+    num_groups: int = 1  # config_groups beyond the first are not supported by the engine
+    fmt: str | None = None  # FP8: "e4m3"
+    activation_scheme: str | None = None  # FP8: "dynamic"
+
+    def ignores(self, module: str) -> bool:
+        """Whether module ``module`` (e.g. ``model.layers.3.self_attn.q_a_proj``) is left
+        unquantized by the ``ignore`` list (exact names, or ``re:`` regexes matched from the start)."""
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], module):
+                    return True
+            elif pattern == module:
+                return True
+        return False
 
 
 @dataclass(frozen=True)
@@ -164,7 +185,9 @@ def _quantization_from(d: dict[str, Any]) -> QuantizationConfig | None:
     if method == "fp8":
         block = q.get("weight_block_size")
         return QuantizationConfig(
-            method="fp8", weight_bits=8, block_size=tuple(block) if block else None
+            method="fp8", weight_bits=8, block_size=tuple(block) if block else None,
+            ignore=tuple(q.get("ignored_layers") or q.get("modules_to_not_convert") or ()),
+            fmt=q.get("fmt"), activation_scheme=q.get("activation_scheme"),
         )
     if method == "compressed-tensors":
         groups = q.get("config_groups") or {}
@@ -174,6 +197,12 @@ def _quantization_from(d: dict[str, Any]) -> QuantizationConfig | None:
             weight_bits=int(weights.get("num_bits", 8)),
             group_size=weights.get("group_size"),
             ignore=tuple(q.get("ignore", ())),
+            format=q.get("format"),
+            strategy=weights.get("strategy"),
+            symmetric=bool(weights.get("symmetric", True)),
+            actorder=weights.get("actorder"),
+            weight_type=weights.get("type", "int"),
+            num_groups=len(groups),
         )
     return QuantizationConfig(method=method, weight_bits=int(q.get("bits", q.get("num_bits", 16))))
 
@@ -182,6 +211,21 @@ def _required(d: dict[str, Any], key: str) -> Any:
     if key not in d:
         raise ValueError(f"config.json is missing required field {key!r}")
     return d[key]
+
+
+def apply_hf_overrides(data: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """vLLM's ``--hf-overrides``: replace config.json fields (of ``text_config`` when the file wraps
+    the language model in one), e.g. ``{"num_hidden_layers": 8}`` for a short model of real shapes."""
+    if not overrides:
+        return data
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object, got {overrides!r}")
+    out = dict(data)
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = {**out["text_config"], **overrides}
+    else:
+        out.update(overrides)
+    return out
 
 
 def parse_model_config(data: dict[str, Any]) -> ModelConfig:
@@ -276,7 +320,7 @@ def resolve_config_path(model: str | Path) -> Path:
     )
 
 
-def load_model_config(model: str | Path) -> ModelConfig:
+def load_model_config(model: str | Path, hf_overrides: dict[str, Any] | None = None) -> ModelConfig:
     path = resolve_config_path(model)
     with open(path) as f:
-        return parse_model_config(json.load(f))
+        return parse_model_config(apply_hf_overrides(json.load(f), hf_overrides))

@@ -27,22 +27,41 @@ def checkpoint_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
+# Kimi K2.5 / K2.6 store the text model under this prefix, beside vision tensors a text server never reads.
+TEXT_MODEL_PREFIX = "language_model."
+
+
+def text_model_name(name: str) -> str:
+    """A checkpoint tensor's name as the text model spells it (``language_model.`` dropped)."""
+    return name.removeprefix(TEXT_MODEL_PREFIX)
+
+
 def iter_checkpoint(model: DeepseekForCausalLM, model_dir: str | Path,
                     device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield only the tensors this rank keeps; the rest are never read from disk."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = text_model_name(stored)
                 if model.wants(name) or name.endswith("experts.gate_up_proj") or name.endswith("experts.down_proj"):
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(stored)
 
 
 def dummy_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device | str,
                  dtype: torch.dtype) -> torch.Tensor:
-    """The same name, shape and seed give the same tensor on every rank and every run."""
+    """The same name, shape and seed give the same tensor on every rank and every run. Quantized
+    experts come in their published format: INT4 as random packed nibbles, positive scales sized
+    so that the weights have the spread of the bf16 dummies, and the projection's shape."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    if name.endswith(".weight_shape"):
+        raise AssertionError("weight_shape is built by iter_dummy, which knows the projection's shape")
+    if name.endswith(".weight_packed"):
+        return torch.randint(-(1 << 31), 1 << 31, shape, generator=g, dtype=torch.int64, device=device).to(torch.int32)
+    if name.endswith(".weight_scale"):
+        # Uniform nibbles in [-8, 7] have a standard deviation of ~4.6: scale 0.02 / 4.6 on average.
+        return (torch.rand(shape, generator=g, device=device) + 0.5).mul_(0.02 / 4.6).to(dtype)
     t = torch.empty(shape, dtype=torch.float32, device=device)
     if name.endswith("e_score_correction_bias"):
         t.uniform_(-0.05, 0.05, generator=g)
@@ -53,8 +72,13 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.dev
 
 def iter_dummy(model: DeepseekForCausalLM, seed: int, device: torch.device | str,
                dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, shape in model.expected_checkpoint_tensors():
-        yield name, dummy_tensor(name, shape, seed, device, dtype)
+    shapes = dict(model.expected_checkpoint_tensors())
+    for name, shape in shapes.items():
+        if name.endswith(".weight_shape"):  # of the packed tensor beside it: [out, packed in * 8]
+            out_f, words = shapes[name.removesuffix("_shape") + "_packed"]
+            yield name, torch.tensor([out_f, words * 8], dtype=torch.int64, device=device)
+        else:
+            yield name, dummy_tensor(name, shape, seed, device, dtype)
 
 
 def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None, load_format: str,
@@ -66,9 +90,10 @@ def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None,
         if model_dir is None:
             raise ValueError("load_format='auto' needs a model directory")
         q = model.config.quantization
-        if q is not None:  # loading them as plain weights would silently give garbage
+        if q is not None and q.method != "compressed-tensors":  # plain-weight loading would give garbage
             raise ValueError(f"{model_dir} holds {q.method} {q.weight_bits}-bit quantized weights, which the engine "
-                             f"cannot load yet (bf16/fp16/fp32 only); use load_format='dummy' for these shapes")
+                             f"cannot load yet (bf16/fp16/fp32 and compressed-tensors INT4 experts); use "
+                             f"load_format='dummy' for these shapes")
         used = model.load_weights(iter_checkpoint(model, model_dir, device))
     else:
         raise ValueError(f"unknown load_format {load_format!r} (use 'auto' or 'dummy')")

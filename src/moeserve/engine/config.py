@@ -41,6 +41,8 @@ class EngineConfig:
     # Schedule step n+1 while step n runs (one pipeline stage); None: on for CUDA, off elsewhere.
     async_scheduling: bool | None = None
     tokenizer: str | None = None
+    # config.json fields to override (vLLM's --hf-overrides), applied to text_config where there is one
+    hf_overrides: dict | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

@@ -128,7 +128,8 @@ class ModelRunner:
         from moeserve.models.deepseek import checkpoint_tensor_shapes
 
         elem = torch.empty((), dtype=self.dtype).element_size()
-        need = sum(math.prod(shape) for _, shape in checkpoint_tensor_shapes(self.model_config)) * elem
+        need = sum(math.prod(shape) * (4 if name.endswith("_packed") else elem)  # INT4: int32 words
+                   for name, shape in checkpoint_tensor_shapes(self.model_config))
         need = need * self.stage.num_layers // self.model_config.num_hidden_layers
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > 0.8 * total:
@@ -138,22 +139,17 @@ class ModelRunner:
 
     def _use_kernels(self) -> None:
         """Switch the layers to their Triton kernels, each only if it passes a check on this device."""
-        import functools
-
-        from moeserve.kernels.fused_moe import fused_moe
         from moeserve.kernels.selftest import working_kernels
         from moeserve.layers.attention import MLAAttention
         from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
-        from moeserve.layers.moe import MoE, RoutedExperts, Router
+        from moeserve.layers.moe import RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
 
         ok = working_kernels(self.device)
         use = {RMSNorm: "rmsnorm" in ok, Router: "router" in ok, MLAAttention: "rope_cache" in ok}
         for m in self.model.modules():
             if isinstance(m, RoutedExperts):
-                m.impl = functools.partial(fused_moe, small_batch_gemv="moe_gemv" in ok)
-            elif isinstance(m, MoE):
-                m.small_batch_gemv = "moe_gemv" in ok
+                m.method.use_kernels(ok)
             elif type(m) in use:
                 m.use_kernel = use[type(m)]
             if isinstance(m, MLAAttention):
@@ -166,9 +162,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _compile_moe_tiles(self) -> None:
-        """Run the fused MoE once per tile configuration a prefill can pick, so that no request
-        waits for a Triton compile (a few seconds each) after the server says it is ready."""
-        from moeserve.kernels.fused_moe import MOE_TILE_TABLE
+        """Run the routed experts once per tile configuration a prefill can pick, so that no
+        request waits for a Triton compile (a few seconds each) after the server says it is ready."""
         from moeserve.layers.moe import RoutedExperts
 
         experts = next((m for m in self.model.modules() if isinstance(m, RoutedExperts)), None)
@@ -176,10 +171,10 @@ class ModelRunner:
             return
         k, E = self.model_config.num_experts_per_tok, experts.num_local
         lower = 0.0
-        for limit, _ in MOE_TILE_TABLE:  # a token count whose rows per expert fall in (lower, limit]
+        for limit in experts.method.tile_limits():  # a token count whose rows per expert fall in (lower, limit]
             T = min(self.config.max_num_batched_tokens, max(1, math.ceil((lower + 1) * E / k)))
             lower = limit
-            x = torch.randn(T, experts.w13.shape[2], device=self.device, dtype=self.dtype)
+            x = torch.randn(T, experts.shard.hidden, device=self.device, dtype=self.dtype)
             ids = torch.randint(0, E, (T, k), device=self.device) + experts.first_expert
             experts(x, torch.full((T, k), 1.0 / k, device=self.device), ids)
         torch.cuda.synchronize(self.device)
@@ -303,16 +298,22 @@ class ModelRunner:
     def sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
         for seq_id in step.finished_seq_ids:
             self._generators.pop(seq_id, None)
-        gens = []
-        for seq_id, params, offset in zip(step.sample_seq_ids, step.sample_params, step.sample_seed_offsets):
+        gens: list[torch.Generator | None] = []
+        errors: dict[int, str] = {}  # a row whose own sampler state fails fails its request alone
+        rows = zip(step.sample_seq_ids, step.sample_params, step.sample_seed_offsets)
+        for j, (seq_id, params, offset) in enumerate(rows):
             g = self._generators.get(seq_id)
             if g is None and params.seed is not None:
-                g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
-                self._generators[seq_id] = g
+                try:
+                    g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
+                except Exception as e:  # noqa: BLE001
+                    errors[j] = f"cannot seed its sampler with seed {params.seed}: {type(e).__name__}: {e}"
+                else:
+                    self._generators[seq_id] = g
             gens.append(g)
         if logits.shape[0] == 0:
             return PendingStep(None, None, None)
-        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel)
+        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors)
         self.keep_samples(step, drawn.tokens)
         if self.device.type != "cuda":
             return PendingStep(drawn, drawn.packed.cpu(), None)

@@ -9,11 +9,17 @@ module                 kernel (wrapper)                            reference
 ``mla_extend``         causal ragged-batch attention for prefill / ``mla_extend_ref``
                        extend, non-absorbed (``mla_extend``)
 ``fused_moe``          routed experts: align pairs by expert, two  ``fused_moe_ref``
-                       grouped GEMMs (SiLU*up and the top-k weight (= ``layers.moe.moe_experts_ref``)
+                       grouped GEMMs (SiLU*up and the top-k weight (= ``kernels.moe_ref.moe_experts_ref``)
                        fused), combine (``fused_moe``)
-``moe_gemv``           routed + shared experts for <= 32 (token,   ``layers.moe.moe_experts_ref``
+``moe_gemv``           routed + shared experts for <= 32 (token,   ``kernels.moe_ref.moe_experts_ref``
                        expert) pairs: two GEMV kernels, no         + the shared ``DenseMLP``
                        alignment, the sum inside (``moe_gemv``)
+``int4_moe``           INT4 (W4A16, compressed-tensors pack-       ``int4_moe_ref``
+                       quantized) routed experts: the GEMV pair    (= ``moe_experts_by_expert`` +
+                       of ``moe_gemv`` with shared experts         ``quant.int4.dequantize_int4``)
+                       (``int4_moe_gemv``) and the grouped GEMMs
+                       of ``fused_moe`` (``int4_fused_moe``),
+                       nibbles unpacked in registers
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
 ``router``             expert choice: router GEMV, scores, bias,   ``layers.moe.Router`` (torch)

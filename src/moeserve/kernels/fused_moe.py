@@ -1,6 +1,6 @@
 """Fused routed-expert MoE: align token-expert pairs by expert, then two grouped GEMMs.
 
-Same contract as :func:`moeserve.layers.moe.moe_experts_ref` (wrapped here as
+Same contract as :func:`moeserve.kernels.moe_ref.moe_experts_ref` (wrapped here as
 ``fused_moe_ref``): ``x [T, hidden]``, ``w13 [E_local, 2I, hidden]`` (gate rows then up rows),
 ``w2 [E_local, hidden, I]``, ``topk_weights/topk_ids [T, K]``; ids outside this rank's
 ``[first_expert, first_expert + E_local)`` contribute nothing (another EP rank holds them).
@@ -39,15 +39,13 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.moe_gemv import GEMV_MAX_PAIRS, moe_gemv
+from moeserve.kernels.moe_ref import moe_experts_ref
 from moeserve.kernels.utils import dot_args, interpreting, mma
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, first_expert: int) -> torch.Tensor:
-    """The oracle: ``moeserve.layers.moe.moe_experts_ref`` (imported late, so ``layers.moe`` can
-    import this module at its top without a cycle)."""
-    from moeserve.layers.moe import moe_experts_ref
-
+    """The oracle: ``moeserve.kernels.moe_ref.moe_experts_ref``."""
     return moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert)
 
 

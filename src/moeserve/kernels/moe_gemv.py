@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.layers.moe import GEMV_MAX_PAIRS  # T*K up to this uses the GEMV path (batch <= 4 at K = 8)
+from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS  # T*K up to this uses the GEMV path (batch <= 4 at K = 8)
 
 
 @triton.jit

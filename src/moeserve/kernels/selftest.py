@@ -66,7 +66,7 @@ def check_rope_cache(device: torch.device) -> bool:
 
 def check_moe_gemv(device: torch.device) -> bool:
     from moeserve.kernels.moe_gemv import moe_gemv
-    from moeserve.layers.moe import moe_experts_ref
+    from moeserve.kernels.moe_ref import moe_experts_ref
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 32, generator=g).to(device)
@@ -95,9 +95,15 @@ def check_sampling(device: torch.device) -> bool:
     return selfcheck(device)
 
 
+def check_int4_moe(device: torch.device) -> bool:
+    from moeserve.kernels.int4_moe import selfcheck
+
+    return selfcheck(device)  # the INT4 GEMV (with shared experts) and grouped GEMM, fp32 and bf16
+
+
 CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "rmsnorm": check_rmsnorm, "router": check_router, "rope_cache": check_rope_cache, "moe_gemv": check_moe_gemv,
-    "gemv": check_gemv, "sampling": check_sampling,
+    "gemv": check_gemv, "sampling": check_sampling, "int4_moe": check_int4_moe,
 }
 
 

@@ -7,11 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.config import ModelConfig
-from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, copy_checked, replicated_loader
+from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: F401 - re-exported for tests and scripts
+from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, replicated_loader
+from moeserve.quant.experts import ExpertShard, experts_method
 from moeserve.parallel.comm import tp_all_reduce, tp_group
-
-GEMV_MAX_PAIRS = 32  # moeserve.kernels.moe_gemv's limit, here so the torch-only path needs no triton
-
 
 class DenseMLP(nn.Module):
     """SiLU-gated MLP, TP-split over its intermediate size (dense layers, shared experts)."""
@@ -85,27 +84,9 @@ class Router(nn.Module):
         return choice.masked_fill(~keep, fill)
 
 
-def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, first_expert: int) -> torch.Tensor:
-    """Reference routed-expert computation over this rank's experts.
-
-    x: [T, hidden]; w13: [E_local, 2 * I_local, hidden] (gate rows then up rows);
-    w2: [E_local, hidden, I_local]; experts outside ``[first_expert, first_expert + E_local)``
-    contribute nothing here (another rank holds them)."""
-    out = torch.zeros_like(x)
-    local_ids = topk_ids - first_expert
-    for e in torch.unique(local_ids).tolist():
-        if e < 0 or e >= w13.shape[0]:
-            continue
-        token_idx, k_pos = torch.where(local_ids == e)
-        gate, up = F.linear(x[token_idx], w13[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[e]) * topk_weights[token_idx, k_pos, None]
-        out.index_add_(0, token_idx, y.to(out.dtype))
-    return out
-
-
 class RoutedExperts(nn.Module):
-    """This rank's experts: ``n_routed / ep`` whole experts, each split ``tp / ep`` ways."""
+    """This rank's experts: ``n_routed / ep`` whole experts, each split ``tp / ep`` ways; stored
+    and run by the weight format's method (``quant.experts``)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -119,31 +100,21 @@ class RoutedExperts(nn.Module):
         self.first_expert = g.ep_rank * self.num_local
         self.i_local = I // g.expert_tp_size
         self.i_offset = g.expert_tp_rank * self.i_local
-        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.i_local, H), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(self.num_local, H, self.i_local), requires_grad=False)
-        self.impl = moe_experts_ref
+        self.shard = ExpertShard(self.num_local, self.first_expert, self.i_local, self.i_offset, I, H,
+                                 f"tp={g.size} ep={g.ep_size}")
+        self.method = experts_method(config)
+        self.method.create_weights(self, self.shard)
 
     def owns(self, expert_id: int) -> bool:
         return self.first_expert <= expert_id < self.first_expert + self.num_local
 
-    def load_expert(self, expert_id: int, which: str, loaded: torch.Tensor, name: str) -> None:
-        """Copy this rank's part of one expert's ``gate``/``up``/``down`` projection."""
-        e = expert_id - self.first_expert
-        il, off = self.i_local, self.i_offset
-        full_i = il * tp_group().expert_tp_size
-        hidden = self.w13.shape[2]
-        if which in ("gate", "up"):
-            if tuple(loaded.shape) != (full_i, hidden):
-                raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {(full_i, hidden)}")
-            rows = slice(0, il) if which == "gate" else slice(il, 2 * il)
-            copy_checked(self.w13.data[e, rows], loaded[off:off + il], name)
-        else:
-            if tuple(loaded.shape) != (hidden, full_i):
-                raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {(hidden, full_i)}")
-            copy_checked(self.w2.data[e], loaded[:, off:off + il], name)
+    def load_expert(self, expert_id: int, which: str, loaded: torch.Tensor, name: str, part: str = "weight") -> None:
+        """Copy this rank's part of one expert's ``gate``/``up``/``down`` checkpoint tensor
+        (``part``: ``weight``, or a quantized format's ``weight_packed`` etc.)."""
+        self.method.load(self, self.shard, expert_id - self.first_expert, which, part, loaded, name)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return self.impl(x, self.w13, self.w2, topk_weights, topk_ids, self.first_expert)
+        return self.method.apply(self, x, topk_weights, topk_ids)
 
 
 class MoE(nn.Module):
@@ -156,17 +127,14 @@ class MoE(nn.Module):
             self.shared_experts = DenseMLP(config.hidden_size,
                                            config.moe_intermediate_size * config.n_shared_experts,
                                            reduce=False)
-        self.small_batch_gemv = False  # set by the runner on the fast path (moeserve.kernels.moe_gemv)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        if self.small_batch_gemv and topk_ids.numel() <= GEMV_MAX_PAIRS:
-            # Decode at small batch: routed and shared experts and their sum in two launches.
-            from moeserve.kernels.moe_gemv import moe_gemv
-
-            e, s = self.experts, self.shared_experts
-            out = moe_gemv(x, e.w13, e.w2, topk_weights, topk_ids, e.first_expert,
-                           s.gate_up_proj.weight if s else None, s.down_proj.weight if s else None)
+        e, s = self.experts, self.shared_experts
+        # Decode at small batch (fast path): routed and shared experts and their sum in two launches.
+        out = e.method.apply_with_shared(e, x, topk_weights, topk_ids, s.gate_up_proj.weight if s else None,
+                                         s.down_proj.weight if s else None)
+        if out is not None:
             return tp_all_reduce(out)
         out = self.experts(x, topk_weights, topk_ids)
         if self.shared_experts is not None:

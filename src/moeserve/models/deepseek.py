@@ -21,6 +21,7 @@ from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.moe import MoE, DenseMLP
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+from moeserve.quant.experts import experts_method
 
 
 class DecoderLayer(nn.Module):
@@ -66,7 +67,8 @@ class DeepseekModel(nn.Module):
         return hidden, residual
 
 
-_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# A routed expert's tensor: ``weight``, or a quantized format's parts (``weight_packed``, ...).
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight\w*)$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _GATE_UP = re.compile(r"^(.*)\.(gate|up)_proj\.(weight)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -76,6 +78,7 @@ class DeepseekForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, stage: StageRange | None = None,
                  is_first: bool = True, is_last: bool = True):
         super().__init__()
+        check_quantized_modules(config)
         self.config = config
         self.stage = stage or StageRange(0, config.num_hidden_layers)
         self.is_first, self.is_last = is_first, is_last
@@ -133,7 +136,7 @@ class DeepseekForCausalLM(nn.Module):
                 self.lm_head.weight.weight_loader(self.lm_head.weight, tensor)
                 used.add(name)
             if m := _EXPERT.match(name):
-                self._experts(m.group(1)).load_expert(int(m.group(2)), m.group(3), tensor, name)
+                self._experts(m.group(1)).load_expert(int(m.group(2)), m.group(3), tensor, name, m.group(4))
             elif m := _FUSED_EXPERTS.match(name):  # transformers 5 in-memory layout: [E, 2I, H] / [E, H, I]
                 if int(_LAYER.match(name).group(1)) not in self.stage:
                     continue
@@ -166,9 +169,13 @@ class DeepseekForCausalLM(nn.Module):
 
 
 def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a Hugging Face checkpoint of this config (per-expert layout, no MTP)."""
+    """Every tensor of a Hugging Face checkpoint of this config (per-expert layout, no MTP);
+    routed experts in their checkpoint format (``quant.experts``: e.g. INT4 packed words,
+    scales and shapes)."""
     c = config
     H = c.hidden_size
+    check_quantized_modules(c)
+    experts = experts_method(c)
     yield "model.embed_tokens.weight", (c.vocab_size, H)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -199,9 +206,8 @@ def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[i
                 yield f"{m}.gate.e_score_correction_bias", (c.n_routed_experts,)
             I = c.moe_intermediate_size
             for e in range(c.n_routed_experts):
-                yield f"{m}.experts.{e}.gate_proj.weight", (I, H)
-                yield f"{m}.experts.{e}.up_proj.weight", (I, H)
-                yield f"{m}.experts.{e}.down_proj.weight", (H, I)
+                for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
+                    yield from experts.checkpoint_tensors(f"{m}.experts.{e}.{proj}_proj", *shape)
             if c.n_shared_experts:
                 Is = I * c.n_shared_experts
                 yield f"{m}.shared_experts.gate_proj.weight", (Is, H)
@@ -214,3 +220,26 @@ def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[i
     yield "model.norm.weight", (H,)
     if not c.tie_word_embeddings:
         yield "lm_head.weight", (c.vocab_size, H)
+
+
+def check_quantized_modules(config: ModelConfig) -> None:
+    """A quantized checkpoint must leave unquantized every module the engine runs only in the
+    activation dtype: with the published Kimi K2.x INT4 scheme (``ignore`` keeps attention,
+    shared experts, dense MLPs and lm_head in bf16) only the routed experts are quantized."""
+    q = config.quantization
+    if q is None or q.method != "compressed-tensors":  # other formats: refused by the loader
+        return
+    dense = next((i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)), None)
+    moe = next((i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)), None)
+    linears = [(f"model.layers.{i}.self_attn.{p}") for i in (dense, moe) if i is not None
+               for p in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
+    if dense is not None:
+        linears += [f"model.layers.{dense}.mlp.{p}_proj" for p in ("gate", "up", "down")]
+    if moe is not None and config.n_shared_experts:
+        linears += [f"model.layers.{moe}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
+    linears.append("lm_head")
+    quantized = [m for m in linears if not q.ignores(m)]
+    if quantized:
+        raise ValueError(f"this {q.method} checkpoint quantizes {', '.join(quantized[:4])}"
+                         f"{' and more' if len(quantized) > 4 else ''}; moeserve runs quantized routed experts "
+                         "only (the rest bf16, as Kimi K2.x publishes its INT4 checkpoints)")

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -48,16 +47,6 @@ def dtype_bytes_of(cfg: ModelConfig) -> int:
     return 4 if dtype in ("float32", "fp32", "float") else 2
 
 
-def _ignored(module: str, ignore: tuple[str, ...]) -> bool:
-    for pattern in ignore:
-        if pattern.startswith("re:"):
-            if re.match(pattern[3:], module):
-                return True
-        elif pattern == module:
-            return True
-    return False
-
-
 @lru_cache(maxsize=4096)
 def _format_for(quant: QuantizationConfig | None, name: str, kind: Kind, dtype_bytes: int) -> WeightFormat:
     dense = WeightFormat(bits=8 * dtype_bytes)
@@ -65,7 +54,7 @@ def _format_for(quant: QuantizationConfig | None, name: str, kind: Kind, dtype_b
         return dense
     module = name.removesuffix(".weight").replace("{e}", "0")
     if quant.method == "compressed-tensors":
-        if _ignored(module, quant.ignore):
+        if quant.ignores(module):
             return dense
         return WeightFormat(bits=quant.weight_bits, group_size=quant.group_size)
     if quant.method == "fp8":

@@ -1,0 +1,254 @@
+"""How a rank's routed experts are stored, loaded and run: one method object per weight format.
+
+``RoutedExperts`` (``layers/moe.py``) holds a method chosen once from the checkpoint's
+quantization config; the method creates the layer's parameters, copies this rank's part of each
+checkpoint tensor into them, and runs the experts, on the torch reference or, once
+``use_kernels`` has been told which Triton kernels passed their start-up check, on those.
+A new weight format is a new method here (and its kernels), not a change to the layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from moeserve.config import ModelConfig
+from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS, moe_experts_by_expert, moe_experts_ref
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's slice of the routed experts: whole experts ``[first, first + num_local)``,
+    each cut to intermediate columns ``[i_offset, i_offset + i_local)`` of ``full_i``."""
+    num_local: int
+    first_expert: int
+    i_local: int
+    i_offset: int
+    full_i: int
+    hidden: int
+    layout: str  # e.g. "tp=4 ep=2", for error messages
+
+
+def copy_rows(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"tensor {name} gives a slice of shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src.to(dst.dtype))
+
+
+def check_full_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"tensor {name} has shape {tuple(loaded.shape)}, expected {expected}")
+
+
+class ExpertsMethod:
+    """Interface of a routed-experts weight format."""
+
+    name = "?"
+
+    def checkpoint_tensors(self, prefix: str, out_features: int, in_features: int) -> list[tuple[str, tuple[int, ...]]]:
+        """Names and full shapes of one projection's checkpoint tensors (``prefix`` ends in
+        ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
+        raise NotImplementedError
+
+    def create_weights(self, layer: nn.Module, shard: ExpertShard) -> None:
+        raise NotImplementedError
+
+    def load(self, layer: nn.Module, shard: ExpertShard, e: int, proj: str, part: str, loaded: torch.Tensor,
+             name: str) -> None:
+        """Copy this rank's part of checkpoint tensor ``name`` (``part``: its suffix after the
+        projection, e.g. ``weight``) of local expert ``e`` into the layer."""
+        raise NotImplementedError
+
+    def use_kernels(self, working: set[str]) -> None:
+        """Switch to the Triton kernels named in ``working`` (those that passed their check)."""
+
+    def tile_limits(self) -> list[float]:
+        """Rows per expert at which the grouped GEMM changes tile configuration (the runner
+        compiles each at start-up); empty when no fast kernel is on."""
+        return []
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_with_shared(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                          topk_ids: torch.Tensor, shared_w13: torch.Tensor | None,
+                          shared_w2: torch.Tensor | None) -> torch.Tensor | None:
+        """Routed plus shared experts in one fused kernel for a few tokens (decode), or None
+        when this method has no such kernel on (the caller then runs the two apart)."""
+        return None
+
+
+class UnquantizedExperts(ExpertsMethod):
+    """bf16 / fp16 / fp32 experts: ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``."""
+
+    name = "unquantized"
+
+    def __init__(self) -> None:
+        self.fused = False  # moeserve.kernels.fused_moe for any batch
+        self.gemv = False  # moeserve.kernels.moe_gemv for a few tokens, with the shared experts
+
+    def checkpoint_tensors(self, prefix, out_features, in_features):
+        return [(f"{prefix}.weight", (out_features, in_features))]
+
+    def create_weights(self, layer, shard):
+        E, il, H = shard.num_local, shard.i_local, shard.hidden
+        layer.w13 = nn.Parameter(torch.empty(E, 2 * il, H), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.empty(E, H, il), requires_grad=False)
+
+    def load(self, layer, shard, e, proj, part, loaded, name):
+        il, off, H = shard.i_local, shard.i_offset, shard.hidden
+        if proj in ("gate", "up"):
+            check_full_shape(loaded, (shard.full_i, H), name)
+            rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
+            copy_rows(layer.w13.data[e, rows], loaded[off:off + il], name)
+        else:
+            check_full_shape(loaded, (H, shard.full_i), name)
+            copy_rows(layer.w2.data[e], loaded[:, off:off + il], name)
+
+    def use_kernels(self, working):
+        self.fused = True  # the grouped GEMM has no start-up check of its own yet
+        self.gemv = "moe_gemv" in working
+
+    def tile_limits(self):
+        from moeserve.kernels.fused_moe import MOE_TILE_TABLE
+
+        return [limit for limit, _ in MOE_TILE_TABLE] if self.fused else []
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        if self.fused:
+            from moeserve.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert,
+                             small_batch_gemv=self.gemv)
+        return moe_experts_ref(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert)
+
+    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared_w13, shared_w2):
+        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS:
+            return None
+        from moeserve.kernels.moe_gemv import moe_gemv
+
+        return moe_gemv(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, shared_w13, shared_w2)
+
+
+class Int4Experts(ExpertsMethod):
+    """compressed-tensors ``pack-quantized`` INT4 experts (``quant.int4``), kept packed:
+    ``w13_packed [E, 2I, H/8]`` int32 + ``w13_scale [E, 2I, H/32]``, ``w2_packed [E, H, I/8]`` +
+    ``w2_scale [E, H, I/32]``; scales in the activation dtype (bf16 as published; exact in
+    float32). The reference dequantizes one chosen expert at a time (a bounded temporary)."""
+
+    name = "int4"
+
+    def __init__(self, group_size: int) -> None:
+        self.group = group_size
+        self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
+        self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
+
+    def checkpoint_tensors(self, prefix, out_features, in_features):
+        from moeserve.quant.int4 import PACK
+
+        return [(f"{prefix}.weight_packed", (out_features, in_features // PACK)),
+                (f"{prefix}.weight_scale", (out_features, in_features // self.group)),
+                (f"{prefix}.weight_shape", (2,))]
+
+    def create_weights(self, layer, shard):
+        from moeserve.quant.int4 import PACK
+
+        E, il, H, g = shard.num_local, shard.i_local, shard.hidden, self.group
+        for what, size in (("hidden size", H), ("intermediate size per rank", il), ("intermediate offset", shard.i_offset)):
+            if size % g:
+                raise ValueError(f"INT4 experts under {shard.layout}: the {what} {size} is not a whole number of "
+                                 f"groups of {g} (moe_intermediate_size {shard.full_i} split into slices of {il}); "
+                                 f"choose a layout whose tp/ep split keeps groups of {g} whole")
+        int32 = dict(dtype=torch.int32)
+        layer.w13_packed = nn.Parameter(torch.empty(E, 2 * il, H // PACK, **int32), requires_grad=False)
+        layer.w13_scale = nn.Parameter(torch.empty(E, 2 * il, H // g), requires_grad=False)
+        layer.w2_packed = nn.Parameter(torch.empty(E, H, il // PACK, **int32), requires_grad=False)
+        layer.w2_scale = nn.Parameter(torch.empty(E, H, il // g), requires_grad=False)
+
+    def load(self, layer, shard, e, proj, part, loaded, name):
+        from moeserve.quant.int4 import PACK
+
+        il, off, H, g, full = shard.i_local, shard.i_offset, shard.hidden, self.group, shard.full_i
+        out_f, in_f = (full, H) if proj in ("gate", "up") else (H, full)
+        if part == "weight_shape":
+            if [int(v) for v in loaded.reshape(-1).tolist()] != [out_f, in_f]:
+                raise ValueError(f"tensor {name} says {loaded.tolist()}, but the config gives this projection "
+                                 f"the shape [{out_f}, {in_f}]")
+            return
+        if part not in ("weight_packed", "weight_scale"):
+            raise ValueError(f"tensor {name}: unexpected part {part!r} of an INT4 expert "
+                             "(expected weight_packed, weight_scale, weight_shape)")
+        per = PACK if part == "weight_packed" else g
+        if in_f % per:
+            raise ValueError(f"tensor {name}: {in_f} input columns do not pack into units of {per}")
+        check_full_shape(loaded, (out_f, in_f // per), name)
+        if part == "weight_packed" and loaded.dtype != torch.int32:
+            raise ValueError(f"tensor {name} is {loaded.dtype}, expected int32 packed INT4 words")
+        if proj in ("gate", "up"):
+            dst = layer.w13_packed if part == "weight_packed" else layer.w13_scale
+            rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
+            copy_rows(dst.data[e, rows], loaded[off:off + il], name)
+        else:
+            dst = layer.w2_packed if part == "weight_packed" else layer.w2_scale
+            copy_rows(dst.data[e], loaded[:, off // per:(off + il) // per], name)
+
+    def use_kernels(self, working):
+        self.fused = self.gemv = "int4_moe" in working
+
+    def tile_limits(self):
+        from moeserve.kernels.int4_moe import INT4_TILE_TABLE
+
+        return [limit for limit, _ in INT4_TILE_TABLE] if self.fused else []
+
+    def _weights(self, layer):
+        return layer.w13_packed, layer.w13_scale, layer.w2_packed, layer.w2_scale
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        if self.fused:
+            from moeserve.kernels.int4_moe import int4_fused_moe
+
+            return int4_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
+        from moeserve.quant.int4 import dequantize_int4
+
+        w13p, w13s, w2p, w2s = self._weights(layer)
+        return moe_experts_by_expert(
+            x, lambda e: (dequantize_int4(w13p[e], w13s[e], x.dtype), dequantize_int4(w2p[e], w2s[e], x.dtype)),
+            w13p.shape[0], topk_weights, topk_ids, layer.first_expert)
+
+    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared_w13, shared_w2):
+        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS:
+            return None
+        from moeserve.kernels.int4_moe import int4_moe_gemv
+
+        return int4_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert,
+                             shared_w13, shared_w2)
+
+
+def experts_method(config: ModelConfig) -> ExpertsMethod:
+    """The routed experts' format, from the checkpoint's quantization config (one source for the
+    model, the loader's tensor list and dummy weights)."""
+    q = config.quantization
+    if q is not None and q.method == "compressed-tensors" and routed_experts_quantized(config):
+        from moeserve.quant.int4 import check_pack_quantized
+
+        check_pack_quantized(q)
+        return Int4Experts(q.group_size)
+    # Other formats (FP8 so far) load as dummy weights in the activation dtype; the loader
+    # refuses their checkpoints.
+    return UnquantizedExperts()
+
+
+def routed_experts_quantized(config: ModelConfig) -> bool:
+    q = config.quantization
+    return q is not None and not q.ignores(expert_module_name(config))
+
+
+def expert_module_name(config: ModelConfig, proj: str = "gate") -> str:
+    """A routed expert projection's module name, as quantization ``ignore`` lists spell them."""
+    layer = next((i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)), 0)
+    return f"model.layers.{layer}.mlp.experts.0.{proj}_proj"

@@ -1,0 +1,76 @@
+"""compressed-tensors ``pack-quantized`` INT4: symmetric, group-wise along the input dimension.
+
+A weight ``[out, in]`` is stored as
+  ``weight_packed`` int32 ``[out, in / 8]``: element k of a row lives in word k // 8 at bits
+  4 * (k % 8) .. 4 * (k % 8) + 3, stored as ``q + 8`` for q in [-8, 7];
+  ``weight_scale`` ``[out, in / group]`` (bf16 as published);
+  ``weight_shape`` ``[2]`` = (out, in).
+w[n, k] = q[n, k] * scale[n, k // group].
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK = 8  # 4-bit values per int32 word
+_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int values in [-8, 7], ``[..., K]`` (K a multiple of 8) -> int32 ``[..., K / 8]``."""
+    if q.shape[-1] % PACK:
+        raise ValueError(f"the packed dimension ({q.shape[-1]}) must be a multiple of {PACK}")
+    if q.numel() and (int(q.min()) < -8 or int(q.max()) > 7):
+        raise ValueError("int4 values must lie in [-8, 7]")
+    nib = (q.to(torch.int64) + 8).reshape(*q.shape[:-1], q.shape[-1] // PACK, PACK)
+    words = (nib << _SHIFTS.to(q.device, torch.int64)).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """int32 ``[..., K / 8]`` -> int8 ``[..., K]`` in [-8, 7]."""
+    nib = (packed.unsqueeze(-1) >> _SHIFTS.to(packed.device)) & 0xF
+    return (nib - 8).to(torch.int8).reshape(*packed.shape[:-1], packed.shape[-1] * PACK)
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``[..., N, K / 8]`` packed + ``[..., N, K / group]`` scales -> ``[..., N, K]`` in ``dtype``
+    (default: the scales' dtype). The group size is K over the scales' last dimension."""
+    q = unpack_int4(packed)
+    group = q.shape[-1] // scale.shape[-1]
+    if group * scale.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{q.shape[-1]} input columns do not split into {scale.shape[-1]} scale groups")
+    dtype = dtype or scale.dtype
+    w = q.to(torch.float32).view(*q.shape[:-1], scale.shape[-1], group) * scale.to(torch.float32).unsqueeze(-1)
+    return w.reshape(q.shape).to(dtype)
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric group quantization of ``w [..., N, K]`` -> (packed int32, scales in w's dtype).
+    For dummy weights and tests; scale = max|w| / 7 per group, as the minmax observer does."""
+    K = w.shape[-1]
+    if K % group:
+        raise ValueError(f"input size {K} is not a multiple of the group size {group}")
+    g = w.float().reshape(*w.shape[:-1], K // group, group)
+    scale = (g.abs().amax(dim=-1) / 7).clamp(min=1e-8)
+    q = torch.round(g / scale.unsqueeze(-1)).clamp(-8, 7).reshape(w.shape).to(torch.int8)
+    return pack_int4(q), scale.to(w.dtype)
+
+
+GROUP_SIZE = 32  # the one group size the kernels are built for (Kimi K2.x as published)
+
+
+def check_pack_quantized(q) -> None:
+    """Raise a ValueError naming the scheme unless ``q`` (a ``QuantizationConfig``) is the INT4
+    scheme the engine runs: compressed-tensors ``pack-quantized``, 4-bit symmetric int weights,
+    group strategy of 32 input columns, no activation reordering, one config group."""
+    scheme = (f"format={q.format!r}, num_bits={q.weight_bits}, type={q.weight_type!r}, strategy={q.strategy!r}, "
+              f"group_size={q.group_size}, symmetric={q.symmetric}, actorder={q.actorder!r}")
+    supported = ("moeserve runs compressed-tensors format='pack-quantized', num_bits=4, type='int', "
+                 f"strategy='group', group_size={GROUP_SIZE}, symmetric=True, actorder=None")
+    ok = (q.format == "pack-quantized" and q.weight_bits == 4 and q.weight_type == "int"
+          and q.strategy in ("group", None) and q.group_size == GROUP_SIZE and q.symmetric
+          and q.actorder in (None, False, "none") and q.num_groups == 1)
+    if not ok:
+        extra = f", {q.num_groups} config groups" if q.num_groups != 1 else ""
+        raise ValueError(f"unsupported compressed-tensors scheme ({scheme}{extra}); {supported}")
