@@ -139,3 +139,19 @@ def test_dummy_int4_weights_in_the_published_format(ckpts):
     assert 0.01 < w.std().item() < 0.04  # the spread of the bf16 dummies (0.02)
     nib = unpack_int4(experts.w13_packed)
     assert nib.min().item() == -8 and nib.max().item() == 7
+
+
+TINY_K26 = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
+            "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 256}
+
+
+def test_hf_overrides_apply_to_text_config_and_dummy_int4_runs():
+    cfg = load_model_config("kimi-k2.6", {"num_hidden_layers": 8})
+    assert cfg.num_hidden_layers == 8 and cfg.hidden_size == 7168 and cfg.quantization.group_size == 32
+    with LLM("kimi-k2.6", load_format="dummy", hf_overrides=TINY_K26, device="cpu", dtype="float32") as llm:
+        experts = llm.engine.executor.runner.model.model.layers["1"].mlp.experts
+        assert experts.w13_packed.dtype == torch.int32 and experts.w13_packed.shape == (8, 128, 8)
+        out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -32,3 +32,17 @@ def test_planner_bytes_equal_loaded_shards(tmp_path_factory, tp, pp, ep):
     for rank in range(layout.world_size):
         assert loaded_bytes(config, ckpt, layout, rank) == expected_rank_weight_bytes(config, tp, pp, ep, rank, 4), \
             f"rank {rank}"
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)])
+def test_planner_bytes_equal_loaded_int4_shards(tmp_path_factory, tp, pp, ep):
+    """INT4 experts stay packed: int32 words plus one scale per group of 32, as the planner counts."""
+    from int4_checkpoints import make_int4_checkpoint
+    from moeserve.planner.memory import rank_weight_sizes
+
+    ckpt, _ = make_int4_checkpoint(tmp_path_factory.mktemp("plan4"), layout="k2.6", num_hidden_layers=3)
+    config = load_model_config(ckpt)
+    layout = Layout.build(config.num_hidden_layers, tp, pp, ep)
+    for rank in range(layout.world_size):
+        planned = sum(s.bytes for s in rank_weight_sizes(config, tp, pp, ep, rank, None, 4, quantized=True).values())
+        assert loaded_bytes(config, ckpt, layout, rank) == planned, f"rank {rank}"

@@ -61,24 +61,40 @@ class StepCost:
     flops: float
 
 
+def expert_bytes_per_weight(config: ModelConfig, dtype_bytes: int) -> float:
+    """Bytes a routed-expert weight occupies as the engine keeps it: INT4 experts stay packed
+    (half a byte, plus one scale in the activation dtype per group of 32 input columns)."""
+    from moeserve.quant.experts import Int4Experts, experts_method
+
+    method = experts_method(config)
+    if isinstance(method, Int4Experts):
+        return 0.5 + dtype_bytes / method.group
+    return dtype_bytes
+
+
 def decode_step_cost(config: ModelConfig, batch: int, context_len: int, dtype_bytes: int) -> StepCost:
     p = param_counts(config)
-    weights = p.other + p.lm_head + p.num_moe_layers * expected_experts_touched(config, batch) * p.expert
+    dense = p.other + p.lm_head
+    experts = p.num_moe_layers * expected_experts_touched(config, batch) * p.expert
     kv = batch * context_len * config.kv_latent_dim * config.num_hidden_layers
     H, L = config.num_attention_heads, config.num_hidden_layers
     # Absorbed MLA decode: scores over (latent + rope) and the latent-weighted sum, per head.
     attn_flops = 2 * batch * L * H * context_len * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
-    return StepCost(bytes=(weights + kv) * dtype_bytes,
+    return StepCost(bytes=(dense + kv) * dtype_bytes + experts * expert_bytes_per_weight(config, dtype_bytes),
                     flops=2 * batch * p.active_per_token(config) + attn_flops)
+
+
+def prefill_attention_flops(config: ModelConfig, num_seqs: int, input_len: int) -> float:
+    """The causal-attention part of ``prefill_flops`` (scores and weighted sum, per head)."""
+    H, L = config.num_attention_heads, config.num_hidden_layers
+    return 2 * num_seqs * L * H * (config.qk_head_dim + config.v_head_dim) * input_len * (input_len + 1) / 2
 
 
 def prefill_flops(config: ModelConfig, num_seqs: int, input_len: int) -> float:
     """Model FLOPs of prefilling ``num_seqs`` prompts of ``input_len`` tokens (causal attention)."""
     p = param_counts(config)
     tokens = num_seqs * input_len
-    H, L = config.num_attention_heads, config.num_hidden_layers
-    attn = 2 * num_seqs * L * H * (config.qk_head_dim + config.v_head_dim) * input_len * (input_len + 1) / 2
-    return 2 * tokens * p.active_per_token(config) + attn
+    return 2 * tokens * p.active_per_token(config) + prefill_attention_flops(config, num_seqs, input_len)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
     if config.model is None:
         config.model = str(ensure_demo_model())
-    model_config = load_model_config(config.model)
+    model_config = load_model_config(config.model, config.hf_overrides)
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     if world > 1 or config.expert_parallel_size > 1:
         from moeserve.parallel.executor import MultiProcessExecutor

@@ -2,8 +2,8 @@
 
 - INT4 compressed-tensors, ``pack-quantized``, group ``g`` (Kimi K2 Thinking / K2.5 / K2.6):
   every Linear not matched by the ``ignore`` list stores 4-bit weights packed into int32
-  (0.5 byte per weight) plus one bf16 scale per group of ``g`` input columns (symmetric:
-  no zero point). The published ignore list keeps attention, shared experts, dense MLPs
+  (0.5 byte per weight) plus one scale per group of ``g`` input columns (symmetric: no zero
+  point), bf16 as published; the engine keeps the scales in the activation dtype. The published ignore list keeps attention, shared experts, dense MLPs
   and lm_head in bf16, so only the routed experts are INT4.
 - FP8 block (DeepSeek-V3, Kimi K2-Instruct): every Linear but lm_head stores 1 byte per
   weight plus one fp32 ``weight_scale_inv`` per 128x128 block. Embedding, norms and the
@@ -20,7 +20,6 @@ from functools import lru_cache
 from moeserve.config import ModelConfig, QuantizationConfig
 from moeserve.planner.weights import Kind, TensorSpec
 
-SCALE_BYTES_INT4_GROUP = 2  # bf16 scale per group
 SCALE_BYTES_FP8_BLOCK = 4  # fp32 scale per block
 
 
@@ -31,6 +30,7 @@ class WeightFormat:
     bits: int
     group_size: int | None = None  # per-row groups of input columns (INT4)
     block: tuple[int, int] | None = None  # [out, in] blocks (FP8)
+    scale_bytes: int = 2  # INT4: one scale per group, in the activation dtype (bf16 when served)
 
     @property
     def label(self) -> str:
@@ -56,7 +56,7 @@ def _format_for(quant: QuantizationConfig | None, name: str, kind: Kind, dtype_b
     if quant.method == "compressed-tensors":
         if quant.ignores(module):
             return dense
-        return WeightFormat(bits=quant.weight_bits, group_size=quant.group_size)
+        return WeightFormat(bits=quant.weight_bits, group_size=quant.group_size, scale_bytes=dtype_bytes)
     if quant.method == "fp8":
         if module.endswith("lm_head"):
             return dense
@@ -79,7 +79,7 @@ def shard_bytes(fmt: WeightFormat, shape: tuple[int, ...], copies: int = 1) -> i
     if len(shape) == 2:
         out, in_ = shape
         if fmt.group_size:
-            scales = out * math.ceil(in_ / fmt.group_size) * SCALE_BYTES_INT4_GROUP
+            scales = out * math.ceil(in_ / fmt.group_size) * fmt.scale_bytes
         elif fmt.block:
             scales = math.ceil(out / fmt.block[0]) * math.ceil(in_ / fmt.block[1]) * SCALE_BYTES_FP8_BLOCK
     return (weight + scales) * copies
