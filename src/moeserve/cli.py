@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -32,6 +33,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="schedule the next step while one runs (one pipeline stage; auto: on for CUDA)")
     p.add_argument("--trust-remote-code", action="store_true")
+    p.add_argument("--hf-overrides", type=json_object, default=None,
+                   help='JSON object of config.json fields to override (of text_config where there is one), '
+                        'e.g. \'{"num_hidden_layers": 8}\' for a short model of real shapes')
     p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
     p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
     p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1)
@@ -47,6 +51,17 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    os.environ else None, help="rendezvous port on node 0 (the next port carries the steps)")
 
 
+def json_object(text: str) -> dict:
+    """argparse type of ``--hf-overrides``: a JSON object, or a clear error."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e.msg} at column {e.colno}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object like '{{\"num_hidden_layers\": 8}}', got {text!r}")
+    return value
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     partition = None
     if args.pp_layer_partition:
@@ -59,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
-                backend=args.backend, trust_remote_code=args.trust_remote_code,
+                backend=args.backend, trust_remote_code=args.trust_remote_code, hf_overrides=args.hf_overrides,
                 enforce_eager=args.enforce_eager,
                 async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
                 tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
@@ -75,7 +90,7 @@ def run_node(args: argparse.Namespace) -> int:
     if args.model is None:
         raise ValueError("a worker node needs --model (the same path as on node 0)")
     config = EngineConfig(model=args.model, **engine_kwargs(args))
-    return run_worker_node(load_model_config(args.model), config)
+    return run_worker_node(load_model_config(args.model, config.hf_overrides), config)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
