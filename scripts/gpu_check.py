@@ -63,20 +63,23 @@ def main() -> int:
     ap.add_argument("--skip-bench", action="store_true", help="only the correctness checks")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile", default="1,64", help="batch sizes to profile ('' for none)")
+    ap.add_argument("--hf-overrides", type=json.loads, default=None,
+                    help='config.json overrides, e.g. \'{"num_hidden_layers": 8}\' (K2.6 shapes on one GPU)')
+    ap.add_argument("--check-prompt-lens", default="7,300,1000", help="prompt lengths of the correctness checks")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"model": args.model, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    summary: dict = {"model": args.model, "hf_overrides": args.hf_overrides, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
 
     def save() -> None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in (7, 300, 1000)]
+    prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in map(int, args.check_prompt_lens.split(","))]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     common = dict(load_format="dummy", dtype=args.dtype, device="cuda", seed=0, gpu_memory_utilization=0.85,
                   max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max(sizes),
-                  max_num_batched_tokens=16384)
+                  max_num_batched_tokens=16384, hf_overrides=args.hf_overrides)
     t = time.time()
     peaks = measure_peaks("cuda")
     summary["peaks"] = asdict(peaks)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.layers.linear import SMALL_GEMV_MAX_TOKENS as GEMV_MAX_TOKENS
+from moeserve.kernels.limits import GEMV_MAX_TOKENS
 
 
 @triton.jit

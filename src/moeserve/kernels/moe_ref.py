@@ -8,9 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# T*K (token, expert) pairs up to this go to the GEMV kernels (batch <= 4 at K = 8); beyond it
-# two tokens often share an expert and the aligned grouped GEMM reads each expert once.
-GEMV_MAX_PAIRS = 32
+from moeserve.kernels.limits import GEMV_MAX_PAIRS  # noqa: F401 - re-exported
 
 
 def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moeserve.kernels.limits import GEMV_MAX_TOKENS
 from moeserve.parallel.comm import tp_all_reduce, tp_group
 
 
@@ -20,13 +21,12 @@ def _divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
-SMALL_GEMV_MAX_TOKENS = 4  # moeserve.kernels.gemv serves up to this many tokens
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            small_gemv: bool = False) -> torch.Tensor:
     """``F.linear``; with ``small_gemv`` (the fast path), a few tokens go to the Triton GEMV."""
-    if small_gemv and x.dim() == 2 and x.shape[0] <= SMALL_GEMV_MAX_TOKENS and x.stride(-1) == 1:
+    if small_gemv and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.stride(-1) == 1:
         from moeserve.kernels.gemv import gemv
 
         return gemv(x, weight, bias)
