@@ -14,8 +14,10 @@ from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
 from moeserve.attention.triton_mla import TritonMLABackend  # noqa: E402
 from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
 from moeserve.engine.context import StepContext  # noqa: E402
-from moeserve.kernels.mla_decode import default_num_kv_splits, mla_decode, mla_decode_ref  # noqa: E402
-from moeserve.kernels.mla_extend import mla_extend, mla_extend_ref, split_head_dim  # noqa: E402
+from moeserve.kernels.mla_decode import (default_num_kv_splits, mla_decode, mla_decode_ref,  # noqa: E402
+                                         mla_prefix_absorbed, mla_prefix_absorbed_ref)
+from moeserve.kernels.mla_extend import (attention_lse_ref, mla_extend, mla_extend_ref,  # noqa: E402
+                                         mla_extend_split, mla_prefix_merge, split_head_dim)
 
 from kernel_utils import DEV, DTYPES, real  # noqa: E402
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
@@ -130,6 +132,91 @@ def test_mla_extend_matches_reference(H, Dqk, Dv, lens, dtype):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
 
 
+def _cu(lens):
+    return torch.tensor([0] + list(lens)).cumsum(0).to(device=DEV, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mla_extend_split_reads_a_shared_strided_rope_key(dtype):
+    """q and k in their two parts, k_pe one [Tk, R] row per token read for every head (a view
+    into wider rows, as into the gathered cache), v a view of the joint kv expansion."""
+    gen = torch.Generator().manual_seed(3)
+    H, nope, rope, dv = 3, 16, 8, 8
+    qlens, klens = [4, 1, 19], [9, 1, 40]
+    T, Tk = sum(qlens), sum(klens)
+    q = torch.randn(T, H, nope + rope, generator=gen).to(DEV, dtype)
+    kv = torch.randn(Tk, H, nope + dv, generator=gen).to(DEV, dtype)
+    rows = torch.randn(Tk, 20 + rope, generator=gen).to(DEV, dtype)
+    k_pe = rows[:, 20:]
+    out, lse = mla_extend_split(q[..., :nope], q[..., nope:], kv[..., :nope], k_pe, kv[..., nope:], _cu(qlens),
+                                _cu(klens), 0.3, return_lse=True)
+    k = torch.cat([kv[..., :nope], k_pe[:, None].expand(-1, H, -1)], dim=-1)
+    ref, ref_lse = attention_lse_ref(q, k, kv[..., nope:], _cu(qlens), _cu(klens), 0.3)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(out.float(), ref, **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("piece", [7, 16, 1000], ids=["piece7", "piece16", "one-piece"])
+def test_prefix_pieces_merged_by_lse_equal_one_causal_pass(piece, dtype):
+    """Causal attention over the new tokens, then the cached prefix merged in pieces of at most
+    ``piece`` tokens of the whole batch (pieces cross rows; a row without prefix is untouched),
+    equals one causal pass over [prefix | new tokens]."""
+    gen = torch.Generator().manual_seed(piece)
+    H, nope, rope, dv = 2, 16, 8, 16
+    qlens, prefix = [3, 5, 1, 17], [30, 0, 11, 2]
+    T = sum(qlens)
+    q = torch.randn(T, H, nope + rope, generator=gen).to(DEV, dtype)
+    new_kv = torch.randn(T, H, nope + dv, generator=gen).to(DEV, dtype)
+    new_pe = torch.randn(T, rope, generator=gen).to(DEV, dtype)
+    pre_kv = torch.randn(sum(prefix), H, nope + dv, generator=gen).to(DEV, dtype)
+    pre_pe = torch.randn(sum(prefix), rope, generator=gen).to(DEV, dtype)
+    qn, qp = q[..., :nope], q[..., nope:]
+    cu_q = _cu(qlens)
+    out, lse = mla_extend_split(qn, qp, new_kv[..., :nope], new_pe, new_kv[..., nope:], cu_q, cu_q, 0.25,
+                                return_lse=True, out_dtype=torch.float32)
+    cu_pre = _cu(prefix).long()
+    for lo in range(0, sum(prefix), piece):
+        hi = min(lo + piece, sum(prefix))
+        cu_k = (cu_pre.clamp(lo, hi) - lo).to(torch.int32)
+        mla_prefix_merge(qn, qp, pre_kv[lo:hi, :, :nope], pre_pe[lo:hi], pre_kv[lo:hi, :, nope:], cu_q, cu_k, 0.25,
+                         out, lse)
+    # the oracle: each row's keys are its prefix then its new tokens
+    ks, vs, cq, cp = [], [], cu_q.tolist(), cu_pre.tolist()
+    for b in range(len(qlens)):
+        for kv, pe, a, z in ((pre_kv, pre_pe, cp[b], cp[b + 1]), (new_kv, new_pe, cq[b], cq[b + 1])):
+            ks.append(torch.cat([kv[a:z, :, :nope], pe[a:z, None].expand(-1, H, -1)], dim=-1))
+            vs.append(kv[a:z, :, nope:])
+    ref, ref_lse = attention_lse_ref(q, torch.cat(ks), torch.cat(vs), cu_q,
+                                     _cu([n + p for n, p in zip(qlens, prefix)]), 0.25)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_mla_prefix_absorbed_matches_reference(splits, dtype):
+    """Absorbed extend queries over each row's paged latent prefix: rows of several tokens
+    (more (token, head) pairs than one block), a row without prefix, pages out of order."""
+    gen = torch.Generator().manual_seed(11)
+    H, Lk, R, ps = 4, 16, 8, 4
+    qlens, prefix = [6, 1, 3], [150, 5, 0]  # 150: three non-empty splits of at least 64 tokens
+    num_pages = sum(triton.cdiv(P, ps) for P in prefix) + 2
+    cache = torch.randn(num_pages * ps, Lk + R, generator=gen).to(DEV, dtype)
+    table = scattered_page_tables(prefix, ps, num_pages, gen).to(DEV)
+    T = sum(qlens)
+    q_latent = torch.randn(T, H, Lk, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(T, H, R, generator=gen).to(DEV, dtype)
+    lens = torch.tensor(prefix, dtype=torch.int32, device=DEV)
+    out, lse = mla_prefix_absorbed(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, 0.3,
+                                   max_q_len=max(qlens), max_prefix_len=max(prefix), num_kv_splits=splits)
+    ref, ref_lse = mla_prefix_absorbed_ref(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, 0.3)
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
+    assert torch.equal(out[-3:], torch.zeros_like(out[-3:])) and torch.isinf(lse[-3:]).all()
+
+
 def test_split_head_dim():
     assert split_head_dim(192) == (128, 64)
     assert split_head_dim(128) == (128, 0)
@@ -166,8 +253,37 @@ def _step(query_lens, context_lens, page_size, num_pages, gen):
 STEPS = [
     pytest.param([1, 1, 1], [1, 9, 40], id="decode"),
     pytest.param([5, 1, 12, 3], [5, 17, 30, 3], id="mixed-prefill-extend-decode"),
+    # as the scheduler orders a mixed step: decodes first, then a fresh prompt and a chunk
+    pytest.param([1, 1, 6, 12], [9, 40, 6, 30], id="mixed-decodes-first"),
     pytest.param([16], [16], id="prefill"),
 ]
+
+
+def _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype):
+    """A pool on stage 1 (layers [2, 5)) with different latents in every layer, a step context
+    and random queries / weights for it."""
+    gen = torch.Generator().manual_seed(sum(context_lens) + page_size)
+    stage = StageRange(2, 5, stage=1)
+    num_pages = sum(triton.cdiv(L, page_size) for L in context_lens) + 5
+    pool = StageKVPool(_fake_config(kv_lora, rope), stage, num_pages=num_pages, page_size=page_size,
+                       dtype=dtype, device=DEV)
+    # Every owned layer holds different latents: reading the wrong layer would show.
+    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
+    ctx = _step(query_lens, context_lens, page_size, num_pages, gen)
+    T = sum(query_lens)
+    q_nope = torch.randn(T, H, nope, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(T, H, rope, generator=gen).to(DEV, dtype)
+    w_kv = (torch.randn(H, nope + vdim, kv_lora, generator=gen) * kv_lora ** -0.5).to(DEV, dtype)
+    weights = MLAWeights(w_uk=w_kv[:, :nope], w_uv=w_kv[:, nope:], w_kv=w_kv)
+    return pool, ctx, q_nope, q_pe, weights, (nope + rope) ** -0.5
+
+
+def _check_backend_on_layers(backend, pool, ctx, q_nope, q_pe, weights, scale, dtype, vdim):
+    for layer in (3, 4):  # same step, next layer: the step's metadata is reused and the layer changes
+        out = backend.forward(layer, q_nope, q_pe, weights, pool, ctx, scale)
+        ref = ReferenceMLABackend().forward(layer, q_nope, q_pe, weights, pool, ctx, scale)
+        assert out.shape == (q_nope.shape[0], q_nope.shape[1], vdim) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], msg=f"layer {layer}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -181,31 +297,57 @@ def test_triton_backend_matches_reference_on_a_later_stage(H, nope, rope, vdim, 
         query_lens = [1 if n == 1 else (new if n == L else n * 20)
                       for n, L, new in zip(query_lens, context_lens, new_lens)]
         context_lens = new_lens
-    gen = torch.Generator().manual_seed(sum(context_lens) + page_size)
-    stage = StageRange(2, 5, stage=1)
-    num_pages = sum(triton.cdiv(L, page_size) for L in context_lens) + 5
-    pool = StageKVPool(_fake_config(kv_lora, rope), stage, num_pages=num_pages, page_size=page_size,
-                       dtype=dtype, device=DEV)
-    # Every owned layer holds different latents: reading the wrong layer would show.
-    pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
-    ctx = _step(query_lens, context_lens, page_size, num_pages, gen)
-    T = sum(query_lens)
-    q_nope = torch.randn(T, H, nope, generator=gen).to(DEV, dtype)
-    q_pe = torch.randn(T, H, rope, generator=gen).to(DEV, dtype)
-    w_kv = (torch.randn(H, nope + vdim, kv_lora, generator=gen) * kv_lora ** -0.5).to(DEV, dtype)
-    weights = MLAWeights(w_uk=w_kv[:, :nope], w_uv=w_kv[:, nope:])
-    scale = (nope + rope) ** -0.5
-
+    case = _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype)
     backend = TritonMLABackend()
     assert backend.name == "triton"
-    out = backend.forward(3, q_nope, q_pe, weights, pool, ctx, scale)
-    ref = ReferenceMLABackend().forward(3, q_nope, q_pe, weights, pool, ctx, scale)
-    assert out.shape == (T, H, vdim) and out.dtype == dtype
-    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
-    # Same step, next layer: the cached per-step metadata is reused and the layer changes.
-    out4 = backend.forward(4, q_nope, q_pe, weights, pool, ctx, scale)
-    ref4 = ReferenceMLABackend().forward(4, q_nope, q_pe, weights, pool, ctx, scale)
-    torch.testing.assert_close(out4.float(), ref4.float(), **TOL[dtype])
+    _check_backend_on_layers(backend, *case, dtype, vdim)
+
+
+PREFIX_VARIANTS = [
+    pytest.param(dict(prefix_chunk_tokens=5), id="chunked-5"),  # many pieces, crossing rows
+    pytest.param(dict(prefix_chunk_tokens=1), id="chunked-1"),
+    pytest.param(dict(prefix_mode="absorbed"), id="absorbed"),
+]
+PREFIX_STEPS = [
+    pytest.param([1, 1, 6, 12], [9, 40, 6, 30], id="mixed-decodes-first"),
+    pytest.param([1, 4, 1, 9], [5, 10, 7, 50], id="one-token-row-behind-an-extend"),
+    pytest.param([20], [90], id="chunk-over-a-long-prefix"),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("query_lens,context_lens", PREFIX_STEPS)
+@pytest.mark.parametrize("variant", PREFIX_VARIANTS)
+def test_triton_backend_prefix_variants_match_reference(variant, query_lens, context_lens, dtype):
+    """The cached prefix attended in small pieces merged by lse, or in the absorbed latent form."""
+    case = _backend_case(4, 16, 8, 16, 16, query_lens, context_lens, 4, dtype)
+    _check_backend_on_layers(TritonMLABackend(**variant), *case, dtype, 16)
+
+
+def test_step_metadata_is_built_once_per_step_and_decode_rows_are_views():
+    """One ``prepare`` per step whatever the number of layers; a decode-only step's metadata
+    holds views of the context's tensors (CUDA-graph buffers refilled in place stay live)."""
+    backend = TritonMLABackend(prefix_chunk_tokens=8)
+    pool, ctx, q_nope, q_pe, weights, scale = _backend_case(4, 16, 8, 16, 16, [1, 1, 6, 12], [9, 40, 6, 30], 4,
+                                                            torch.float32)
+    calls = []
+    prepare = backend.prepare
+    backend.prepare = lambda c: calls.append(c) or prepare(c)
+    for layer in (2, 3, 4):
+        backend.forward(layer, q_nope, q_pe, weights, pool, ctx, scale)
+    assert len(calls) == 1
+    meta = ctx.attn_metadata
+    assert meta.decode.count == 2 and meta.extend.first_token == 2
+    assert meta.extend.cu_q.tolist() == [0, 6, 18]
+    assert [p.slots.numel() for p in meta.extend.prefix_pieces] == [8, 8, 2]  # 18 prefix tokens, row 3 only
+
+    gen = torch.Generator().manual_seed(0)
+    decode = _step([1, 1, 1], [3, 9, 4], 4, 8, gen)
+    decode.context_lens_tensor = torch.tensor(decode.context_lens, dtype=torch.int32, device=DEV)
+    meta = backend.prepare(decode)
+    assert meta.extend is None and meta.decode.count == 3
+    assert meta.decode.page_tables.data_ptr() == decode.page_tables.data_ptr()
+    assert meta.decode.context_lens.data_ptr() == decode.context_lens_tensor.data_ptr()
 
 
 def test_triton_backend_refuses_a_layer_of_another_stage():

@@ -19,10 +19,22 @@ class MLAWeights:
 
     w_uk: torch.Tensor
     w_uv: torch.Tensor
+    # [H, nope + v, kv_lora_rank], the tensor both are views of (expansion in one GEMM); optional
+    w_kv: torch.Tensor | None = None
+
+    def joint(self) -> torch.Tensor:
+        """[H, qk_nope_head_dim + v_head_dim, kv_lora_rank]: keys' half, then values' half."""
+        return self.w_kv if self.w_kv is not None else torch.cat([self.w_uk, self.w_uv], dim=1)
 
 
 class AttentionBackend(Protocol):
     name: str
+
+    def prepare(self, ctx: StepContext) -> object:
+        """This step's device metadata, built once per step (the runner or the first layer
+        stores it in ``ctx.attn_metadata``; every layer then reads it). Only views of the
+        context's tensors where a CUDA graph refills them in place."""
+        ...
 
     def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, weights: MLAWeights,
                 pool: StageKVPool, ctx: StepContext, scale: float) -> torch.Tensor:

@@ -41,7 +41,12 @@ def mla_attention_ref(q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Te
 
 
 class ReferenceMLABackend:
+    """Every sequence on its own, whatever the mix of prefill, extend and decode in the step."""
+
     name = "reference"
+
+    def prepare(self, ctx: StepContext) -> None:
+        return None  # nothing to precompute: per-sequence host loops
 
     def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, weights: MLAWeights,
                 pool: StageKVPool, ctx: StepContext, scale: float) -> torch.Tensor:

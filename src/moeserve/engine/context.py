@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
@@ -20,6 +20,17 @@ class StepContext:
     logits_indices: torch.Tensor  # [S] flat indices whose logits the step needs
     page_size: int
     context_lens_tensor: torch.Tensor | None = None  # [B] int32 on the device (kernels, CUDA graphs)
+    # The attention backend's device metadata of this step (``AttentionBackend.prepare``), built
+    # once per step and read by every layer; it lives and dies with this context.
+    attn_metadata: Any = None
+    # Sequences at the front of the batch that add one token each (set from query_lens).
+    num_decode_rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Attention runs these rows in the weight-absorbed decode form and the rest as extends.
+        # The scheduler puts decodes first; a one-token row behind an extend row is run as an
+        # extend, which is right, only slower.
+        self.num_decode_rows = next((i for i, n in enumerate(self.query_lens) if n != 1), len(self.query_lens))
 
     @property
     def num_seqs(self) -> int:
@@ -27,7 +38,7 @@ class StepContext:
 
     @property
     def is_decode_only(self) -> bool:
-        return all(n == 1 for n in self.query_lens)
+        return self.num_decode_rows == len(self.query_lens)
 
 
 _CTX: StepContext | None = None

@@ -283,4 +283,150 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
     return out
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "default_num_kv_splits", "decode_config"]
+def mla_prefix_absorbed_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
+                            page_tables: torch.Tensor, cu_q: torch.Tensor, prefix_lens: torch.Tensor,
+                            page_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of :func:`mla_prefix_absorbed`: one row at a time, fp32."""
+    Lk = q_latent.shape[-1]
+    out = q_latent.new_zeros(q_latent.shape, dtype=torch.float32)
+    lse = q_latent.new_full(q_latent.shape[:2], float("-inf"), dtype=torch.float32)
+    cq = cu_q.tolist()
+    for e, P in enumerate(prefix_lens.tolist()):
+        if P == 0 or cq[e + 1] == cq[e]:
+            continue
+        pos = torch.arange(P, device=cache.device)
+        c = cache[page_tables[e, pos // page_size].long() * page_size + pos % page_size].float()
+        q = slice(cq[e], cq[e + 1])
+        scores = (torch.einsum("thc,lc->thl", q_latent[q].float(), c[:, :Lk])
+                  + torch.einsum("thr,lr->thl", q_pe[q].float(), c[:, Lk:])) * scale
+        lse[q] = torch.logsumexp(scores, dim=-1) * LOG2E
+        out[q] = torch.softmax(scores, dim=-1) @ c[:, :Lk]
+    return out, lse
+
+
+@triton.jit
+def _mla_prefix_absorbed_kernel(
+    QLat, QPe, Cache, PageTable, CuQ, PrefixLens, PartOut, PartLse,
+    stride_qlat_t, stride_qlat_h, stride_qpe_t, stride_qpe_h, stride_cache, stride_pt_b,
+    stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t,
+    num_heads, page_size, num_splits, qk_scale_log2,
+    LK: tl.constexpr, R: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+):
+    """One program per (extend row, block of BLOCK_ROWS (token, head) pairs of it, split of its
+    prefix). Every query of a row sees the whole prefix, so the row's tokens x heads are packed
+    into one block of rows that shares each cache tile (as keys and as values), like the heads
+    of a decode step. Writes the split's normalised output and base-2 lse (fp32)."""
+    e = tl.program_id(0)
+    row_block = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(CuQ + e)
+    num_rows = (tl.load(CuQ + e + 1) - q_start) * num_heads
+    if row_block * BLOCK_ROWS >= num_rows:
+        return
+    ctx_len = tl.load(PrefixLens + e)
+    split_len = _split_len(ctx_len, num_splits, BLOCK_N)
+    start = split * split_len
+    end = tl.minimum(start + split_len, ctx_len)
+
+    offs_row = row_block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    mask_row = offs_row < num_rows
+    tok = (q_start + offs_row // num_heads).to(tl.int64)
+    head = offs_row % num_heads
+    offs_c = tl.arange(0, BLOCK_LK)
+    mask_c = offs_c < LK
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    cache_dtype = Cache.dtype.element_ty
+    q_lat = tl.load(QLat + tok[:, None] * stride_qlat_t + head[:, None] * stride_qlat_h + offs_c[None, :],
+                    mask=mask_row[:, None] & mask_c[None, :], other=0.0).to(cache_dtype)
+    q_pe = tl.load(QPe + tok[:, None] * stride_qpe_t + head[:, None] * stride_qpe_h + offs_r[None, :],
+                   mask=mask_row[:, None] & mask_r[None, :], other=0.0).to(cache_dtype)
+
+    m_i = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_ROWS, BLOCK_LK], dtype=tl.float32)
+    pt_row = PageTable + e * stride_pt_b
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        page = tl.load(pt_row + offs_n // page_size, mask=mask_n, other=0).to(tl.int64)
+        row = Cache + (page * page_size + offs_n % page_size) * stride_cache
+        kv = tl.load(row[:, None] + offs_c[None, :], mask=mask_n[:, None] & mask_c[None, :], other=0.0)
+        k_pe = tl.load(row[:, None] + LK + offs_r[None, :], mask=mask_n[:, None] & mask_r[None, :], other=0.0)
+        s = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+        s = mma(q_lat, tl.trans(kv), s, DOT_PRECISION, DOT_UPCAST)
+        s = mma(q_pe, tl.trans(k_pe), s, DOT_PRECISION, DOT_UPCAST)
+        s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        acc = mma(p.to(cache_dtype), kv, acc, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0  # an empty split leaves l_i == 0
+    acc = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+    tl.store(PartOut + split * stride_po_s + tok[:, None] * stride_po_t + head[:, None] * stride_po_h
+             + offs_c[None, :], acc, mask=mask_row[:, None] & mask_c[None, :])
+    tl.store(PartLse + split * stride_pl_s + tok * stride_pl_t + head, lse, mask=mask_row)
+
+
+def merge_split_lse(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge partial softmax results over splits: part_out [S, ..., D], part_lse [S, ...] (base
+    2, -inf for an empty split) -> out [..., D], lse [...]; all-empty entries give 0 and -inf."""
+    if part_out.shape[0] == 1:
+        return part_out[0], part_lse[0]
+    top = part_lse.max(dim=0).values
+    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+    w = torch.exp2(part_lse - top)  # [S, ...]
+    total = w.sum(dim=0)
+    out = (part_out * w[..., None]).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
+    return out, top + torch.log2(total)
+
+
+def mla_prefix_absorbed(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_tables: torch.Tensor,
+                        cu_q: torch.Tensor, prefix_lens: torch.Tensor, page_size: int, scale: float,
+                        max_q_len: int, max_prefix_len: int, num_kv_splits: int | None = None,
+                        config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extend queries over their row's cached prefix, in the weight-absorbed latent form.
+
+    q_latent: [T, H, Lk] (``q_nope @ w_uk``); q_pe: [T, H, R]; cache, page_size as
+    :func:`mla_decode`; page_tables: [E, max_pages] of the extend rows; cu_q: [E + 1] int32
+    offsets of each row's queries; prefix_lens: [E] int32 cached tokens before each row's first
+    query (all visible to all its queries). ``max_q_len`` / ``max_prefix_len`` are known on the
+    host. Returns the normalised latent output [T, H, Lk] and the base-2 lse [T, H], both fp32
+    (0 and -inf for a row without prefix), to merge with the attention over the new tokens.
+    Nothing is expanded per head: each cache tile is read once per block of (token, head) rows.
+    """
+    T, H, Lk = q_latent.shape
+    R = q_pe.shape[-1]
+    assert cache.shape[-1] == Lk + R and cache.stride(-1) == 1
+    E = prefix_lens.numel()
+    q_latent, q_pe = _last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe)
+    cfg = {**decode_config(64, Lk, 8, cache.element_size()), **(config or {})}  # a block of 64 rows
+    block_rows = cfg["BLOCK_H"]
+    row_blocks = triton.cdiv(max(max_q_len, 1) * H, block_rows)
+    if num_kv_splits is None:
+        num_kv_splits = default_num_kv_splits(E, row_blocks, max_prefix_len, q_latent.device)
+    if not (T and E and max_prefix_len):
+        return (q_latent.new_zeros(T, H, Lk, dtype=torch.float32),
+                q_latent.new_full((T, H), float("-inf"), dtype=torch.float32))
+    # every (split, token, head) is written: each token belongs to one row, each row to a program
+    part_out = q_latent.new_empty(num_kv_splits, T, H, Lk, dtype=torch.float32)
+    part_lse = q_latent.new_empty(num_kv_splits, T, H, dtype=torch.float32)
+    _mla_prefix_absorbed_kernel[(E, row_blocks, num_kv_splits)](
+        q_latent, q_pe, cache, page_tables, cu_q, prefix_lens, part_out, part_lse,
+        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
+        page_tables.stride(0), *part_out.stride()[:3], *part_lse.stride()[:2],
+        H, page_size, num_kv_splits, scale * LOG2E,
+        LK=Lk, R=R, BLOCK_LK=pow2_at_least(Lk), BLOCK_R=pow2_at_least(R), BLOCK_ROWS=block_rows,
+        BLOCK_N=cfg["BLOCK_N"], **dot_args(cache.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return merge_split_lse(part_out, part_lse)
+
+
+__all__ = ["mla_decode", "mla_decode_ref", "mla_prefix_absorbed", "mla_prefix_absorbed_ref", "merge_split_lse",
+           "default_num_kv_splits", "decode_config"]

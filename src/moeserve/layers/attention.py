@@ -82,7 +82,7 @@ class MLAAttention(nn.Module):
 
     def mla_weights(self) -> MLAWeights:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return MLAWeights(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:])
+        return MLAWeights(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:], w_kv=w)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         T = hidden.shape[0]
