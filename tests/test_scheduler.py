@@ -58,3 +58,101 @@ def test_preemption_frees_pages_and_requeues_first():
     assert b.status is SeqStatus.WAITING and b.pages == [] and b.num_computed == 0
     assert s.waiting[0] is b and b.num_preemptions == 1
     assert batch.seqs == [a]
+
+
+# ---- the step budget: decodes first, then prefill chunks of what is left ----
+
+def test_decodes_go_first_and_the_prefill_chunk_gets_what_is_left():
+    """A prompt admitted before two short ones is still prefilling when they decode: the
+    decodes lead the batch (the attention backend slices them off as one decode run) and the
+    prompt's chunk is what the budget has left."""
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64,
+                                  long_prefill_token_threshold=4), PagedAllocator(32, 4))
+    a, b, c = seq(0, 20), seq(1, 2), seq(2, 2)
+    for q in (a, b, c):
+        s.add(q)
+    batch = run_step(s)
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [4, 2, 2]
+    batch = run_step(s)  # b and c decode; a is before them in `running` but goes after
+    assert batch.seqs == [b, c, a] and batch.num_new_tokens == [1, 1, 4]
+    assert batch.starts == [2, 2, 4]
+
+
+def test_decodes_take_the_budget_before_any_prefill():
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=3, max_model_len=64),
+                  PagedAllocator(32, 4))
+    b, c = seq(1, 1), seq(2, 2)
+    s.add(b)
+    s.add(c)
+    run_step(s)  # b (1) and c (2) prefill and sample
+    a = seq(0, 10)
+    s.add(a)
+    batch = run_step(s)
+    assert batch.seqs == [b, c, a] and batch.num_new_tokens == [1, 1, 1]
+    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, max_model_len=64),
+                   PagedAllocator(32, 4))
+    for q in (seq(1, 1), seq(2, 1)):
+        s2.add(q)
+    run_step(s2)
+    s2.add(seq(0, 10))
+    batch = run_step(s2)  # the two decodes fill the budget: the prompt waits a step
+    assert batch.num_new_tokens == [1, 1] and s2.num_waiting == 1
+
+
+def test_long_prefill_token_threshold_caps_each_prompts_chunk():
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64,
+                                  long_prefill_token_threshold=3), PagedAllocator(32, 4))
+    a, b = seq(0, 8), seq(1, 5)
+    s.add(a)
+    s.add(b)
+    assert run_step(s).num_new_tokens == [3, 3]
+    batch = run_step(s)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [3, 2]  # b's prompt is done: it samples
+    batch = run_step(s)  # b's decode first, then the rest of a's prompt
+    assert batch.seqs == [b, a] and batch.num_new_tokens == [1, 2]
+
+
+def test_long_prefill_token_threshold_zero_is_off_and_negative_is_refused():
+    import pytest
+
+    cfg = SchedulerConfig(max_num_batched_tokens=100, long_prefill_token_threshold=0)
+    assert cfg.chunk(80, 100) == 80 and cfg.chunk(80, 30) == 30
+    assert SchedulerConfig(long_prefill_token_threshold=16).chunk(80, 30) == 16
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+def test_a_decode_preempts_a_newer_prefilling_sequence_and_nothing_is_lost():
+    alloc = PagedAllocator(3, 2)  # 6 token slots
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_model_len=8,
+                                  long_prefill_token_threshold=2), alloc)
+    a, b = seq(0, 2), seq(1, 4)
+    s.add(a)
+    s.add(b)
+    assert run_step(s).num_new_tokens == [2, 2]  # a samples; one page each, one free
+    batch = run_step(s)  # a's decode takes the free page; b's next chunk finds none and yields
+    assert batch.seqs == [a] and b.status is SeqStatus.WAITING and b.num_preemptions == 1
+    batch = run_step(s)  # a decodes within its pages; b is admitted again (the freed page)
+    assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2] and alloc.num_free == 0
+    batch = run_step(s)  # a's decode needs a page: the newer, prefilling b is preempted for it
+    assert batch.seqs == [a] and s.waiting[0] is b and b.pages == [] and b.num_computed == 0
+    assert b.num_preemptions == 2
+    s.finish(a, "length")
+    while b.num_output_tokens < 1:
+        run_step(s)
+    assert b.num_computed == 4 and b.token_ids[:4] == [0, 1, 2, 3]
+
+
+def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config():
+    from moeserve.cli import add_engine_arguments, engine_kwargs
+    from moeserve.engine.config import EngineConfig
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    kwargs = engine_kwargs(p.parse_args(["--long-prefill-token-threshold", "512", "--max-num-batched-tokens", "2048"]))
+    assert kwargs["long_prefill_token_threshold"] == 512
+    config = EngineConfig(model=None, device="cpu", **{k: v for k, v in kwargs.items() if k != "device"})
+    sc = SchedulerConfig.from_engine_config(config, max_model_len=4096)
+    assert (sc.max_num_batched_tokens, sc.long_prefill_token_threshold, sc.max_model_len) == (2048, 512, 4096)
+    assert engine_kwargs(p.parse_args([]))["long_prefill_token_threshold"] == 0

@@ -24,7 +24,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step: its decodes first, then prefill chunks of what is left")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request prefills in a step (0: off; vLLM's flag)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV cache size in pages")
@@ -72,7 +75,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                              f"got {args.pp_layer_partition!r}") from None
     return dict(dtype=args.dtype, device=args.device, load_format=args.load_format, seed=args.seed,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                long_prefill_token_threshold=args.long_prefill_token_threshold, page_size=args.page_size,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
                 backend=args.backend, trust_remote_code=args.trust_remote_code, hf_overrides=args.hf_overrides,
                 enforce_eager=args.enforce_eager,

@@ -33,6 +33,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Most prompt tokens one sequence prefills in a step, so that one long prompt cannot take a
+    # whole step's budget from the prompts behind it (vLLM's name); 0: off.
+    long_prefill_token_threshold: int = 0
     page_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_pages: int | None = None  # explicit KV size, overrides gpu_memory_utilization

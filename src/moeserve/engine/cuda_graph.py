@@ -44,12 +44,17 @@ class DecodeGraphs:
         self.mempool = None if emulate else torch.cuda.graph_pool_handle()
 
     def _ctx(self, b: int) -> StepContext:
-        return StepContext(
+        ctx = StepContext(
             positions=self.positions[:b], slot_mapping=self.slots[:b], query_lens=[1] * b,
             context_lens=[self.runner.max_context_len] * b, page_tables=self.page_tables[:b],
             cu_query_lens=torch.arange(b + 1, dtype=torch.int32, device=self.runner.device),
             logits_indices=torch.arange(b, device=self.runner.device), page_size=self.runner.page_size,
             context_lens_tensor=self.context_lens[:b])
+        # Built once, outside capture: for a decode-only step the attention metadata is views of
+        # the static buffers above (and host facts fixed at capture), so every replay reads the
+        # values `run` has just copied in.
+        ctx.attn_metadata = self.runner.backend.prepare(ctx)
+        return ctx
 
     @torch.inference_mode()
     def capture(self) -> None:

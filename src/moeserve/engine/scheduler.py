@@ -1,10 +1,22 @@
 """Continuous batching with chunked prefill and preemption by recomputation.
 
-Each step takes a token budget (``max_num_batched_tokens``). Running sequences go first
-(one token each when decoding, a chunk when their prefill is unfinished), then waiting ones
-are admitted while the budget, ``max_num_seqs`` and free KV pages allow. When pages run out
-the most recently admitted running sequence is preempted: its pages are freed and it goes
-back to the front of the queue to be recomputed later. Nothing is ever dropped.
+Each step has a token budget (``max_num_batched_tokens``), spent in this order:
+
+1. **decodes**: every running sequence with one token to compute (the one it sampled last)
+   joins with that token. A decode step's time barely grows with its batch, so they all go,
+   and first: the time per output token of the running requests stays steady while prompts
+   are admitted.
+2. **prefill chunks** of running sequences whose prompt is unfinished, in admission order,
+   each as large as what is left of the budget allows, and at most
+   ``long_prefill_token_threshold`` tokens (vLLM's knob; 0: no cap) so that one long prompt
+   cannot take the whole step from shorter ones behind it.
+3. **waiting** sequences are admitted, chunked the same way, while the budget,
+   ``max_num_seqs`` and free KV pages allow.
+
+The batch keeps that order, decodes first, which lets the attention backend run them as one
+slice through the decode kernel. When pages run out the most recently admitted running
+sequence is preempted: its pages are freed and it goes back to the front of the queue to be
+recomputed later. Nothing is ever dropped.
 
 With ``overlap`` (asynchronous scheduling) the next step is scheduled while the previous one
 still runs on the device. A sequence whose in-flight step samples its next token is then
@@ -17,9 +29,13 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from moeserve.cache.allocator import PagedAllocator
 from moeserve.engine.sequence import Sequence, SeqStatus
+
+if TYPE_CHECKING:
+    from moeserve.engine.config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -27,6 +43,26 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 4096
+    # Most prompt tokens one sequence computes in a step (vLLM's --long-prefill-token-threshold);
+    # 0: only the step budget limits a chunk.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), "
+                             f"got {self.long_prefill_token_threshold}")
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's share of the engine settings (``max_model_len`` as resolved)."""
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
+                   config.long_prefill_token_threshold)
+
+    def chunk(self, remaining: int, budget: int) -> int:
+        """Prompt tokens a sequence with ``remaining`` of them computes this step."""
+        n = min(remaining, budget)
+        cap = self.long_prefill_token_threshold
+        return min(n, cap) if cap > 0 else n
 
 
 @dataclass
@@ -66,39 +102,30 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, max_seqs: int | None = None, overlap: bool = False) -> ScheduledBatch:
-        """Pick the next batch; ``max_seqs`` caps its size so that several pipeline
-        micro-batches can share the running sequences; ``overlap`` lets a sequence whose
-        previous step is still in flight join (see the module doc)."""
+        """Pick the next batch (decodes, then prefill chunks, then admissions: see the module
+        doc); ``max_seqs`` caps its size so that several pipeline micro-batches can share the
+        running sequences; ``overlap`` lets a sequence whose previous step is still in flight
+        join (see the module doc)."""
         batch = ScheduledBatch()
         cap = max_seqs or self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
-        preempted = False
-        i = 0
-        while i < len(self.running) and budget > 0 and len(batch) < cap:
-            seq = self.running[i]
-            deferred = False
-            if seq.in_flight:
-                if not overlap or seq.in_flight > 1:
-                    i += 1
-                    continue
-                deferred = seq.num_scheduled == seq.num_tokens  # the step in flight samples its next token
-                if deferred and seq.at_length_limit(self.config.max_model_len, pending=1):
-                    i += 1
-                    continue
-            n = 1 if deferred else min(seq.num_tokens - seq.num_scheduled, budget)
-            if n <= 0:
-                i += 1
-                continue
+        wanted = [(seq, *w) for seq in self.running if (w := self._wanted(seq, overlap)) is not None]
+        decodes = [(seq, n, deferred) for seq, n, deferred in wanted if n == 1]
+        prefills = [(seq, n, deferred) for seq, n, deferred in wanted if n > 1]
+        for seq, remaining, deferred in decodes + prefills:
+            if budget <= 0 or len(batch) >= cap:
+                return batch
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted below to make room for an earlier one
+            n = 1 if deferred else self.config.chunk(remaining, budget)
             if not self._make_room(seq, n):
-                preempted = True
-                break
+                return batch  # nothing left to preempt: admit no one either
             self._add_to(batch, seq, n, deferred)
             budget -= n
-            i += 1
-        while (self.waiting and budget > 0 and not preempted and len(batch) < cap
+        while (self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_scheduled, budget)
+            n = self.config.chunk(seq.num_tokens - seq.num_scheduled, budget)
             if self._pages_needed(seq, n) > self.allocator.num_free:
                 break
             self.waiting.popleft()
@@ -107,6 +134,19 @@ class Scheduler:
             self._add_to(batch, seq, n)
             budget -= n
         return batch
+
+    def _wanted(self, seq: Sequence, overlap: bool) -> tuple[int, bool] | None:
+        """(tokens a running sequence has left to compute, whether its input token is deferred
+        to the step in flight), or None when it cannot join this step."""
+        if seq.in_flight:
+            if not overlap or seq.in_flight > 1:
+                return None
+            if seq.num_scheduled == seq.num_tokens:  # the step in flight samples its next token
+                if seq.at_length_limit(self.config.max_model_len, pending=1):
+                    return None
+                return 1, True
+        n = seq.num_tokens - seq.num_scheduled
+        return (n, False) if n > 0 else None
 
     def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int, deferred: bool = False) -> None:
         self._grow(seq, n)
