@@ -201,9 +201,9 @@ class Int4Experts(ExpertsMethod):
         self.fused = self.gemv = "int4_moe" in working
 
     def tile_limits(self):
-        from moeserve.kernels.int4_moe import INT4_TILE_TABLE
+        from moeserve.kernels.int4_moe import int4_moe_tile_limits
 
-        return [limit for limit, _ in INT4_TILE_TABLE] if self.fused else []
+        return int4_moe_tile_limits() if self.fused else []
 
     def _weights(self, layer):
         return layer.w13_packed, layer.w13_scale, layer.w2_packed, layer.w2_scale
