@@ -30,6 +30,15 @@ module                 kernel (wrapper)                            reference
 ``gemv``               dense projections of <= 4 tokens (``gemv``) ``F.linear``
 ``sampling``           argmax + logsumexp of a row of logits       ``argmax_logsumexp_ref``
                        (``argmax_logsumexp``)
+``fp8_linear``         DeepSeek-V3 FP8 (128 x 128 block scales)    ``fp8_linear_ref``
+                       linears: per-token, per-128-channel         (= ``quant.fp8`` dequantize
+                       activation quantization + W8A8 GEMM on the  + ``F.linear``)
+                       fp8 tensor cores; an FP8-weight GEMV for
+                       <= 4 tokens (``fp8_linear``)
+``fp8_moe``            FP8 routed experts: the grouped W8A8 GEMMs  ``fp8_moe_ref``
+                       of ``fused_moe`` (``fp8_fused_moe``) and    (= ``moe_experts_by_expert`` +
+                       the GEMV pair of ``moe_gemv`` with FP8      ``quant.fp8`` dequantize)
+                       shared experts (``fp8_moe_gemv``)
 =====================  ==========================================  ================================
 
 The model runner switches the layers to these kernels when the backend is ``triton`` (the

@@ -101,9 +101,22 @@ def check_int4_moe(device: torch.device) -> bool:
     return selfcheck(device)  # the INT4 GEMV (with shared experts) and grouped GEMM, fp32 and bf16
 
 
+def check_fp8_linear(device: torch.device) -> bool:
+    from moeserve.kernels.fp8_linear import selfcheck
+
+    return selfcheck(device)  # FP8 block-scaled: activation quantizer, W8A8 GEMM, FP8-weight GEMV
+
+
+def check_fp8_moe(device: torch.device) -> bool:
+    from moeserve.kernels.fp8_moe import selfcheck
+
+    return selfcheck(device)  # FP8 block-scaled routed experts: GEMV (with shared experts), grouped GEMMs
+
+
 CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "rmsnorm": check_rmsnorm, "router": check_router, "rope_cache": check_rope_cache, "moe_gemv": check_moe_gemv,
     "gemv": check_gemv, "sampling": check_sampling, "int4_moe": check_int4_moe,
+    "fp8_linear": check_fp8_linear, "fp8_moe": check_fp8_moe,
 }
 
 
