@@ -12,7 +12,7 @@ class CompletionOutput:
     token_ids: list[int]
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
     stop_reason: int | str | None = None
 
     @property
@@ -27,4 +27,4 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
-    error: str | None = None
+    error: str | None = None  # set when the request failed (finish_reason "error"): why

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as torch.Generator takes it
 
 
 @dataclass
@@ -37,6 +40,9 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", f"must be at least 1, got {self.n}")
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise bad(name, f"must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -49,6 +55,11 @@ class SamplingParams:
             raise bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise bad("seed", f"must be a signed 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], "
+                              f"got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop_list):

@@ -56,6 +56,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
     aborted: bool = False
+    error: str | None = None  # why it failed; it finishes with finish_reason "error"
 
     @property
     def finished(self) -> bool:
@@ -115,6 +116,8 @@ class LLMEngine:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room for one output "
                              f"token within max_model_len={self.max_model_len}")
         params.validate()
+        if params.logprobs is not None and params.logprobs > V:
+            raise ValueError(f"logprobs must be at most the vocabulary size ({V}), got {params.logprobs}")
         if params.stop_list and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
 
@@ -155,6 +158,11 @@ class LLMEngine:
     @property
     def num_waiting(self) -> int:
         return len({s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running})
+
+    @property
+    def num_waiting_seqs(self) -> int:
+        """Sequences waiting to be scheduled (each of a request's n counts; preempted ones too)."""
+        return self.scheduler.num_waiting
 
     @property
     def kv_cache_usage(self) -> float:
@@ -212,16 +220,25 @@ class LLMEngine:
             if seq.finished:  # e.g. a stop token in the step before (asynchronous scheduling)
                 continue
             req = self.requests[seq.request_id]
+            touched[req.request_id] = req
+            if req.error is not None:
+                continue
+            if j in result.errors:
+                self._fail_request(req, f"sampling failed: {result.errors[j]}")
+                continue
             if req.first_token_time is None:
                 req.first_token_time = now
-            self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
-            touched[req.request_id] = req
-        for seq in batch.seqs:  # aborted while in flight
+            try:
+                self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
+            except Exception as e:  # noqa: BLE001 - its detokenizer, stop strings or logprobs: its problem alone
+                log.exception("request %s: processing token %d failed", req.request_id, result.token_ids[j])
+                self._fail_request(req, f"processing its output failed: {type(e).__name__}: {e}")
+        for seq in batch.seqs:  # aborted or failed while in flight
             if seq.finished:
                 continue
             req = self.requests[seq.request_id]
-            if req.aborted:
-                self._finish(seq, "abort")
+            if req.aborted or req.error is not None:
+                self._finish(seq, "abort" if req.aborted else "error")
                 touched[req.request_id] = req
         outputs = [self._output(req) for req in touched.values() if req.finished or not finished_only]
         for req in touched.values():
@@ -254,6 +271,15 @@ class LLMEngine:
         elif seq.at_length_limit(self.max_model_len):
             self._finish(seq, "length")
 
+    def _fail_request(self, req: Request, message: str) -> None:
+        """One request's step failed: it finishes with ``error``, its pages freed; sequences of it
+        still in a step in flight finish when that step comes back (as aborted ones do)."""
+        log.error("request %s failed: %s", req.request_id, message)
+        req.error = message
+        for seq in req.seqs:
+            if not seq.finished and not seq.in_flight:
+                self._finish(seq, "error")
+
     def _check_stop_strings(self, seq: Sequence, text_before: int) -> bool:
         longest = max(len(s) for s in seq.params.stop_list)
         search_from = max(0, text_before - longest + 1)
@@ -268,7 +294,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                 flush: bool = True) -> None:
-        if seq.detok is not None and flush and reason != "abort":
+        if seq.detok is not None and flush and reason not in ("abort", "error"):
             seq.text += seq.detok.flush()
         self.scheduler.finish(seq, reason, stop_reason)
         self._finished_seq_ids.append(seq.seq_id)
@@ -279,7 +305,7 @@ class LLMEngine:
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
             cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
             stop_reason=s.stop_reason) for s in req.seqs]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.error)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -6,11 +6,18 @@ vLLM reports them by default.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
 from moeserve.sampling_params import SamplingParams
+
+log = logging.getLogger("moeserve")
+
+# What a row whose own settings failed is sampled with, so the batch still has a token for it
+# (the engine drops it and fails that row's request).
+_FALLBACK = SamplingParams(temperature=0.0, max_tokens=None)
 
 
 @dataclass
@@ -18,6 +25,9 @@ class SampleResult:
     token_ids: list[int]
     logprobs: list[dict[int, float] | None]  # per row: {token_id: logprob} for top-N plus the sampled one
     sampled_logprobs: list[float]
+    # row -> why that sequence could not be sampled: its request fails alone, as data, so that
+    # the error crosses from a sampling rank's process like any result
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -26,7 +36,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
     logits = logits / temps[:, None]
     V = logits.shape[-1]
-    top_ks = [p.top_k if p.top_k and p.top_k > 0 else V for p in params]
+    top_ks = [p.top_k if p.top_k and 0 < p.top_k < V else V for p in params]
     top_ps = [p.top_p for p in params]
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
@@ -53,6 +63,7 @@ class DeviceSample:
     packed: torch.Tensor  # [2 + 2 * top_n, B] float64: ids, logprobs, then top ids and top logprobs
     want: list[int | None]  # logprobs asked per row
     top_n: int | None
+    errors: dict[int, str] = field(default_factory=dict)  # see SampleResult.errors
 
     def result(self, packed: torch.Tensor) -> SampleResult:
         """``packed``: this sample's ``packed`` on the host."""
@@ -71,11 +82,11 @@ class DeviceSample:
                 for t, v in zip(ids_rows[i][:n], val_rows[i][:n]):
                     row.setdefault(int(t), v)
                 logprob_rows[i] = row
-        return SampleResult(token_list, logprob_rows, sampled)
+        return SampleResult(token_list, logprob_rows, sampled, dict(self.errors))
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
-                     generators: list[torch.Generator | None], *, use_kernel: bool = False) -> DeviceSample:
+def _sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None], *, use_kernel: bool = False) -> DeviceSample:
     """logits: [B, V] float32, one row per sequence that samples this step. No host sync.
 
     ``use_kernel``: greedy ids and the log-sum-exp from one split-row Triton pass
@@ -101,6 +112,8 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want = [p.logprobs for p in params]
     top_n = max((n for n in want if n is not None), default=None)
+    if top_n is not None:
+        top_n = min(top_n, logits.shape[-1])
     if top_n:
         # The sampled logprob from the same tensor as the top-N, so a sampled token that is
         # also in the top-N gets the identical value.
@@ -116,6 +129,47 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
         cols += [top_ids.double().T, top_vals.double().T]
     packed = torch.cat([c.reshape(-1, logits.shape[0]) for c in cols])
     return DeviceSample(tokens, packed, want, top_n)
+
+
+def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
+                     generators: list[torch.Generator | None], *, use_kernel: bool = False,
+                     errors: dict[int, str] | None = None) -> DeviceSample:
+    """One sample per row (see ``_sample_batch``), where a row whose own settings make sampling
+    fail fails alone.
+
+    ``errors``: rows that failed already (say, seeding their generator); they are sampled
+    greedily and reported. Should the batch raise, each row is tried alone (on copies of the
+    generators) to find the culprits, and the batch runs again without them, from the
+    generators' states before the first try, so every other row draws what it would have."""
+    errors = dict(errors or {})
+    params, generators = list(params), list(generators)
+    for i in errors:
+        params[i], generators[i] = _FALLBACK, None
+    states = [g.get_state() if g is not None else None for g in generators]
+    try:
+        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel)
+    except Exception:  # noqa: BLE001 - find the rows to blame; a failure of every row re-raises below
+        log.exception("sampling a batch of %d rows failed; trying each row alone", len(params))
+        for g, state in zip(generators, states):
+            if g is not None:
+                g.set_state(state)
+        for i in range(len(params)):
+            try:
+                _sample_batch(logits[i:i + 1], [params[i]], [_copy(generators[i])], use_kernel=use_kernel)
+            except Exception as e:  # noqa: BLE001
+                errors[i] = f"{type(e).__name__}: {e}"
+                params[i], generators[i] = _FALLBACK, None
+        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel)
+    drawn.errors = errors
+    return drawn
+
+
+def _copy(g: torch.Generator | None) -> torch.Generator | None:
+    if g is None:
+        return None
+    copy = torch.Generator(device=g.device)
+    copy.set_state(g.get_state())
+    return copy
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
