@@ -1,0 +1,174 @@
+"""Where a lone prompt's prefill spends its time: one engine step (prepare, forward, sampling)
+of a single 256 / 1,024 / 4,096-token prompt on dummy weights, profiled with torch.profiler.
+For each length it prints the kernels (GPU time and launches per prefill, share of the total),
+the wall time of the step, and the model's bf16 matmul FLOPs against the peak (790 TFLOP/s on
+an H200 by default): the gap between kernel time and wall time is launch / host overhead, the
+gap between kernel time and the FLOP bound is what the kernels leave on the table.
+
+    python scripts/prefill_profile.py                       # moonlight-16b-a3b, bf16, cuda
+    python scripts/prefill_profile.py --model deepseek-v3 --layers 8
+    python scripts/prefill_profile.py --model demo --device cpu --dtype float32 --lengths 16,32 --layers 2
+
+``--model`` takes ``demo``, a built-in config name (``moonlight-16b-a3b``, ``deepseek-v3``, ...)
+or a checkpoint directory (its config.json only: the weights are always dummy); ``--layers N``
+keeps the first N layers (``num_hidden_layers``), so a big model fits one GPU or a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from moeserve.bench.bounds import param_counts, prefill_attention_flops
+from moeserve.config import ModelConfig, parse_model_config, resolve_config_path
+from moeserve.demo import DEMO_CONFIG
+from moeserve.engine.config import EngineConfig
+from moeserve.engine.model_runner import ModelRunner
+from moeserve.engine.step_input import StepInput
+from moeserve.sampling_params import SamplingParams
+
+H200_BF16_TFLOPS = 790.0
+
+
+def config_dict(model: str, layers: int | None) -> dict:
+    """config.json of ``model`` (demo, a built-in name or a directory), with ``num_hidden_layers``
+    overridden (in text_config where the config wraps one)."""
+    if model == "demo":
+        data = copy.deepcopy(DEMO_CONFIG)
+    else:
+        with open(resolve_config_path(model)) as f:
+            data = json.load(f)
+    if layers is not None:
+        (data.get("text_config") or data)["num_hidden_layers"] = layers
+    return data
+
+
+def prefill_matmul_flops(config: ModelConfig, length: int) -> float:
+    """FLOPs of one prompt's prefill: every weight once per token (the lm_head for the last
+    token only: no other logits are computed), plus causal attention."""
+    p = param_counts(config)
+    return 2 * length * (p.active_per_token(config) - p.lm_head) + 2 * p.lm_head \
+        + prefill_attention_flops(config, 1, length)
+
+
+def lone_prompt(length: int, vocab: int, page_size: int, seed: int) -> StepInput:
+    """One step that prefills a whole prompt of ``length`` tokens from pages 0, 1, ... and samples."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+    pages = list(range(-(-length // page_size)))
+    return StepInput(input_ids=ids, positions=list(range(length)), slot_mapping=list(range(length)),
+                     query_lens=[length], context_lens=[length], page_tables=[pages], logits_indices=[length - 1],
+                     sample_seq_ids=[0], sample_params=[SamplingParams(temperature=0)], sample_seed_offsets=[0])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def wall_ms(runner: ModelRunner, step: StepInput, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(runner.device)
+        t = time.perf_counter()
+        runner.execute(step)
+        _sync(runner.device)
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _self_device_us(event) -> float:
+    for attr in ("self_device_time_total", "self_cuda_time_total"):
+        value = getattr(event, attr, None)
+        if value is not None:
+            return float(value)
+    return 0.0
+
+
+def kernel_table(runner: ModelRunner, step: StepInput, iters: int) -> list[tuple[str, float, float]]:
+    """(name, microseconds per prefill, launches per prefill), slowest first: GPU kernels on
+    CUDA, else the CPU ops by self time (the CPU smoke test)."""
+    on_gpu = runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(iters):
+            runner.execute(step)
+        _sync(runner.device)
+    rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.key_averages():
+        if on_gpu:
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = _self_device_us(e)
+        else:
+            us = float(e.self_cpu_time_total)
+        if us > 0:
+            rows[e.key][0] += us / iters
+            rows[e.key][1] += e.count / iters
+    return sorted(((k, t, n) for k, (t, n) in rows.items()), key=lambda r: -r[1])
+
+
+def report(config: ModelConfig, length: int, wall: float, table: list[tuple[str, float, float]], tflops: float,
+           top: int, on_gpu: bool) -> None:
+    total_us = sum(t for _, t, _ in table)
+    flops = prefill_matmul_flops(config, length)
+    bound_ms = flops / (tflops * 1e12) * 1e3
+    what = "kernels" if on_gpu else "CPU ops (self time)"
+    print(f"\n## prompt of {length} tokens: step {wall:.2f} ms wall; {what} {total_us / 1e3:.2f} ms; "
+          f"{flops / 1e9:.1f} GFLOP -> bound {bound_ms:.3f} ms at {tflops:.0f} TFLOP/s "
+          f"= {100 * bound_ms / wall:.1f} % of peak ({flops / wall / 1e9:.2f} TFLOP/s achieved)")
+    print(f"{'us':>10} {'count':>7} {'share':>6}  {what}")
+    for name, us, count in table[:top]:
+        print(f"{us:10.1f} {count:7.0f} {100 * us / max(total_us, 1e-9):5.1f}%  {name[:110]}")
+    rest = table[top:]
+    if rest:
+        us, count = sum(t for _, t, _ in rest), sum(n for _, _, n in rest)
+        print(f"{us:10.1f} {count:7.0f} {100 * us / max(total_us, 1e-9):5.1f}%  ({len(rest)} others)")
+    launches = sum(n for _, _, n in table)
+    print(f"{total_us:10.1f} {launches:7.0f} 100.0%  total; wall - {what} = {wall - total_us / 1e3:.2f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="moonlight-16b-a3b", help="demo, a built-in config name or a directory")
+    ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers")
+    ap.add_argument("--lengths", default="256,1024,4096", help="comma-separated prompt lengths")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backend", default="auto", help="auto (triton on CUDA) | triton | reference")
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--iters", type=int, default=3, help="profiled prefills per length")
+    ap.add_argument("--repeats", type=int, default=5, help="timed prefills per length (median)")
+    ap.add_argument("--top", type=int, default=25, help="kernels listed per length")
+    ap.add_argument("--tflops", type=float, default=H200_BF16_TFLOPS, help="peak for the FLOP bound")
+    args = ap.parse_args()
+
+    lengths = [int(x) for x in args.lengths.split(",")]
+    config = parse_model_config(config_dict(args.model, args.layers))
+    longest = max(lengths)
+    engine = EngineConfig(model=None, dtype=args.dtype, device=args.device, load_format="dummy",
+                          backend=args.backend, page_size=args.page_size, enforce_eager=True,
+                          max_num_seqs=1, max_num_batched_tokens=longest, max_model_len=longest + 1,
+                          num_kv_pages=-(-(longest + 1) // args.page_size))
+    runner = ModelRunner(config, engine)
+    print(f"{args.model}: {config.num_hidden_layers} layers, {runner.weight_bytes / 1e9:.2f} GB of {runner.dtype} "
+          f"weights on {runner.device}, attention backend {runner.backend.name}")
+    with torch.inference_mode():
+        for length in lengths:
+            step = lone_prompt(length, config.vocab_size, args.page_size, seed=length)
+            for _ in range(2):  # Triton compiles and autotunes for this shape outside the timings
+                runner.execute(step)
+            wall = wall_ms(runner, step, args.repeats)
+            table = kernel_table(runner, step, args.iters)
+            report(config, length, wall, table, args.tflops, args.top, runner.device.type == "cuda")
+
+
+if __name__ == "__main__":
+    main()
