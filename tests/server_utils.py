@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -25,7 +26,8 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, log_path: Path, *extra: str):
+    def __init__(self, model: str, log_path: Path, *extra: str, env: dict[str, str] | None = None):
+        self.env = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -37,7 +39,8 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+                                     start_new_session=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
+                                          **self.env})
         return self
 
     def wait(self, timeout: float = 120.0, interval: float = 0.1) -> WaitResult:
@@ -100,3 +103,19 @@ def poll(condition, timeout: float, interval: float = 0.1, what: str = "conditio
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
+
+
+def sse_data(lines) -> Iterator[str]:
+    """The ``data:`` payloads of server-sent event lines."""
+    for line in lines:
+        if line.startswith("data: "):
+            yield line[len("data: "):]
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process (Linux)."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"no VmRSS for process {pid}")

@@ -12,12 +12,16 @@ from typing import Any, Callable
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from pydantic import BaseModel
+
+from moeserve.server.body_limit import BodySizeLimit
 from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
 from moeserve.server.engine_client import AsyncEngineClient
 from moeserve.server.errors import APIError, install_error_handlers
 from moeserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
 from moeserve.server.serving import ServerContext
 
 log = logging.getLogger("moeserve.server")
@@ -29,9 +33,40 @@ class ServerConfig:
     model_names: list[str]
     api_key: str | None = None
     max_waiting: int | None = 1024
+    max_n: int = DEFAULT_MAX_N
+    max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_log_level: int = logging.WARNING
     started_at: float = field(default_factory=time.monotonic)
     on_engine_death: Callable[[str], None] | None = None  # e.g. stop the HTTP server
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty: give a real key, or none at all to serve without one")
+        if self.max_n < 1 or self.max_request_bytes < 1:
+            raise ValueError(f"max_n and max_request_bytes must be at least 1, got {self.max_n}, "
+                             f"{self.max_request_bytes}")
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """OpenAPI for a body the route parses itself (off the event loop) instead of FastAPI."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()
+            schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(body.pop("$defs", {}))
+                schemas[model.__name__] = body
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _layout(kw: dict) -> str:
@@ -55,7 +90,8 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
     client = AsyncEngineClient(config.engine_kwargs, config.max_waiting, metrics,
                                on_progress=lambda text: log.info("engine: %s", text), on_ready=on_ready,
                                on_death=config.on_engine_death, engine_log_level=config.engine_log_level)
-    ctx = ServerContext(client, tokenizer, config.model_names, config.engine_kwargs["model"], metrics)
+    ctx = ServerContext(client, tokenizer, config.model_names, config.engine_kwargs["model"], metrics,
+                        max_n=config.max_n)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -69,6 +105,8 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
     app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
@@ -89,13 +127,13 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
             {"id": name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
              "root": ctx.model_path, "max_model_len": max_len} for name in ctx.model_names]}
 
-    @v1.post("/completions")
-    async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await create_completion(body, raw, ctx)
+    @v1.post("/completions", openapi_extra=_request_body(CompletionRequest))
+    async def completions(raw: Request) -> Any:
+        return await create_completion(await ctx.parse(raw, CompletionRequest), raw, ctx)
 
-    @v1.post("/chat/completions")
-    async def chat(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await create_chat_completion(body, raw, ctx)
+    @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
+    async def chat(raw: Request) -> Any:
+        return await create_chat_completion(await ctx.parse(raw, ChatCompletionRequest), raw, ctx)
 
     app.include_router(v1)
 
@@ -109,6 +147,9 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
                                  "layout": client.info.get("layout", []), **client.stats})
         if client.state == "failed":
             return JSONResponse({"status": "failed", "error": client.error}, status_code=503)
+        if client.state == "draining":
+            return JSONResponse({"status": "draining", "detail": client.detail, "in_flight": client.num_in_flight,
+                                 **client.stats}, status_code=503)
         return JSONResponse({"status": "loading" if client.state != "stopped" else "stopped",
                              "detail": client.detail, "elapsed_s": elapsed}, status_code=503)
 

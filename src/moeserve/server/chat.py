@@ -60,12 +60,16 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
         raise bad_request("response_format other than text is not supported by this server", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
+    if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
+        raise bad_request("a chat template of the request's own is not accepted (it would run on this "
+                          "server); the model's template is used", "chat_template_kwargs")
 
 
-def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int) -> list:
+def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int,
+                      as_ids: bool = False) -> list:
+    """One entry per token, each with the token's own bytes: exact even where tokens share a text."""
     def entry(tid: int, lp: float | None) -> dict:
-        s = ctx.token_str(tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        return {"token": ctx.token_str(tid, as_ids), "logprob": lp, "bytes": ctx.token_bytes(tid)}
 
     return [{**entry(tid, row.get(tid)), "top_logprobs": [entry(t, v) for t, v in top_logprobs(row, n)]}
             for tid, row in zip(token_ids, rows)]
@@ -80,9 +84,10 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         max_tokens, names = req.max_tokens, {}
     n_top = req.top_logprobs or 0
     kwargs = sampling_kwargs(req, max_tokens, n_top if req.logprobs else None,
-                             {**names, "logprobs": "top_logprobs", "prompt": "messages"})
+                             {**names, "logprobs": "top_logprobs", "prompt": "messages"}, ctx.max_n)
     ctx.client.check_available()
-    text, ids = chat_prompt(req, ctx)
+    text, ids = await ctx.blocking(chat_prompt, req, ctx)
+    as_ids = req.return_tokens_as_token_ids
     cid = new_id("chatcmpl")
     group = await submit(ctx, cid, [(text, ids)], kwargs, {"prompt": "messages"})
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
@@ -102,7 +107,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 for seq in update["seqs"]:
                     completion_tokens += len(seq["token_ids"])
                     delta = {"content": seq["text"]} if seq["text"] or not seq["finish_reason"] else {}
-                    lp = {"content": _logprobs_content(ctx, seq["token_ids"], seq["logprobs"], n_top)} \
+                    lp = {"content": _logprobs_content(ctx, seq["token_ids"], seq["logprobs"], n_top, as_ids)} \
                         if req.logprobs else None
                     if seq["text"] or lp or seq["finish_reason"]:
                         choices.append({"index": seq["index"], "delta": delta, "logprobs": lp,
@@ -117,7 +122,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     results = await collect_while_connected(raw, group, req.n)
     choices = []
     for (_, i), r in sorted(results.items()):
-        lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top)} if req.logprobs else None
+        lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} \
+            if req.logprobs else None
         choices.append({"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
     completion_tokens = sum(len(r.token_ids) for r in results.values())

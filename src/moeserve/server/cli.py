@@ -11,6 +11,8 @@ import socket
 import sys
 import time
 
+from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S
+
 log = logging.getLogger("moeserve.server")
 
 DEATH_GRACE_S = 2.0  # /health shows why the engine died for this long before the server exits
@@ -24,11 +26,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY; "
+                        "an empty key is refused)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="model name(s) clients use (default: the --model value)")
     p.add_argument("--max-waiting", type=int, default=1024,
-                   help="refuse new requests with 503 while this many are waiting to be scheduled")
+                   help="refuse a request with 503 when its sequences (prompts x n) would make more than this "
+                        "many wait to be scheduled (one larger than this still gets in when none wait)")
+    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
+                   help="the largest n (completions per prompt) a request may ask for (OpenAI's limit: 128)")
+    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="refuse a larger request body with 413 (default 8 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds the requests in flight get to finish before they are ended "
+                        "with an error (new ones get 503 meanwhile)")
     p.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
@@ -58,9 +69,16 @@ def run_serve(args: argparse.Namespace) -> int:
     from moeserve.engine.config import EngineConfig
     from moeserve.engine.tokenizer import load_tokenizer
     from moeserve.server.app import ServerConfig, create_app
+    from moeserve.server.shutdown import DrainingServer
 
-    if args.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be at least 1, got {args.max_waiting}")
+    for flag in ("max_waiting", "max_n", "max_request_bytes"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key (or $MOESERVE_API_KEY) is empty: give a real key, or unset both to serve "
+                         "without one")
     kw = engine_kwargs(args)
     if args.model is None:
         from moeserve.demo import ensure_demo_model
@@ -95,14 +113,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
     config = ServerConfig(
         engine_kwargs=kw, model_names=args.served_model_name or [args.model or "moeserve-demo"],
-        api_key=args.api_key or None, max_waiting=args.max_waiting, started_at=started,
+        api_key=args.api_key, max_waiting=args.max_waiting, max_n=args.max_n,
+        max_request_bytes=args.max_request_bytes, started_at=started,
         engine_log_level=logging.DEBUG if logging.getLogger().level <= logging.DEBUG else logging.WARNING,
         on_engine_death=on_engine_death)
     app = create_app(config, tokenizer)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving %s on http://%s:%d (model %s)", config.model_names[0], host, args.port, kw["model"])
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log,
-                                           timeout_graceful_shutdown=5))
+    if config.api_key:
+        log.info("auth on: /v1/* needs 'Authorization: Bearer <key>'")
+    else:
+        log.warning("auth off: no API key, /v1/* answers anyone who can connect to %s", host)
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log,
+                               timeout_graceful_shutdown=5)
+    server = DrainingServer(uv_config, app.state.ctx.client, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on
@@ -152,7 +176,8 @@ def run_systemd_unit(args: argparse.Namespace) -> int:
     name = (args.served_model_name or [args.model or "the demo model"])[0]
     description = args.description or f"moeserve: {name} on {args.host}:{args.port}"
     print(render_unit(words, description=description, url=local_url(args.host, args.port),
-                      ready_timeout=args.ready_timeout, user=args.user, group=args.group,
+                      ready_timeout=args.ready_timeout, shutdown_timeout=args.shutdown_timeout,
+                      user=args.user, group=args.group,
                       working_directory=args.working_directory, environment=args.env,
                       api_key=args.api_key), end="")
     return 0

@@ -37,22 +37,40 @@ def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | Non
     return out
 
 
-class _Logprobs:
-    """Legacy completion logprobs, built token by token (text offsets continue across chunks)."""
+def _echo(req: CompletionRequest, ctx: ServerContext, prompts: list[tuple[str | None, list[int]]]) -> list[str]:
+    if not (req.echo and ctx.tokenizer):
+        return [""] * len(prompts)
+    return [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts]
 
-    def __init__(self, ctx: ServerContext, n: int, offset: int = 0):
-        self.ctx, self.n, self.offset = ctx, n, offset
+
+def _prepare(req: CompletionRequest, ctx: ServerContext) -> tuple[list[tuple[str | None, list[int]]], list[str]]:
+    """Tokenized prompts and their echo text (in a worker thread: both may be large)."""
+    prompts = _prompts(req, ctx)
+    return prompts, _echo(req, ctx, prompts)
+
+
+class _Logprobs:
+    """Legacy completion logprobs, built token by token (text offsets continue across chunks).
+
+    ``top_logprobs`` is keyed by token text, so different tokens with the same text (say, two
+    halves of UTF-8 characters, both shown as U+FFFD) share one key, which keeps the value of
+    the likelier one; ``return_tokens_as_token_ids`` keys them ``token_id:N`` instead."""
+
+    def __init__(self, ctx: ServerContext, n: int, offset: int = 0, as_ids: bool = False):
+        self.ctx, self.n, self.offset, self.as_ids = ctx, n, offset, as_ids
 
     def block(self, token_ids: list[int], rows: list[dict[int, float]]) -> dict:
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, row in zip(token_ids, rows):
-            s = self.ctx.token_str(tid)
+            s = self.ctx.token_str(tid, self.as_ids)
             out["tokens"].append(s)
             out["token_logprobs"].append(row.get(tid))
-            top = top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]
-            out["top_logprobs"].append({self.ctx.token_str(t): v for t, v in top})
+            top: dict[str, float] = {}
+            for t, v in (top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]):
+                top.setdefault(self.ctx.token_str(t, self.as_ids), v)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(s)
+            self.offset += len(self.ctx.token_str(tid))
         return out
 
 
@@ -66,14 +84,13 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     if req.echo and req.logprobs is not None:
         raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)",
                           "echo")
-    kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {})
+    kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {}, ctx.max_n)
     ctx.client.check_available()
-    prompts = _prompts(req, ctx)
+    prompts, echo = await ctx.blocking(_prepare, req, ctx)
     cid = new_id("cmpl")
     group = await submit(ctx, cid, prompts, kwargs, {"prompt": "prompt"})
     n_prompt = sum(len(ids) for _, ids in prompts)
-    echo = [(text if text is not None else ctx.tokenizer.decode(ids)) if req.echo and ctx.tokenizer else ""
-            for text, ids in prompts]
+    as_ids = req.return_tokens_as_token_ids
     head = {"id": cid, "object": "text_completion", "created": now(), "model": model}
 
     if req.stream:
@@ -89,7 +106,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
                     key = (p, seq["index"])
                     text = seq["text"]
                     if key not in logprobs:
-                        logprobs[key] = _Logprobs(ctx, req.logprobs or 0, len(echo[p]))
+                        logprobs[key] = _Logprobs(ctx, req.logprobs or 0, len(echo[p]), as_ids)
                         text = echo[p] + text
                     completion_tokens += len(seq["token_ids"])
                     lp = logprobs[key].block(seq["token_ids"], seq["logprobs"]) \
@@ -109,7 +126,8 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     results = await collect_while_connected(raw, group, req.n)
     choices = []
     for (p, i), r in sorted(results.items()):
-        lp = _Logprobs(ctx, req.logprobs or 0).block(r.token_ids, r.logprobs) if req.logprobs is not None else None
+        lp = _Logprobs(ctx, req.logprobs or 0, 0, as_ids).block(r.token_ids, r.logprobs) \
+            if req.logprobs is not None else None
         choices.append({"index": p * req.n + i, "text": echo[p] + r.text, "logprobs": lp,
                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
     completion_tokens = sum(len(r.token_ids) for r in results.values())

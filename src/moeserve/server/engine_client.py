@@ -39,8 +39,21 @@ class _Tracked:
     last_token: float | None = None
 
 
+class GenerationError(APIError):
+    """The engine failed this request while generating it (it alone; the engine goes on)."""
+
+    def __init__(self, reason: str):
+        super().__init__(500, f"generation failed: {reason}", code="generation_failed")
+
+
+class ShuttingDownError(APIError):
+    def __init__(self, message: str):
+        super().__init__(503, message, code="shutting_down")
+
+
 class AsyncEngineClient:
-    """States: ``starting`` → ``loading`` → ``ready``; ``failed`` when the engine process dies."""
+    """States: ``starting`` → ``loading`` → ``ready`` → ``draining`` (a signal: no new requests)
+    → ``stopped``; ``failed`` when the engine process dies."""
 
     def __init__(self, engine_kwargs: dict, max_waiting: int | None = None,
                  metrics: ServerMetrics | None = None, on_progress: Callable[[str], None] | None = None,
@@ -118,7 +131,7 @@ class AsyncEngineClient:
             params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
         group = self.group()
         try:
-            await group.add(request_id, prompt, params)
+            await group.add_all([(request_id, prompt, params)])
             async for _, update in group.updates():
                 yield update
         finally:
@@ -139,26 +152,57 @@ class AsyncEngineClient:
             raise EngineDeadError(self.error or "unknown reason")
         if self.state in ("starting", "loading"):
             raise APIError(503, f"the model is still loading ({self.detail}); see /health", code="model_loading")
-        raise APIError(503, "the server is shutting down", code="shutting_down")
+        raise ShuttingDownError("the server is shutting down and takes no new requests; retry elsewhere or later")
 
-    async def _add(self, group: "RequestGroup", rid: str, prompt: dict, sampling_kwargs: dict) -> None:
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests admitted (or being admitted) and not finished."""
+        return len(self._requests)
+
+    def drain(self) -> None:
+        """Take no new requests; those in flight go on."""
+        if self.state in ("starting", "loading", "ready"):
+            self.state, self.detail = "draining", "draining: finishing the requests in flight"
+
+    def cut(self, message: str) -> list[str]:
+        """End every request in flight now with a 503 saying ``message``; returns their ids."""
+        err = ShuttingDownError(message)
+        for fut in self._accepting.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._accepting.clear()
+        cut = list(self._requests)
+        for rid in cut:
+            tracked = self._requests[rid]
+            self.abort(rid)
+            tracked.group._queue.put_nowait((rid, err))
+        return cut
+
+    async def _add_group(self, group: "RequestGroup", items: list[tuple[str, dict, dict]]) -> None:
+        """Submit the engine requests of one HTTP request: all admitted, or none (an APIError)."""
         self.check_available()
-        if rid in self._requests or rid in self._accepting:
-            raise APIError(400, f"request id {rid!r} is already in use")
+        rids = [rid for rid, _, _ in items]
+        if any(rid in self._requests for rid in rids) or len(set(rids)) < len(rids):
+            raise APIError(400, f"request ids {rids!r} are already in use")
+        key = rids[0]
         fut = self._loop.create_future()
-        self._accepting[rid] = fut
-        # Registered before sending: its first output can arrive in the same message as its acceptance.
-        self._requests[rid] = _Tracked(group, time.monotonic())
+        self._accepting[key] = fut
+        now = time.monotonic()
+        # Registered before sending: a first output can arrive in the same message as the acceptance.
+        for rid in rids:
+            self._requests[rid] = _Tracked(group, now)
         try:
-            self._send(("add", rid, prompt, sampling_kwargs))
+            self._send(("add", key, items))
             await fut
         except asyncio.CancelledError:  # the client went away while the engine decides
-            self._accepting.pop(rid, None)
-            self.abort(rid)
+            self._accepting.pop(key, None)
+            for rid in rids:
+                self.abort(rid)
             raise
         except BaseException:
-            self._accepting.pop(rid, None)
-            self._requests.pop(rid, None)
+            self._accepting.pop(key, None)
+            for rid in rids:
+                self._requests.pop(rid, None)
             raise
 
     def _send(self, msg: tuple) -> None:
@@ -248,12 +292,13 @@ class AsyncEngineClient:
             tracked.generated += new_tokens
             tracked.first_token = tracked.first_token or now
             tracked.last_token = now
-        tracked.group._queue.put_nowait((rid, update))
+        error = update.get("error")
+        tracked.group._queue.put_nowait((rid, GenerationError(error) if error else update))
         if update["finished"]:
             del self._requests[rid]
             tracked.group._pending.discard(rid)
             reasons = [s["finish_reason"] for s in update["seqs"] if s["finish_reason"]]
-            self._observe(tracked, reasons[-1] if reasons else "stop")
+            self._observe(tracked, "error" if error else reasons[-1] if reasons else "stop")
 
     def _observe(self, t: _Tracked, reason: str) -> None:
         if self.metrics is not None:
@@ -291,23 +336,26 @@ class RequestGroup:
         self._pending: set[str] = set()
         self._queue: asyncio.Queue = asyncio.Queue()
 
-    async def add(self, rid: str, prompt: dict, sampling_kwargs: dict) -> None:
-        """Submit one request; raises APIError (400 with the engine's message, 503 overloaded)."""
-        self.rids.append(rid)
-        self._pending.add(rid)
+    async def add_all(self, items: list[tuple[str, dict, dict]]) -> None:
+        """Submit ``(rid, prompt, sampling_kwargs)`` requests, admitted together; raises APIError
+        (400 with the engine's message, 503 overloaded)."""
+        rids = [rid for rid, _, _ in items]
+        self.rids += rids
+        self._pending.update(rids)
         try:
-            await self.client._add(self, rid, prompt, sampling_kwargs)
+            await self.client._add_group(self, items)
         except BaseException:
-            self.rids.remove(rid)
-            self._pending.discard(rid)
+            self.rids = [r for r in self.rids if r not in rids]
+            self._pending.difference_update(rids)
             raise
 
     async def updates(self) -> AsyncIterator[tuple[str, dict]]:
-        """(request id, update) until every request finished; raises if the engine dies."""
+        """(request id, update) until every request finished; raises the first error (the engine
+        died, the request failed, the server cut it); the caller aborts the others."""
         while self._pending or not self._queue.empty():
             rid, update = await self._queue.get()
             if isinstance(update, BaseException):
-                self._pending.clear()
+                self._pending.discard(rid)
                 raise update
             yield rid, update
 

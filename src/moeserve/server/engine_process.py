@@ -2,19 +2,26 @@
 
 Two one-way pipes (no semaphores to leak when a signal ends the server; end-of-file on the
 command pipe means the server is gone).
-Messages in (``cmds``): ``("add", rid, prompt, sampling_kwargs)``, ``("abort", rid)``, ``("shutdown",)``.
+Messages in (``cmds``): ``("add", key, [(rid, prompt, sampling_kwargs), ...])`` (the engine
+requests of one HTTP request, admitted or refused together), ``("abort", rid)``, ``("shutdown",)``.
 Messages out (``events``):
   ``("progress", text)`` while starting;
   ``("ready", info)`` after the warm-up generation went through every rank and stage;
   ``("batch", events, stats)`` after each loop turn that changed something, where an event is
-  ``("accepted", rid)``, ``("error", rid, http_status, message)`` or ``("output", rid, update)``;
+  ``("accepted", key)``, ``("error", key, http_status, message)`` or ``("output", rid, update)``;
   ``("fatal", text)`` right before the process exits on an error.
-An update carries only what is new since the previous one (see :class:`DeltaTracker`).
+An update carries only what is new since the previous one (see :class:`DeltaTracker`); a request
+that failed during generation ends with an update whose ``error`` says why.
+
+SIGTERM and SIGINT are ignored here: the server drains its requests first and then sends
+``shutdown`` (or closes the pipe), so a signal sent to the whole process group does not cut
+the requests the server is still finishing.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -24,13 +31,17 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 WARMUP_REQUEST_ID = "__moeserve_warmup__"
+# Tests: a request whose prompt text contains this variable's value fails at its third token, as
+# a broken detokenizer or stop-string check would (the failure of one request among several).
+FAILURE_ENV = "MOESERVE_INJECT_REQUEST_FAILURE"
 
 
 def engine_main(engine_kwargs: dict, cmds: Connection, events: Connection, max_waiting: int | None,
                 log_level: int = logging.WARNING) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    signal.signal(signal.SIGTERM, _interrupt)  # stop cleanly when a service manager stops us all
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore)  # a handler, not SIG_IGN, which the rank processes would inherit
     code = 0
     engine = None
     try:
@@ -53,8 +64,8 @@ def engine_main(engine_kwargs: dict, cmds: Connection, events: Connection, max_w
     sys.exit(code)
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
+def _ignore(signum: int, frame: Any) -> None:
+    pass
 
 
 def _start(engine_kwargs: dict, events: Connection) -> Any:
@@ -151,7 +162,22 @@ class DeltaTracker:
             self.drop(out.request_id)
         if not seqs and not out.finished:
             return None
-        return {"prompt_tokens": len(out.prompt_token_ids), "seqs": seqs, "finished": out.finished}
+        return {"prompt_tokens": len(out.prompt_token_ids), "seqs": seqs, "finished": out.finished,
+                "error": out.error}
+
+
+class _FailingDetokenizer:
+    def __init__(self, inner: Any, fail_at: int = 3):
+        self.inner, self.left = inner, fail_at
+
+    def add(self, token_id: int) -> str:
+        self.left -= 1
+        if self.left <= 0:
+            raise RuntimeError(f"injected failure ({FAILURE_ENV})")
+        return self.inner.add(token_id) if self.inner is not None else ""
+
+    def flush(self) -> str:
+        return self.inner.flush() if self.inner is not None else ""
 
 
 class EngineLoop:
@@ -174,11 +200,19 @@ class EngineLoop:
                 events.extend(self._handle(cmd))
             if self.engine.has_unfinished_requests():
                 for out in self.engine.step():
-                    update = self.tracker.delta(out)
-                    if update is not None:
-                        events.append(("output", out.request_id, update))
+                    events.extend(self._output(out))
             if events or cmds:
                 self.events.send(("batch", events, self.stats()))
+
+    def _output(self, out: Any) -> list[tuple]:
+        try:
+            update = self.tracker.delta(out)
+        except Exception as e:  # noqa: BLE001 - one request's output must not take the engine down
+            logging.getLogger("moeserve").exception("request %s: building its update failed", out.request_id)
+            self._abort(out.request_id)
+            update = {"prompt_tokens": len(out.prompt_token_ids), "seqs": [], "finished": True,
+                      "error": f"sending its output failed: {type(e).__name__}: {e}"}
+        return [] if update is None else [("output", out.request_id, update)]
 
     def stats(self) -> dict:
         e = self.engine
@@ -200,22 +234,42 @@ class EngineLoop:
         if cmd[0] == "abort":
             self._abort(cmd[1])
             return []
-        _, rid, prompt, kwargs = cmd
+        _, key, items = cmd
+        refusal = self._overloaded(sum(int(kwargs.get("n", 1)) for _, _, kwargs in items))
+        if refusal:
+            return [("error", key, 503, refusal)]
+        added = []
+        try:
+            for rid, prompt, kwargs in items:
+                self._add(rid, prompt, kwargs)
+                added.append(rid)
+        except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
+            for rid in added:
+                self._abort(rid)
+            if isinstance(e, ValueError):
+                return [("error", key, 400, str(e))]
+            return [("error", key, 500, f"{type(e).__name__}: {e}")]
+        return [("accepted", key)]
+
+    def _overloaded(self, cost: int) -> str | None:
+        """Why a request of ``cost`` sequences (prompts x n) is refused, if it is. One larger than
+        the whole limit still gets in when nothing is waiting, or it could never be served."""
+        waiting = self.engine.num_waiting_seqs
+        if self.max_waiting is None or waiting == 0 or waiting + cost <= self.max_waiting:
+            return None
+        return (f"the server is overloaded: {waiting} sequences are already waiting to be scheduled and this "
+                f"request adds {cost} (--max-waiting {self.max_waiting}); retry later")
+
+    def _add(self, rid: str, prompt: dict, kwargs: dict) -> None:
         from moeserve.sampling_params import SamplingParams
 
-        waiting = self.engine.num_waiting
-        if self.max_waiting is not None and waiting >= self.max_waiting:
-            return [("error", rid, 503, f"the server is overloaded: {waiting} requests are already waiting "
-                                        f"(--max-waiting {self.max_waiting}); retry later")]
-        try:
-            params = SamplingParams(**kwargs)
-            self.engine.add_request(prompt, params, rid)
-        except ValueError as e:
-            return [("error", rid, 400, str(e))]
-        except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
-            return [("error", rid, 500, f"{type(e).__name__}: {e}")]
+        params = SamplingParams(**kwargs)
+        self.engine.add_request(prompt, params, rid)
         self.tracker.add(rid, params.n, params.stop_list)
-        return [("accepted", rid)]
+        marker = os.environ.get(FAILURE_ENV)
+        if marker and marker in (prompt.get("prompt") or ""):
+            for seq in self.engine.requests[rid].seqs:
+                seq.detok = _FailingDetokenizer(seq.detok)
 
     def _abort(self, rid: str) -> None:
         self.engine.abort_request(rid)

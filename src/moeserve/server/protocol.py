@@ -15,7 +15,8 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # Every float finite: NaN or Infinity in a JSON body (Python's json writes them) is a 400.
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -47,6 +48,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
 
 
 class CompletionRequest(_SamplingFields):

@@ -4,22 +4,32 @@ submitting prompts to the engine, collecting their updates, SSE and client disco
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import anyio
+import anyio.to_thread
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 
+from moeserve.server.defaults import DEFAULT_MAX_N
 from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import _SamplingFields
 
 MAX_LOGPROBS = 20
+PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
 
 
 @dataclass
@@ -29,7 +39,10 @@ class ServerContext:
     model_names: list[str]
     model_path: str
     metrics: ServerMetrics
+    max_n: int = DEFAULT_MAX_N
     _token_strs: dict[int, str] = field(default_factory=dict)
+    _token_bytes: dict[int, list[int]] = field(default_factory=dict)
+    _limiter: anyio.CapacityLimiter | None = None
 
     @property
     def model_name(self) -> str:
@@ -46,19 +59,49 @@ class ServerContext:
                             f"{', '.join(repr(n) for n in self.model_names)}", param="model",
                        code="model_not_found")
 
-    def token_str(self, token_id: int) -> str:
+    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a worker thread: parsing, tokenizing and detokenizing a large request
+        must not hold up the event loop (everyone else's streams and /health)."""
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(PREPARE_THREADS)
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    async def parse(self, raw: Request, model: type[M]) -> M:
+        """The request body as ``model``, parsed off the event loop; a 400 in OpenAI's format when
+        it is not valid JSON (a lone surrogate escape included) or not a valid request."""
+        body = await raw.body()
+        return await self.blocking(parse_body, model, body)
+
+    def token_str(self, token_id: int, as_id: bool = False) -> str:
+        """The token's text, or ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``): tokens
+        whose text is the same (each half of a UTF-8 character shows as U+FFFD) stay apart."""
+        if as_id or self.tokenizer is None:
+            return f"token_id:{token_id}"
         s = self._token_strs.get(token_id)
         if s is None:
-            if self.tokenizer is None:
-                s = f"token_id:{token_id}"
-            else:
-                s = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            s = self.tokenizer.decode([token_id], skip_special_tokens=False)
             self._token_strs[token_id] = s
         return s
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes (also for part of a UTF-8 character), where the tokenizer tells."""
+        b = self._token_bytes.get(token_id)
+        if b is None:
+            raw = raw_token_bytes(self.tokenizer, token_id) if self.tokenizer is not None else None
+            b = list(raw if raw is not None else self.token_str(token_id).encode("utf-8", "replace"))
+            self._token_bytes[token_id] = b
+        return b
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("this model directory has no tokenizer: send the prompt as token ids", param)
+        # No token covers more characters than the longest in the vocabulary: a text longer than
+        # that many contexts cannot fit, and is refused before the tokenizer spends seconds on it.
+        per_token = max_token_chars(self.tokenizer)
+        if per_token and len(text) > per_token * self.max_model_len:
+            raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                              f"prompt has {len(text)} characters, which is more than that many tokens",
+                              param, code="context_length_exceeded")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_prompt_length(self, token_ids: list[int], param: str) -> None:
@@ -68,6 +111,73 @@ class ServerContext:
             raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens, and the "
                               f"prompt has {len(token_ids)} tokens, which leaves no room for output", param,
                               code="context_length_exceeded")
+
+
+def parse_body(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise RequestValidationError(e.errors(include_url=False, include_input=False)) from None
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer: Any) -> int | None:
+    """The most characters one token of ``tokenizer`` stands for (None if it cannot tell)."""
+    try:
+        return max((len(t) for t in tokenizer.get_vocab()), default=None)
+    except Exception:  # noqa: BLE001 - no bound, no shortcut
+        return None
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet (a printable character per byte), character -> byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+@functools.lru_cache(maxsize=8)
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except Exception:  # noqa: BLE001
+        return False
+    kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or []]
+    return "ByteLevel" in kinds
+
+
+def raw_token_bytes(tokenizer: Any, token_id: int) -> bytes | None:
+    """A token's bytes for tiktoken, byte-level BPE and byte-fallback (``<0xNN>``) vocabularies."""
+    encoding = getattr(tokenizer, "model", None)
+    if hasattr(encoding, "decode_single_token_bytes"):  # tiktoken-based remote code (Kimi)
+        try:
+            return encoding.decode_single_token_bytes(token_id)
+        except Exception:  # noqa: BLE001 - a special token it does not know
+            return None
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    m = _BYTE_FALLBACK.fullmatch(piece)
+    if m:
+        return bytes([int(m.group(1), 16)])
+    if _is_byte_level(tokenizer):
+        table = _byte_level_decoder()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+    return None
 
 
 def new_id(prefix: str) -> str:
@@ -83,10 +193,12 @@ def reject_unsupported(req: _SamplingFields) -> None:
 
 
 def sampling_kwargs(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    param_map: dict[str, str]) -> dict:
+                    param_map: dict[str, str], max_n: int = DEFAULT_MAX_N) -> dict:
     """SamplingParams keyword arguments, validated here so a bad value never reaches the engine."""
     from moeserve.sampling_params import SamplingParams
 
+    if req.n > max_n:
+        raise bad_request(f"n must be at most {max_n} (this server's --max-n), got {req.n}", "n")
     kwargs = dict(n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
                   top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
                   min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -110,9 +222,10 @@ async def submit(ctx: ServerContext, request_id: str, prompts: list[tuple[str | 
     """One engine request per prompt (``{request_id}-{i}``); all accepted, or none left running."""
     ctx.client.check_available()
     group = ctx.client.group()
+    items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, kwargs)
+             for i, (text, ids) in enumerate(prompts)]
     try:
-        for i, (text, ids) in enumerate(prompts):
-            await group.add(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, kwargs)
+        await group.add_all(items)
     except BaseException as e:
         group.abort_unfinished()
         if isinstance(e, APIError) and e.status == 400 and e.param is None:

@@ -54,7 +54,7 @@ def local_url(host: str, port: int) -> str:
 
 
 def render_unit(serve_words: list[str], *, description: str, url: str, ready_timeout: int,
-                user: str | None = None, group: str | None = None, working_directory: str | None = None,
+                shutdown_timeout: float = 30.0, user: str | None = None, group: str | None = None, working_directory: str | None = None,
                 environment: list[str] | None = None, api_key: str | None = None,
                 python: str = sys.executable) -> str:
     service = ["Type=exec"]
@@ -76,7 +76,10 @@ def render_unit(serve_words: list[str], *, description: str, url: str, ready_tim
                 "# The unit counts as started only once a real generation went through every rank:",
                 f"ExecStartPost={wait} --pid $MAINPID",
                 f"TimeoutStartSec={ready_timeout + 60}",
-                "TimeoutStopSec=60",
+                "# SIGTERM to the server alone: it drains its requests (--shutdown-timeout), then stops",
+                "# the engine and its ranks; SIGKILL to all only past TimeoutStopSec.",
+                "KillMode=mixed",
+                f"TimeoutStopSec={int(shutdown_timeout) + 30}",
                 "Restart=on-failure",
                 "RestartSec=10"]
     return "\n".join(["[Unit]", f"Description={description}", "After=network-online.target",

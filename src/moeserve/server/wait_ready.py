@@ -24,10 +24,13 @@ class WaitResult:
 
 
 def health_url(url: str) -> str:
+    """``/health`` of a server given by its URL, its OpenAI base URL (``.../v1``) or ``/health`` itself."""
     url = url.strip().rstrip("/")
     if "://" not in url:
         url = "http://" + url
-    return url if url.endswith("/health") else url + "/health"
+    if url.endswith("/health"):
+        return url
+    return url.removesuffix("/v1") + "/health"
 
 
 def _pid_alive(pid: int) -> bool:
