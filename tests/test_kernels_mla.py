@@ -157,15 +157,22 @@ def test_mla_extend_split_reads_a_shared_strided_rope_key(dtype):
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
 
 
+PIECE_SHAPES = [
+    # H, nope, rope, dv, query lens, prefix lens, piece
+    pytest.param(2, 16, 8, 16, [3, 5, 1, 17], [30, 0, 11, 2], 7, id="tiny-piece7"),
+    pytest.param(2, 16, 8, 16, [3, 5, 1, 17], [30, 0, 11, 2], 16, id="tiny-piece16"),
+    pytest.param(2, 16, 8, 16, [3, 5, 1, 17], [30, 0, 11, 2], 1000, id="tiny-one-piece"),
+    pytest.param(16, 128, 64, 128, [300, 1, 64], [2000, 900, 0], 1024, id="real-deepseek", marks=real),
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("piece", [7, 16, 1000], ids=["piece7", "piece16", "one-piece"])
-def test_prefix_pieces_merged_by_lse_equal_one_causal_pass(piece, dtype):
+@pytest.mark.parametrize("H,nope,rope,dv,qlens,prefix,piece", PIECE_SHAPES)
+def test_prefix_pieces_merged_by_lse_equal_one_causal_pass(H, nope, rope, dv, qlens, prefix, piece, dtype):
     """Causal attention over the new tokens, then the cached prefix merged in pieces of at most
     ``piece`` tokens of the whole batch (pieces cross rows; a row without prefix is untouched),
     equals one causal pass over [prefix | new tokens]."""
     gen = torch.Generator().manual_seed(piece)
-    H, nope, rope, dv = 2, 16, 8, 16
-    qlens, prefix = [3, 5, 1, 17], [30, 0, 11, 2]
     T = sum(qlens)
     q = torch.randn(T, H, nope + rope, generator=gen).to(DEV, dtype)
     new_kv = torch.randn(T, H, nope + dv, generator=gen).to(DEV, dtype)
@@ -174,13 +181,14 @@ def test_prefix_pieces_merged_by_lse_equal_one_causal_pass(piece, dtype):
     pre_pe = torch.randn(sum(prefix), rope, generator=gen).to(DEV, dtype)
     qn, qp = q[..., :nope], q[..., nope:]
     cu_q = _cu(qlens)
-    out, lse = mla_extend_split(qn, qp, new_kv[..., :nope], new_pe, new_kv[..., nope:], cu_q, cu_q, 0.25,
+    scale = (nope + rope) ** -0.5
+    out, lse = mla_extend_split(qn, qp, new_kv[..., :nope], new_pe, new_kv[..., nope:], cu_q, cu_q, scale,
                                 return_lse=True, out_dtype=torch.float32)
     cu_pre = _cu(prefix).long()
     for lo in range(0, sum(prefix), piece):
         hi = min(lo + piece, sum(prefix))
         cu_k = (cu_pre.clamp(lo, hi) - lo).to(torch.int32)
-        mla_prefix_merge(qn, qp, pre_kv[lo:hi, :, :nope], pre_pe[lo:hi], pre_kv[lo:hi, :, nope:], cu_q, cu_k, 0.25,
+        mla_prefix_merge(qn, qp, pre_kv[lo:hi, :, :nope], pre_pe[lo:hi], pre_kv[lo:hi, :, nope:], cu_q, cu_k, scale,
                          out, lse)
     # the oracle: each row's keys are its prefix then its new tokens
     ks, vs, cq, cp = [], [], cu_q.tolist(), cu_pre.tolist()
@@ -189,19 +197,25 @@ def test_prefix_pieces_merged_by_lse_equal_one_causal_pass(piece, dtype):
             ks.append(torch.cat([kv[a:z, :, :nope], pe[a:z, None].expand(-1, H, -1)], dim=-1))
             vs.append(kv[a:z, :, nope:])
     ref, ref_lse = attention_lse_ref(q, torch.cat(ks), torch.cat(vs), cu_q,
-                                     _cu([n + p for n, p in zip(qlens, prefix)]), 0.25)
+                                     _cu([n + p for n, p in zip(qlens, prefix)]), scale)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
 
 
+ABSORBED_SHAPES = [
+    # H, Lk, R, page size, query lens, prefix lens (150: three non-empty splits of >= 64 tokens)
+    pytest.param(4, 16, 8, 4, [6, 1, 3], [150, 5, 0], id="tiny"),
+    pytest.param(16, 512, 64, 64, [64, 1, 5], [3000, 100, 0], id="real-moonlight", marks=real),
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("splits", [None, 1, 3])
-def test_mla_prefix_absorbed_matches_reference(splits, dtype):
+@pytest.mark.parametrize("H,Lk,R,ps,qlens,prefix", ABSORBED_SHAPES)
+def test_mla_prefix_absorbed_matches_reference(H, Lk, R, ps, qlens, prefix, splits, dtype):
     """Absorbed extend queries over each row's paged latent prefix: rows of several tokens
     (more (token, head) pairs than one block), a row without prefix, pages out of order."""
     gen = torch.Generator().manual_seed(11)
-    H, Lk, R, ps = 4, 16, 8, 4
-    qlens, prefix = [6, 1, 3], [150, 5, 0]  # 150: three non-empty splits of at least 64 tokens
     num_pages = sum(triton.cdiv(P, ps) for P in prefix) + 2
     cache = torch.randn(num_pages * ps, Lk + R, generator=gen).to(DEV, dtype)
     table = scattered_page_tables(prefix, ps, num_pages, gen).to(DEV)
@@ -209,12 +223,14 @@ def test_mla_prefix_absorbed_matches_reference(splits, dtype):
     q_latent = torch.randn(T, H, Lk, generator=gen).to(DEV, dtype)
     q_pe = torch.randn(T, H, R, generator=gen).to(DEV, dtype)
     lens = torch.tensor(prefix, dtype=torch.int32, device=DEV)
-    out, lse = mla_prefix_absorbed(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, 0.3,
+    scale = (Lk + R) ** -0.5
+    out, lse = mla_prefix_absorbed(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, scale,
                                    max_q_len=max(qlens), max_prefix_len=max(prefix), num_kv_splits=splits)
-    ref, ref_lse = mla_prefix_absorbed_ref(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, 0.3)
+    ref, ref_lse = mla_prefix_absorbed_ref(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, scale)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
-    assert torch.equal(out[-3:], torch.zeros_like(out[-3:])) and torch.isinf(lse[-3:]).all()
+    last = qlens[-1]  # the row without prefix
+    assert torch.equal(out[-last:], torch.zeros_like(out[-last:])) and torch.isinf(lse[-last:]).all()
 
 
 def test_split_head_dim():

@@ -30,7 +30,13 @@ def _staggered(llm: LLM) -> tuple[dict, list[list[int]]]:
     eng = llm.engine
     steps: list[list[int]] = []
     schedule = eng.scheduler.schedule
-    eng.scheduler.schedule = lambda *a, **k: (lambda b: steps.append(list(b.num_new_tokens)) or b)(schedule(*a, **k))
+
+    def recorded(*a, **k):
+        batch = schedule(*a, **k)
+        steps.append(list(batch.num_new_tokens))
+        return batch
+
+    eng.scheduler.schedule = recorded
     names = {eng.add_request({"prompt_token_ids": PROMPTS["a"]}, PARAMS): "a"}
     results = {}
     while not any(s.num_output_tokens for s in eng.scheduler.running):

@@ -144,9 +144,10 @@ def test_a_decode_preempts_a_newer_prefilling_sequence_and_nothing_is_lost():
 
 
 def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config():
+    import argparse
+
     from moeserve.cli import add_engine_arguments, engine_kwargs
     from moeserve.engine.config import EngineConfig
-    import argparse
 
     p = argparse.ArgumentParser()
     add_engine_arguments(p)

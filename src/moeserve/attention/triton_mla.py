@@ -40,7 +40,7 @@ from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge
 # Prefix tokens expanded to per-head K/V at once (all extend rows of a step together). At
 # Moonlight's 16 heads an expanded token is 8 KiB (bf16), so a piece is 32 MiB: below the
 # max_num_batched_tokens (8192) prefill that sizes the KV cache's activation headroom.
-PREFIX_CHUNK_TOKENS = int(os.environ.get("MOESERVE_PREFIX_CHUNK_TOKENS", 4096))
+PREFIX_CHUNK_TOKENS = int(os.environ.get("MOESERVE_PREFIX_CHUNK_TOKENS", "4096"))
 PREFIX_MODES = ("chunked", "absorbed")
 
 
