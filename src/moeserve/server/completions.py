@@ -43,12 +43,6 @@ def _echo(req: CompletionRequest, ctx: ServerContext, prompts: list[tuple[str | 
     return [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts]
 
 
-def _prepare(req: CompletionRequest, ctx: ServerContext) -> tuple[list[tuple[str | None, list[int]]], list[str]]:
-    """Tokenized prompts and their echo text (in a worker thread: both may be large)."""
-    prompts = _prompts(req, ctx)
-    return prompts, _echo(req, ctx, prompts)
-
-
 class _Logprobs:
     """Legacy completion logprobs, built token by token (text offsets continue across chunks).
 
@@ -86,9 +80,14 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
                           "echo")
     kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {}, ctx.max_n)
     ctx.client.check_available()
-    prompts, echo = await ctx.blocking(_prepare, req, ctx)
+    prompts = await ctx.blocking(_prompts, req, ctx)  # off the event loop: a prompt may be large
     cid = new_id("cmpl")
     group = await submit(ctx, cid, prompts, kwargs, {"prompt": "prompt"})
+    try:  # decoded only once the engine has checked the token ids
+        echo = await ctx.blocking(_echo, req, ctx, prompts)
+    except BaseException:
+        group.abort_unfinished()
+        raise
     n_prompt = sum(len(ids) for _, ids in prompts)
     as_ids = req.return_tokens_as_token_ids
     head = {"id": cid, "object": "text_completion", "created": now(), "model": model}
