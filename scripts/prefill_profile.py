@@ -8,6 +8,8 @@ gap between kernel time and the FLOP bound is what the kernels leave on the tabl
     python scripts/prefill_profile.py                       # moonlight-16b-a3b, bf16, cuda
     python scripts/prefill_profile.py --model deepseek-v3 --layers 8
     python scripts/prefill_profile.py --model demo --device cpu --dtype float32 --lengths 16,32 --layers 2
+    python scripts/prefill_profile.py --lengths 1024 --decodes 128     # a mixed step
+    MOESERVE_MLA_PREFIX=absorbed python scripts/prefill_profile.py --lengths 256,2048 --prefix 16384
 
 ``--model`` takes ``demo``, a built-in config name (``moonlight-16b-a3b``, ``deepseek-v3``, ...)
 or a checkpoint directory (its config.json only: the weights are always dummy); ``--layers N``
@@ -26,7 +28,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moeserve.bench.bounds import param_counts, prefill_attention_flops
+from moeserve.bench.bounds import decode_step_cost, param_counts, prefill_attention_flops
 from moeserve.config import ModelConfig, parse_model_config, resolve_config_path
 from moeserve.demo import DEMO_CONFIG
 from moeserve.engine.config import EngineConfig
@@ -50,22 +52,48 @@ def config_dict(model: str, layers: int | None) -> dict:
     return data
 
 
-def prefill_matmul_flops(config: ModelConfig, length: int) -> float:
-    """FLOPs of one prompt's prefill: every weight once per token (the lm_head for the last
-    token only: no other logits are computed), plus causal attention."""
+def prefill_matmul_flops(config: ModelConfig, length: int, prefix: int = 0) -> float:
+    """FLOPs of prefilling ``length`` prompt tokens after ``prefix`` cached ones: every weight
+    once per token (the lm_head for the last token only: no other logits are computed), plus
+    causal attention over the new tokens and full attention to the prefix."""
     p = param_counts(config)
+    H, L = config.num_attention_heads, config.num_hidden_layers
+    over_prefix = 2 * L * H * (config.qk_head_dim + config.v_head_dim) * length * prefix
     return 2 * length * (p.active_per_token(config) - p.lm_head) + 2 * p.lm_head \
-        + prefill_attention_flops(config, 1, length)
+        + prefill_attention_flops(config, 1, length) + over_prefix
 
 
-def lone_prompt(length: int, vocab: int, page_size: int, seed: int) -> StepInput:
-    """One step that prefills a whole prompt of ``length`` tokens from pages 0, 1, ... and samples."""
+def step_flops(config: ModelConfig, length: int, prefix: int, decodes: int, decode_context: int) -> float:
+    flops = prefill_matmul_flops(config, length, prefix)
+    if decodes:
+        flops += decode_step_cost(config, decodes, decode_context, 2).flops
+    return flops
+
+
+def profiled_step(length: int, prefix: int, decodes: int, decode_context: int, vocab: int, page_size: int,
+                  seed: int) -> StepInput:
+    """One step as the scheduler orders it: ``decodes`` sequences adding their token at position
+    ``decode_context`` first, then a prompt chunk of ``length`` tokens after ``prefix`` cached
+    ones; every sequence samples. Each sequence owns its own pages (the cached KV is whatever
+    the pool holds: only the time matters here)."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (length,), generator=g).tolist()
-    pages = list(range(-(-length // page_size)))
-    return StepInput(input_ids=ids, positions=list(range(length)), slot_mapping=list(range(length)),
-                     query_lens=[length], context_lens=[length], page_tables=[pages], logits_indices=[length - 1],
-                     sample_seq_ids=[0], sample_params=[SamplingParams(temperature=0)], sample_seed_offsets=[0])
+    ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
+    next_page = 0
+    for start, n in [(decode_context, 1)] * decodes + [(prefix, length)]:
+        pages = list(range(next_page, next_page + -(-(start + n) // page_size)))
+        next_page += len(pages)
+        ids += torch.randint(0, vocab, (n,), generator=g).tolist()
+        positions += list(range(start, start + n))
+        slots += [pages[i // page_size] * page_size + i % page_size for i in range(start, start + n)]
+        query_lens.append(n)
+        context_lens.append(start + n)
+        tables.append(pages)
+    B = decodes + 1
+    logits = [sum(query_lens[:i + 1]) - 1 for i in range(B)]
+    return StepInput(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=query_lens,
+                     context_lens=context_lens, page_tables=tables, logits_indices=logits,
+                     sample_seq_ids=list(range(B)), sample_params=[SamplingParams(temperature=0)] * B,
+                     sample_seed_offsets=[0] * B)
 
 
 def _sync(device: torch.device) -> None:
@@ -115,13 +143,12 @@ def kernel_table(runner: ModelRunner, step: StepInput, iters: int) -> list[tuple
     return sorted(((k, t, n) for k, (t, n) in rows.items()), key=lambda r: -r[1])
 
 
-def report(config: ModelConfig, length: int, wall: float, table: list[tuple[str, float, float]], tflops: float,
+def report(title: str, flops: float, wall: float, table: list[tuple[str, float, float]], tflops: float,
            top: int, on_gpu: bool) -> None:
     total_us = sum(t for _, t, _ in table)
-    flops = prefill_matmul_flops(config, length)
     bound_ms = flops / (tflops * 1e12) * 1e3
     what = "kernels" if on_gpu else "CPU ops (self time)"
-    print(f"\n## prompt of {length} tokens: step {wall:.2f} ms wall; {what} {total_us / 1e3:.2f} ms; "
+    print(f"\n## {title}: step {wall:.2f} ms wall; {what} {total_us / 1e3:.2f} ms; "
           f"{flops / 1e9:.1f} GFLOP -> bound {bound_ms:.3f} ms at {tflops:.0f} TFLOP/s "
           f"= {100 * bound_ms / wall:.1f} % of peak ({flops / wall / 1e9:.2f} TFLOP/s achieved)")
     print(f"{'us':>10} {'count':>7} {'share':>6}  {what}")
@@ -143,6 +170,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto", help="auto (triton on CUDA) | triton | reference")
+    ap.add_argument("--prefix", type=int, default=0,
+                    help="cached tokens before the prompt chunk (a later chunk of a long prompt); time the "
+                         "two ways of attending to them with MOESERVE_MLA_PREFIX=chunked|absorbed")
+    ap.add_argument("--decodes", type=int, default=0, help="decoding sequences in the same step (a mixed step)")
+    ap.add_argument("--decode-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--iters", type=int, default=3, help="profiled prefills per length")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefills per length (median)")
@@ -153,21 +185,28 @@ def main() -> None:
     lengths = [int(x) for x in args.lengths.split(",")]
     config = parse_model_config(config_dict(args.model, args.layers))
     longest = max(lengths)
+    ps = args.page_size
+    pages = -(-(args.prefix + longest) // ps) + args.decodes * -(-(args.decode_context + 1) // ps)
     engine = EngineConfig(model=None, dtype=args.dtype, device=args.device, load_format="dummy",
-                          backend=args.backend, page_size=args.page_size, enforce_eager=True,
-                          max_num_seqs=1, max_num_batched_tokens=longest, max_model_len=longest + 1,
-                          num_kv_pages=-(-(longest + 1) // args.page_size))
+                          backend=args.backend, page_size=ps, enforce_eager=True, max_num_seqs=args.decodes + 1,
+                          max_num_batched_tokens=longest + args.decodes,
+                          max_model_len=max(args.prefix + longest, args.decode_context + 1) + 1, num_kv_pages=pages)
     runner = ModelRunner(config, engine)
     print(f"{args.model}: {config.num_hidden_layers} layers, {runner.weight_bytes / 1e9:.2f} GB of {runner.dtype} "
-          f"weights on {runner.device}, attention backend {runner.backend.name}")
+          f"weights on {runner.device}, attention backend {runner.backend.name} "
+          f"(prefix mode {getattr(runner.backend, 'prefix_mode', '-')})")
     with torch.inference_mode():
         for length in lengths:
-            step = lone_prompt(length, config.vocab_size, args.page_size, seed=length)
+            step = profiled_step(length, args.prefix, args.decodes, args.decode_context, config.vocab_size, ps,
+                                 seed=length)
             for _ in range(2):  # Triton compiles and autotunes for this shape outside the timings
                 runner.execute(step)
             wall = wall_ms(runner, step, args.repeats)
             table = kernel_table(runner, step, args.iters)
-            report(config, length, wall, table, args.tflops, args.top, runner.device.type == "cuda")
+            title = f"prompt of {length} tokens" + (f" after {args.prefix} cached" if args.prefix else "") \
+                + (f", beside {args.decodes} decodes of {args.decode_context}" if args.decodes else "")
+            flops = step_flops(config, length, args.prefix, args.decodes, args.decode_context)
+            report(title, flops, wall, table, args.tflops, args.top, runner.device.type == "cuda")
 
 
 if __name__ == "__main__":
