@@ -165,6 +165,11 @@ class LLMEngine:
         return self.scheduler.num_waiting
 
     @property
+    def num_preemptions(self) -> int:
+        """Sequences preempted (their KV freed, to be recomputed) since the engine started."""
+        return self.scheduler.num_preemptions
+
+    @property
     def kv_cache_usage(self) -> float:
         return self.allocator.usage
 

@@ -216,7 +216,8 @@ class EngineLoop:
 
     def stats(self) -> dict:
         e = self.engine
-        return {"running": e.num_running, "waiting": e.num_waiting, "kv_cache_usage": e.kv_cache_usage}
+        return {"running": e.num_running, "waiting": e.num_waiting, "kv_cache_usage": e.kv_cache_usage,
+                "preemptions": e.num_preemptions}
 
     def _drain(self, block: bool) -> list | None:
         """Commands waiting now (waits up to 0.2 s for one when idle); None when the server is gone."""

@@ -34,12 +34,18 @@ class ServerMetrics:
                                          labels, registry=r).labels(model_name)
         self.finished = Counter("moeserve:request_success", "Requests finished, by finish reason",
                                 ["model_name", "finished_reason"], registry=r)
+        self.preemptions = Counter("moeserve:num_preemptions", "Sequences preempted (KV freed, recomputed later)",
+                                   labels, registry=r).labels(model_name)
+        self._preemptions_seen = 0
         self.model_name = model_name
 
     def update_engine_stats(self, stats: dict) -> None:
         self.running.set(stats.get("running", 0))
         self.waiting.set(stats.get("waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
+        preemptions = stats.get("preemptions", self._preemptions_seen)
+        self.preemptions.inc(max(0, preemptions - self._preemptions_seen))
+        self._preemptions_seen = preemptions
 
     def observe_request(self, prompt_tokens: int, generation_tokens: int, arrival: float,
                         first_token: float | None, last_token: float | None, finish_reason: str) -> None:
