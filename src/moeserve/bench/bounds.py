@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -28,6 +29,7 @@ class ParamCounts:
         return self.other + self.lm_head + self.num_moe_layers * config.num_experts_per_tok * self.expert
 
 
+@lru_cache(maxsize=64)
 def param_counts(config: ModelConfig) -> ParamCounts:
     emb = head = other = 0
     expert = 0

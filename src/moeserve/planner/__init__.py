@@ -6,12 +6,14 @@ Needs only the model's config.json; no weights are loaded.
 from moeserve.planner.hardware import GPU_PRESETS, CostConstants, Hardware, resolve_hardware
 from moeserve.planner.layouts import Layout, parse_layout
 from moeserve.planner.memory import expected_rank_weight_bytes, rank_weight_sizes, structural_problems
-from moeserve.planner.plan import LayoutPlan, Plan, Workload, evaluate_layout, plan_layouts
+from moeserve.planner.plan import LayoutPlan, Plan, evaluate_layout, plan_layouts
+from moeserve.planner.workload import EngineSettings, Workload
 from moeserve.planner.weights import ParameterCounts, parameter_counts
 
 __all__ = [
     "GPU_PRESETS",
     "CostConstants",
+    "EngineSettings",
     "Hardware",
     "Layout",
     "LayoutPlan",

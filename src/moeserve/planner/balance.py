@@ -1,7 +1,7 @@
 """The best uneven pipeline partition.
 
 Among contiguous partitions whose every stage fits (weights + runtime reserve + KV for the
-wanted tokens), pick the one with the shortest decode cycle at the aggregate micro-batch
+wanted tokens, within ``gpu_memory_utilization`` of the GPU as the engine sizes it), pick the one with the shortest decode cycle at the aggregate micro-batch
 size, then the most KV room. The cycle is ``max(m * slowest stage, a floor no partition
 changes)`` (see cost.py: one micro-batch through all stages + sends + overhead), so only the
 slowest stage matters until it drops under the floor. Stage 0 (embedding: a row lookup)
@@ -13,41 +13,54 @@ from __future__ import annotations
 
 import math
 
+from typing import TYPE_CHECKING
+
 from moeserve.config import ModelConfig
-from moeserve.planner.cost import ACT_BYTES, layer_time_s, p2p_s, stage_extras_s
+from moeserve.planner.cost import extras_terms, layer_terms, p2p_s, runs_eager, step_overhead_s
 from moeserve.planner.hardware import Hardware
+from moeserve.planner.kernels import ACT_BYTES
 from moeserve.planner.memory import global_sizes, kv_bytes_per_token_per_layer, layer_sizes, runtime_reserve
+
+if TYPE_CHECKING:
+    from moeserve.planner.workload import EngineSettings, Workload
 
 _INF = (math.inf, math.inf)
 
 
 def best_partition(
-    cfg: ModelConfig, hw: Hardware, tp: int, pp: int, ep: int, context: int, concurrency: int, kv_len: float
+    cfg: ModelConfig, hw: Hardware, tp: int, pp: int, ep: int, workload: "Workload", settings: "EngineSettings | None" = None
 ) -> list[int] | None:
     """Best partition for the wanted KV (``concurrency`` sequences, else one), or None if none fits."""
+    from moeserve.planner.workload import EngineSettings
+
+    settings = settings or EngineSettings()
     n = cfg.num_hidden_layers
     if pp < 2 or pp > n:
         return None
+    concurrency = min(workload.concurrency, settings.max_num_seqs)
+    kv_bytes = settings.kv_dtype_bytes
     mb = math.ceil(concurrency / min(pp, concurrency))
-    layer_t = [sum(layer_time_s(cfg, hw, i, tp, ep, mb, kv_len)[:2]) for i in range(n)]
+    eager = runs_eager(hw, pp)
+    layer_t = [layer_terms(cfg, hw, i, tp, ep, mb, workload.kv_len, kv_bytes, eager).total for i in range(n)]
     layer_w = [sum(s.bytes for s in layer_sizes(cfg, i, tp, ep, 0).values()) for i in range(n)]
     t_pre, w_pre = [0.0], [0.0]
     for t, w in zip(layer_t, layer_w):
         t_pre.append(t_pre[-1] + t)
         w_pre.append(w_pre[-1] + w)
-    room = hw.memory_bytes - runtime_reserve(cfg, tp, pp, ep, context, concurrency).total
-    kv_layer = kv_bytes_per_token_per_layer(cfg)
+    reserve = runtime_reserve(cfg, tp, pp, ep, workload.capacity_len, concurrency, settings.max_num_batched_tokens)
+    room = hw.memory_bytes * settings.gpu_memory_utilization - reserve.inside_budget
+    kv_layer = kv_bytes_per_token_per_layer(cfg, kv_bytes)
     extras = {}
     for first, last in ((True, False), (False, True), (False, False)):
         w = sum(s.bytes for s in global_sizes(cfg, tp, 0, first, last).values())
-        extras[first, last] = (sum(stage_extras_s(cfg, hw, tp, mb, first, last)), w)
+        extras[first, last] = (extras_terms(cfg, hw, tp, mb, first, last, eager).total, w)
     m = min(pp, concurrency)
-    sends = (pp - 1) * p2p_s(hw, mb * cfg.hidden_size * ACT_BYTES * 2) + hw.link_latency_s
-    overhead = hw.constants.step_overhead_ms / 1e3
+    sends = (pp - 1) * p2p_s(hw, mb * cfg.hidden_size * ACT_BYTES * 2) + p2p_s(hw, 0)
+    overhead = step_overhead_s(hw, pp, concurrency)
     path = t_pre[-1] + extras[True, False][0] + extras[False, True][0] + sends + overhead
     floor = max(path, m * overhead) / m
 
-    for wanted in (concurrency * context, context):
+    for wanted in (concurrency * workload.sequence_tokens, workload.capacity_len):
 
         def cost(stage: int, a: int, b: int) -> tuple[float, float]:
             t_extra, w_extra = extras[stage == 0, stage == pp - 1]

@@ -15,7 +15,9 @@ bandwidth-bound and cannot. Residuals are
 log(predicted / measured) times; the parameters are the
 logs of the five constants relative to their priors, with a weak pull towards the priors
 so that constants the data cannot see (e.g. FLOP/s when every run is bandwidth-bound) stay
-where they were. Solved by damped Gauss-Newton (Levenberg-Marquardt) in numpy.
+where they were; efficiencies are capped at 1. Solved by damped Gauss-Newton (Levenberg-Marquardt)
+in numpy. With two runs (batch 1 and 256) the fit cannot tell kernel latency floors from host
+overhead (both are the same at every batch): the prior pull splits them.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ class Measurement:
     prefill_tok_s: float | None = None  # prompt tokens per second while prefilling ...
     prefill_seqs: int | None = None  # ... this many prompts ...
     input_len: int | None = None  # ... of this many tokens each
+    kv_dtype_bytes: int = 2  # the run's KV cache element size ("kv_cache_dtype": "fp8" -> 1)
 
     @property
     def has_prefill(self) -> bool:
@@ -126,6 +129,7 @@ def parse_measurement(entry: Any) -> Measurement:
     prefill_tok_s = _first(entry, "prefill_tok_s")
     prefill_seqs = _first(entry, "batch_size", "num_prompts")
     hardware = entry.get("hardware")
+    kv_dtype = str(_first(entry, "kv_cache_dtype", "kv_dtype") or "auto").lower()
     return Measurement(
         tp=tp,
         pp=pp,
@@ -140,6 +144,7 @@ def parse_measurement(entry: Any) -> Measurement:
         prefill_tok_s=float(prefill_tok_s) if prefill_tok_s else None,
         prefill_seqs=int(prefill_seqs) if prefill_seqs else None,
         input_len=int(in_len) if in_len else None,
+        kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
     )
 
 
@@ -211,6 +216,7 @@ class Calibration:
     rows: tuple[CalibrationRow, ...]
     warnings: tuple[str, ...] = ()
     prefill_rows: tuple[PrefillRow, ...] = ()
+    holdout: tuple[CalibrationRow, ...] = ()  # runs predicted after the fit, not used by it
 
     @staticmethod
     def _rms(errors: list[float]) -> float:
@@ -224,11 +230,15 @@ class Calibration:
     def rms_error_after(self) -> float:
         return self._rms([r.error_after for r in self.rows])
 
+    @property
+    def holdout_rms_error(self) -> float:
+        return self._rms([r.error_after for r in self.holdout])
+
 
 def predict_cycle_ms(cfg: ModelConfig, hw: Hardware, m: Measurement, default_kv_len: float) -> float:
     partition = resolve_partition(cfg, m.pp, list(m.partition) if m.partition else None)
     kv_len = m.kv_len if m.kv_len is not None else default_kv_len
-    return decode_step(cfg, hw, m.tp, m.pp, m.ep, partition, m.concurrency, kv_len).cycle_ms
+    return decode_step(cfg, hw, m.tp, m.pp, m.ep, partition, m.concurrency, kv_len, m.kv_dtype_bytes).cycle_ms
 
 
 def predict_prefill_s(cfg: ModelConfig, hw: Hardware, m: Measurement) -> float:
@@ -239,7 +249,10 @@ def predict_prefill_s(cfg: ModelConfig, hw: Hardware, m: Measurement) -> float:
 
 
 def _constants(prior: CostConstants, theta: np.ndarray) -> CostConstants:
-    return replace(prior, **{k: getattr(prior, k) * math.exp(t) for k, t in zip(FITTED_CONSTANTS, theta)})
+    """The constants at log-offsets ``theta`` from the prior; efficiencies stay at or below 1 (no kernel beats
+    the datasheet)."""
+    values = {k: getattr(prior, k) * math.exp(t) for k, t in zip(FITTED_CONSTANTS, theta)}
+    return replace(prior, **{k: min(v, 1.0) if k.endswith("_efficiency") else v for k, v in values.items()})
 
 
 def fit_constants(
@@ -299,10 +312,10 @@ def _config_for(model: str, fallback: ModelConfig, fallback_name: str, warnings:
     return fallback
 
 
-def calibrate_from_files(
-    paths: list[str], hw: Hardware, fallback_cfg: ModelConfig, fallback_name: str, default_kv_len: float
-) -> Calibration:
-    """Read every file, pair each measurement with its model's config, fit. Skips runs on other GPUs."""
+def load_measurements(
+    paths: list[str], hw: Hardware, fallback_cfg: ModelConfig, fallback_name: str
+) -> tuple[list[tuple[ModelConfig, Measurement]], list[str]]:
+    """Every usable run of the files, paired with its model's config; runs on other GPUs are skipped."""
     warnings: list[str] = []
     items: list[tuple[ModelConfig, Measurement]] = []
     configs: dict[str, ModelConfig] = {}
@@ -314,14 +327,39 @@ def calibrate_from_files(
                 warnings.append(f"{path}: {m.label} at {m.concurrency} was measured on {m.hardware}, not {hw.gpu}: skipped")
                 continue
             if m.tp * m.pp != hw.gpus:
-                warnings.append(f"{path}: note: {m.label} uses {m.tp * m.pp} GPUs (plan is for {hw.gpus}); used for the fit")
+                warnings.append(f"{path}: note: {m.label} uses {m.tp * m.pp} GPUs (plan is for {hw.gpus}); used as is")
             cfg = fallback_cfg
             if m.model and m.model != fallback_name:
                 if m.model not in configs:
                     configs[m.model] = _config_for(m.model, fallback_cfg, fallback_name, warnings)
                 cfg = configs[m.model]
             items.append((cfg, m))
+    return items, warnings
+
+
+def calibrate_from_files(
+    paths: list[str], hw: Hardware, fallback_cfg: ModelConfig, fallback_name: str, default_kv_len: float,
+    holdout: list[str] | None = None,
+) -> Calibration:
+    """Read every file, pair each measurement with its model's config, fit. Skips runs on other GPUs.
+
+    ``holdout`` files are predicted with the fitted constants but not fitted to: their errors
+    (``Calibration.holdout``) say how well the calibrated model predicts runs it has not seen."""
+    items, warnings = load_measurements(paths, hw, fallback_cfg, fallback_name)
     if not items:
         raise ValueError("no usable measurements to calibrate on: " + ("; ".join(warnings) or "the files are empty"))
     cal = fit_constants(items, hw, default_kv_len)
-    return replace(cal, warnings=tuple(warnings))
+    held: tuple[CalibrationRow, ...] = ()
+    if holdout:
+        test, more = load_measurements(holdout, hw, fallback_cfg, fallback_name)
+        warnings += more
+        held = holdout_rows(test, hw, cal.after, default_kv_len)
+    return replace(cal, warnings=tuple(warnings), holdout=held)
+
+
+def holdout_rows(items: list[tuple[ModelConfig, Measurement]], hw: Hardware, fitted: CostConstants,
+                 default_kv_len: float) -> tuple[CalibrationRow, ...]:
+    """Runs predicted with the priors (before) and with ``fitted`` constants (after), not fitted to."""
+    after = hw.with_constants(fitted)
+    return tuple(CalibrationRow(m, predict_cycle_ms(cfg, hw, m, default_kv_len), predict_cycle_ms(cfg, after, m, default_kv_len))
+                 for cfg, m in items)

@@ -12,10 +12,14 @@ from moeserve.config import load_model_config
 from moeserve.parallel.partition import validate_layer_partition
 from moeserve.planner.balance import best_partition
 from moeserve.planner.calibrate import calibrate_from_files
+from moeserve.planner.collectives import ALLREDUCE_IMPLS
+from moeserve.planner.explain import explain_json, render_explain
 from moeserve.planner.hardware import GPU_PRESETS, INTERCONNECTS, resolve_hardware
+from moeserve.planner.kernels import ENGINES
 from moeserve.planner.layouts import Layout, parse_layout
-from moeserve.planner.plan import Workload, plan_layouts
+from moeserve.planner.plan import plan_layouts
 from moeserve.planner.report import plan_json, render_plan
+from moeserve.planner.workload import KV_CACHE_DTYPES, EngineSettings, Workload
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,23 +34,54 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--link-gbps", type=float, help="link bandwidth per GPU and direction, GB/s (gigabytes)")
     hw.add_argument("--link-latency-us", type=float, help="latency per hop of a collective, microseconds")
     hw.add_argument("--step-overhead-ms", type=float, help="per decode step overhead (scheduling, sampling), ms")
-    parser.add_argument("--context", type=int, default=8192, help="tokens per sequence the KV cache must hold (default 8192)")
-    parser.add_argument("--concurrency", type=int, default=32, help="sequences decoding at once (default 32)")
+    hw.add_argument("--engine", choices=sorted(ENGINES), default="moeserve",
+                    help="whose kernels: moeserve (default; measured) or vllm (vLLM/SGLang/TensorRT-LLM: fused MoE, custom all-reduce)")
+    hw.add_argument("--allreduce", choices=ALLREDUCE_IMPLS,
+                    help="all-reduce the engine runs: nccl (moeserve's) or custom (vLLM/SGLang one-shot/two-shot); default: the engine's")
+    hw.add_argument("--routing-skew", type=float, default=0.0,
+                    help="log-normal spread of expert popularity (0 = uniform routing, the default)")
+    wl = parser.add_argument_group("workload (as moeserve bench names it) and engine settings")
+    wl.add_argument("--input-len", type=int, help="prompt tokens per request (default 1024)")
+    wl.add_argument("--output-len", type=int, help="generated tokens per request (default 1024)")
+    wl.add_argument("--concurrency", type=int, default=32, help="requests decoding at once (default 32)")
+    wl.add_argument("--max-model-len", type=int, help="longest request the engine must accept (default input + output)")
+    wl.add_argument("--context", type=int,
+                    help="old single-number workload: requests of N tokens (decode reads N/2 on average), max-model-len N")
+    wl.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
+                    help="KV cache element type: auto/bf16 (moeserve) or fp8 (planned; moeserve does not run it yet)")
+    wl.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the engine may use (default 0.9)")
+    wl.add_argument("--max-num-seqs", type=int, default=256, help="most requests the engine runs at once (default 256)")
     parser.add_argument("--layout", action="append", help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable")
     parser.add_argument("--partition", help="layers per stage for a single pipelined --layout, e.g. 8,8,8,8,8,8,8,5")
     parser.add_argument("--calibrate", action="append", metavar="RESULTS.json", help="fit the hardware constants to moeserve bench results first; repeatable")
+    parser.add_argument("--holdout", action="append", metavar="RESULTS.json",
+                        help="runs to predict with the calibrated constants without fitting to them (needs --calibrate); repeatable")
+    parser.add_argument("--explain", metavar="LAYOUT", help="print where one decode step of LAYOUT goes, term by term")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
-def _requested_layouts(args: argparse.Namespace, cfg, hw, workload: Workload) -> list[Layout] | None:
-    if not args.layout:
+def workload_from_args(args: argparse.Namespace) -> Workload:
+    """The workload of the flags; ``--context`` alone keeps its old meaning."""
+    if args.context is not None and args.input_len is None and args.output_len is None:
+        return Workload(concurrency=args.concurrency, max_model_len=args.max_model_len, context=args.context)
+    input_len = args.input_len if args.input_len is not None else 1024
+    output_len = args.output_len if args.output_len is not None else 1024
+    max_model_len = args.max_model_len if args.max_model_len is not None else args.context
+    return Workload(input_len, output_len, args.concurrency, max_model_len)
+
+
+def _requested_layouts(args: argparse.Namespace, cfg, hw, workload: Workload, settings: EngineSettings) -> list[Layout] | None:
+    names = list(args.layout or [])
+    if args.explain and names and args.explain not in names:
+        names.append(args.explain)  # --layout narrows the plan: keep the explained one in it
+    if not names:
         if args.partition:
             raise ValueError("--partition needs a --layout with pp > 1")
         return None
-    if args.partition and len(args.layout) != 1:
+    if args.partition and len(names) != 1:
         raise ValueError("--partition applies to exactly one --layout")
     layouts = []
-    for name in args.layout:
+    for name in names:
         tp, pp, ep = parse_layout(name)
         if tp * pp != hw.gpus:
             raise ValueError(f"layout {name!r} uses tp{tp} x pp{pp} = {tp * pp} GPUs but --gpus is {hw.gpus}")
@@ -60,7 +95,7 @@ def _requested_layouts(args: argparse.Namespace, cfg, hw, workload: Workload) ->
                 raise ValueError(f"--partition must be comma-separated integers, got {args.partition!r}") from None
             partition = tuple(validate_layer_partition(counts, cfg.num_hidden_layers, pp))
         elif "balanced" in name.lower() and pp > 1:
-            found = best_partition(cfg, hw, tp, pp, ep, workload.context, workload.concurrency, workload.kv_len)
+            found = best_partition(cfg, hw, tp, pp, ep, workload, settings)
             partition, balanced = (tuple(found), True) if found else (None, False)
         layouts.append(Layout(tp, pp, ep, partition, balanced))
     return layouts
@@ -80,19 +115,41 @@ def run_plan(args: argparse.Namespace) -> int:
             link_gbps=args.link_gbps,
             link_latency_us=args.link_latency_us,
             step_overhead_ms=args.step_overhead_ms,
+            allreduce=args.allreduce,
+            engine=args.engine,
+            routing_skew=args.routing_skew,
         )
-        workload = Workload(args.context, args.concurrency)
-        layouts = _requested_layouts(args, cfg, hw, workload)
+        workload = workload_from_args(args)
+        settings = EngineSettings(args.kv_cache_dtype, args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs)
+        layouts = _requested_layouts(args, cfg, hw, workload, settings)
         calibration = None
+        if args.holdout and not args.calibrate:
+            raise ValueError("--holdout needs --calibrate (it checks the calibrated constants)")
         if args.calibrate:
-            calibration = calibrate_from_files(args.calibrate, hw, cfg, args.model, workload.kv_len)
+            calibration = calibrate_from_files(args.calibrate, hw, cfg, args.model, workload.kv_len, args.holdout)
             hw = hw.with_constants(calibration.after)
-        plan = plan_layouts(cfg, hw, workload, args.model, layouts)
+        plan = plan_layouts(cfg, hw, workload, args.model, layouts, settings)
+        explained = _explained(plan, args.explain) if args.explain else None
     except (ValueError, FileNotFoundError, json.JSONDecodeError) as e:
         print(f"moeserve plan: error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps(plan_json(plan, calibration), indent=2))
+        out = plan_json(plan, calibration)
+        if explained is not None:
+            out["explain"] = explain_json(plan, explained)
+        print(json.dumps(out, indent=2))
+    elif explained is not None:
+        render_explain(plan, explained, wide_console())
     else:
         render_plan(plan, wide_console(), calibration)
     return 0
+
+
+def _explained(plan, name: str):
+    """The evaluated layout ``--explain`` names (its ``-balanced`` form when asked for)."""
+    tp, pp, ep = parse_layout(name)
+    balanced = "balanced" in name.lower()
+    for lp in plan.layouts:
+        if (lp.layout.tp, lp.layout.pp, lp.layout.ep) == (tp, pp, ep) and lp.layout.balanced == balanced:
+            return lp
+    raise ValueError(f"--explain {name!r}: no such layout in this plan (tp x pp must equal --gpus)")

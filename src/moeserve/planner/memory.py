@@ -73,6 +73,12 @@ def _spec_size(cfg: ModelConfig, spec: TensorSpec, tp: int, ep: int, tp_rank: in
     return Size(math.prod(shape) * copies, shard_bytes(fmt, shape, copies))
 
 
+@lru_cache(maxsize=4096)
+def tensor_sizes(cfg: ModelConfig, layer_id: int, tp: int, ep: int, tp_rank: int = 0) -> dict[str, Size]:
+    """Tensor name -> Size held by ``tp_rank`` for one decoder layer (as stored: quantized)."""
+    return {spec.name: _spec_size(cfg, spec, tp, ep, tp_rank, None, True) for spec in layer_tensors(cfg, layer_id)}
+
+
 @lru_cache(maxsize=32768)
 def layer_sizes(
     cfg: ModelConfig, layer_id: int, tp: int, ep: int, tp_rank: int, dtype_bytes: int | None = None, quantized: bool = True
@@ -210,31 +216,46 @@ def expected_rank_weight_bytes(
     return sum(s.bytes for s in sizes.values())
 
 
-def kv_bytes_per_token_per_layer(cfg: ModelConfig) -> int:
-    """MLA caches the compressed latent plus the shared rope key: not split by TP."""
-    return cfg.kv_latent_dim * KV_CACHE_BYTES
+def kv_bytes_per_token_per_layer(cfg: ModelConfig, kv_dtype_bytes: int = KV_CACHE_BYTES) -> int:
+    """MLA caches the compressed latent plus the shared rope key: not split by TP.
+
+    ``kv_dtype_bytes`` 2 is the bf16 cache moeserve allocates; 1 is an FP8 cache (vLLM's and
+    SGLang's ``--kv-cache-dtype fp8``), which the planner can plan but moeserve does not run yet.
+    """
+    return cfg.kv_latent_dim * kv_dtype_bytes
 
 
 # ---- runtime reserve: what a serving process needs besides weights and KV ----
+#
+# moeserve sizes its KV pool like vLLM (engine/model_runner.py, ``_pages_that_fit``): after the
+# weights are loaded it runs one prefill step of ``max_num_batched_tokens`` tokens, takes the
+# peak of torch's allocations (weights + that step's activations) and the memory outside torch
+# (CUDA context, NCCL), and gives the KV cache ``total * gpu_memory_utilization - peak - non_torch``.
+# CUDA graphs are captured afterwards, from the ``1 - gpu_memory_utilization`` left over.
 
-CUDA_CONTEXT_BYTES = 0.75e9  # CUDA context, cuBLAS workspace, allocator slack
+CUDA_CONTEXT_BYTES = 0.75e9  # CUDA context, cuBLAS workspace, allocator slack (outside torch)
 NCCL_BYTES_PER_GROUP = 0.25e9  # NCCL buffers per communicator (tp group, pp neighbours)
 CUDA_GRAPH_POOL_BYTES = 0.5e9  # captured graphs beyond the activations they replay
 MOE_WORKSPACE_BYTES = 0.25e9  # expert sort/permute buffers, dequant scratch
-PREFILL_CHUNK_TOKENS = 8192  # chunked prefill: the most tokens one forward pass sees
+PREFILL_CHUNK_TOKENS = 8192  # EngineConfig.max_num_batched_tokens: the profiling step's tokens
 ACTIVATION_SLACK = 1.5  # temporaries alive at the same time, fragmentation
 
 
 @dataclass(frozen=True)
 class RuntimeReserve:
-    cuda_context: float
-    activations: float
-    cuda_graphs: float
-    workspace: float
+    cuda_context: float  # outside torch: CUDA context, cuBLAS, NCCL
+    activations: float  # peak of the profiling prefill step, on top of the weights
+    cuda_graphs: float  # captured after the KV pool: comes out of 1 - gpu_memory_utilization
+    workspace: float  # MoE workspace, fp32 logits of the decode batch
 
     @property
     def total(self) -> float:
         return self.cuda_context + self.activations + self.cuda_graphs + self.workspace
+
+    @property
+    def inside_budget(self) -> float:
+        """What ``gpu_memory_utilization * memory`` must hold besides weights and KV."""
+        return self.cuda_context + self.activations + self.workspace
 
 
 def _activation_bytes_per_token(cfg: ModelConfig, tp: int, ep: int) -> float:
@@ -248,12 +269,20 @@ def _activation_bytes_per_token(cfg: ModelConfig, tp: int, ep: int) -> float:
     return (hidden + attention + mlp) * 2 + cfg.n_routed_experts * 4
 
 
-def runtime_reserve(cfg: ModelConfig, tp: int, pp: int, ep: int, context: int, concurrency: int) -> RuntimeReserve:
+def runtime_reserve(
+    cfg: ModelConfig,
+    tp: int,
+    pp: int,
+    ep: int,
+    max_model_len: int,
+    concurrency: int,
+    max_num_batched_tokens: int = PREFILL_CHUNK_TOKENS,
+) -> RuntimeReserve:
     """Non-weight, non-KV memory of one GPU (same for every stage up to the logits buffer)."""
     per_token = _activation_bytes_per_token(cfg, tp, ep)
-    chunk_tokens = min(context, PREFILL_CHUNK_TOKENS)
-    # Prefill of the last chunk expands the MLA latent of the whole prefix into per-head K and V.
-    prefix_kv = context * (cfg.num_attention_heads / tp) * (cfg.qk_head_dim + cfg.v_head_dim) * 2
+    chunk_tokens = min(max_model_len, max_num_batched_tokens)
+    # The profiling step is one prompt of chunk_tokens: its MLA latent expanded to per-head K and V.
+    prefix_kv = chunk_tokens * (cfg.num_attention_heads / tp) * (cfg.qk_head_dim + cfg.v_head_dim) * 2
     activations = ACTIVATION_SLACK * (chunk_tokens * per_token + prefix_kv)
     logits = 2 * max(concurrency, 1) * (cfg.vocab_size / tp) * 4  # fp32 logits + probabilities
     groups = (1 if tp > 1 else 0) + (1 if pp > 1 else 0)
@@ -263,3 +292,18 @@ def runtime_reserve(cfg: ModelConfig, tp: int, pp: int, ep: int, context: int, c
         cuda_graphs=CUDA_GRAPH_POOL_BYTES + concurrency * per_token,
         workspace=MOE_WORKSPACE_BYTES + logits,
     )
+
+
+def kv_budget_bytes(memory_bytes: float, gpu_memory_utilization: float, weight_bytes: float,
+                    reserve: RuntimeReserve) -> float:
+    """Bytes the engine gives its KV pool on one GPU (negative when the weights do not fit)."""
+    return memory_bytes * gpu_memory_utilization - weight_bytes - reserve.inside_budget
+
+
+def graph_room_note(memory_bytes: float, gpu_memory_utilization: float, reserve: RuntimeReserve) -> str | None:
+    """A warning when the CUDA graphs, captured after the KV pool, may not fit in what is left."""
+    room = memory_bytes * (1 - gpu_memory_utilization)
+    if room >= reserve.cuda_graphs:
+        return None
+    return (f"CUDA graphs need ~{reserve.cuda_graphs / 1e9:.1f} GB but 1 - gpu_memory_utilization leaves "
+            f"{room / 1e9:.1f} GB: lower --gpu-memory-utilization or --max-num-seqs")

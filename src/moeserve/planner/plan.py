@@ -10,9 +10,12 @@ from moeserve.planner.balance import best_partition
 from moeserve.planner.cost import StepTime, decode_step
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.layouts import Layout, enumerate_layouts
+from moeserve.planner.limits import not_modelled
 from moeserve.planner.memory import (
     RuntimeReserve,
     Size,
+    graph_room_note,
+    kv_budget_bytes,
     kv_bytes_per_token_per_layer,
     rank_weight_sizes,
     resolve_partition,
@@ -20,21 +23,9 @@ from moeserve.planner.memory import (
     structural_problems,
 )
 from moeserve.planner.rank import rank_layouts, recommend
+from moeserve.planner.workload import EngineSettings, Workload
 
-
-@dataclass(frozen=True)
-class Workload:
-    context: int = 8192  # tokens per sequence (prompt + output) the KV cache must hold
-    concurrency: int = 32  # sequences decoding at once
-
-    @property
-    def kv_len(self) -> float:
-        """Average cached tokens per sequence while decoding: sequences are spread between empty and full."""
-        return self.context / 2
-
-    def __post_init__(self) -> None:
-        if self.context < 1 or self.concurrency < 1:
-            raise ValueError(f"context and concurrency must be positive (got {self.context}, {self.concurrency})")
+__all__ = ["EngineSettings", "LayoutPlan", "Plan", "Workload", "evaluate_layout", "plan_layouts"]
 
 
 @dataclass
@@ -51,6 +42,7 @@ class LayoutPlan:
     concurrency: int  # sequences the aggregate prediction runs (KV may cap the request)
     single: StepTime
     aggregate: StepTime
+    settings: EngineSettings = EngineSettings()
 
     @property
     def name(self) -> str:
@@ -75,9 +67,12 @@ class Plan:
     recommended: LayoutPlan | None
     reason: str
     notes: list[str] = field(default_factory=list)
+    settings: EngineSettings = EngineSettings()
+    not_modelled: list[str] = field(default_factory=list)
 
 
-def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Workload) -> LayoutPlan:
+def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Workload,
+                    settings: EngineSettings = EngineSettings()) -> LayoutPlan:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     partition = list(layout.partition) if layout.partition else None
     problems = structural_problems(cfg, tp, pp, ep, partition)
@@ -89,55 +84,66 @@ def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Wo
         partition = default_layer_partition(cfg.num_hidden_layers, pp)
     world = tp * pp
     weights = [rank_weight_sizes(cfg, tp, pp, ep, r, partition) for r in range(world)]
-    reserve = runtime_reserve(cfg, tp, pp, ep, workload.context, workload.concurrency)
+    wanted = min(workload.concurrency, settings.max_num_seqs)
+    reserve = runtime_reserve(cfg, tp, pp, ep, workload.capacity_len, wanted, settings.max_num_batched_tokens)
     ranges = stage_layer_ranges(partition)
-    kv_layer = kv_bytes_per_token_per_layer(cfg)
+    kv_layer = kv_bytes_per_token_per_layer(cfg, settings.kv_dtype_bytes)
     free, kv_caps = [], []
     for r, w in enumerate(weights):
         start, end = ranges[r // tp]
-        f = hw.memory_bytes - sum(s.bytes for s in w.values()) - reserve.total
+        f = kv_budget_bytes(hw.memory_bytes, settings.gpu_memory_utilization, sum(s.bytes for s in w.values()), reserve)
         free.append(f)
         kv_caps.append(max(0.0, f) / ((end - start) * kv_layer))
     kv_tokens = int(min(kv_caps))
     # The GPU that limits: the most overfull one, else the one with the least KV room.
     tight = min(range(world), key=lambda r: (free[r], kv_caps[r]) if min(free) <= 0 else (kv_caps[r], 0))
-    sequences = kv_tokens // workload.context
-    concurrency = workload.concurrency
+    sequences = kv_tokens // workload.sequence_tokens
+    concurrency = wanted
+    budget_gb = hw.memory_gb * settings.gpu_memory_utilization
     if problems:
         fits, why = False, "; ".join(problems)
     elif free[tight] <= 0:
         fits = False
         wgb = sum(s.bytes for s in weights[tight].values()) / 1e9
         why = (
-            f"GPU {tight} (stage {tight // tp}) needs {wgb:.1f} GB of weights + {reserve.total / 1e9:.1f} GB runtime "
-            f"> {hw.memory_gb:g} GB"
+            f"GPU {tight} (stage {tight // tp}) needs {wgb:.1f} GB of weights + {reserve.inside_budget / 1e9:.1f} GB runtime "
+            f"> {budget_gb:.1f} GB ({settings.gpu_memory_utilization:g} of {hw.memory_gb:g} GB)"
         )
-    elif sequences < 1:
+    elif kv_tokens < workload.capacity_len:
         fits = False
         why = (
             f"only {kv_tokens:,} KV tokens fit on GPU {tight} ({free[tight] / 1e9:.1f} GB free), "
-            f"less than one {workload.context}-token context"
+            f"less than one --max-model-len {workload.capacity_len} request"
         )
     else:
         fits = True
-        concurrency = min(workload.concurrency, sequences)
-        why = f"fits: {free[tight] / 1e9:.1f} GB free for KV on the fullest GPU = {kv_tokens:,} tokens ({sequences} x {workload.context})"
+        concurrency = max(1, min(wanted, sequences))
+        why = (f"fits: {free[tight] / 1e9:.1f} GB for KV on the fullest GPU = {kv_tokens:,} tokens "
+               f"({sequences} x {workload.sequence_tokens})")
         if concurrency < workload.concurrency:
-            why += f"; KV caps concurrency at {concurrency} of {workload.concurrency}"
-    single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len)
-    aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len)
-    return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single, aggregate)
+            limit = "KV" if sequences < settings.max_num_seqs else "--max-num-seqs"
+            why += f"; {limit} caps concurrency at {concurrency} of {workload.concurrency}"
+        note = graph_room_note(hw.memory_bytes, settings.gpu_memory_utilization, reserve)
+        if note:
+            why += f"; {note}"
+    kv_bytes = settings.kv_dtype_bytes
+    single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, kv_bytes)
+    aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, kv_bytes)
+    return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single,
+                      aggregate, settings)
 
 
-def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workload: Workload) -> LayoutPlan | None:
+def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workload: Workload,
+                      settings: EngineSettings) -> LayoutPlan | None:
     """The best uneven partition of a pipelined layout, if it beats the default one."""
     layout = default.layout
     if layout.pp < 2 or default.problems:
         return None
-    parts = best_partition(cfg, hw, layout.tp, layout.pp, layout.ep, workload.context, workload.concurrency, workload.kv_len)
+    parts = best_partition(cfg, hw, layout.tp, layout.pp, layout.ep, workload, settings)
     if not parts or parts == default.partition:
         return None
-    variant = evaluate_layout(cfg, hw, Layout(layout.tp, layout.pp, layout.ep, tuple(parts), balanced=True), workload)
+    variant = evaluate_layout(cfg, hw, Layout(layout.tp, layout.pp, layout.ep, tuple(parts), balanced=True), workload,
+                              settings)
     better = (
         not default.fits
         or variant.aggregate.tok_s > 1.005 * default.aggregate.tok_s
@@ -147,19 +153,21 @@ def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workl
 
 
 def plan_layouts(
-    cfg: ModelConfig, hw: Hardware, workload: Workload, model_name: str = "", layouts: list[Layout] | None = None
+    cfg: ModelConfig, hw: Hardware, workload: Workload, model_name: str = "", layouts: list[Layout] | None = None,
+    settings: EngineSettings = EngineSettings(),
 ) -> Plan:
     """Evaluate ``layouts`` (default: every layout of ``hw.gpus`` plus the best uneven partition of
     each pipelined one, where it beats the default), rank them, recommend one."""
     if layouts is not None:
-        plans = [evaluate_layout(cfg, hw, layout, workload) for layout in layouts]
+        plans = [evaluate_layout(cfg, hw, layout, workload, settings) for layout in layouts]
     else:
         plans = []
         for layout in enumerate_layouts(hw.gpus, cfg.num_hidden_layers, cfg.n_routed_experts > 0):
-            plans.append(evaluate_layout(cfg, hw, layout, workload))
-            variant = _balanced_variant(cfg, hw, plans[-1], workload)
+            plans.append(evaluate_layout(cfg, hw, layout, workload, settings))
+            variant = _balanced_variant(cfg, hw, plans[-1], workload, settings)
             if variant is not None:
                 plans.append(variant)
     plans = rank_layouts(plans)
     best, reason = recommend(plans, cfg, hw)
-    return Plan(model_name or "model", cfg, hw, workload, plans, best, reason, list(hw.notes))
+    notes = list(hw.notes) + list(settings.notes)
+    return Plan(model_name or "model", cfg, hw, workload, plans, best, reason, notes, settings, not_modelled(cfg, hw))

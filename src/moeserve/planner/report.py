@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from moeserve.parallel.partition import stage_layer_ranges
-from moeserve.planner.calibrate import Calibration
+from moeserve.planner.calibrate import Calibration, CalibrationRow
 from moeserve.planner.memory import kv_bytes_per_token_per_layer, rank_weight_sizes
 from moeserve.planner.plan import LayoutPlan, Plan
 from moeserve.planner.quant import describe_quantization
@@ -41,7 +41,7 @@ def model_summary(plan: Plan) -> dict[str, Any]:
         "weights_gb": _gb(sum(s.bytes for s in sizes.values())),
         "weights_gb_by_component": {c: _gb(sizes[c].bytes) for c in COMPONENTS},
         "quantization": describe_quantization(cfg),
-        "kv_bytes_per_token": kv_bytes_per_token_per_layer(cfg) * cfg.num_hidden_layers,
+        "kv_bytes_per_token": kv_bytes_per_token_per_layer(cfg, plan.settings.kv_dtype_bytes) * cfg.num_hidden_layers,
     }
 
 
@@ -56,16 +56,38 @@ def hardware_summary(plan: Plan, calibration: Calibration | None = None) -> dict
         "interconnect": hw.interconnect,
         "link_gbps": hw.link_gbps,
         "constants": hw.constants.as_dict(),
+        "allreduce": hw.allreduce,
         "workload": {
-            "context": plan.workload.context,
+            "input_len": plan.workload.input_len,
+            "output_len": plan.workload.output_len,
             "concurrency": plan.workload.concurrency,
+            "max_model_len": plan.workload.capacity_len,
             "decode_kv_len": plan.workload.kv_len,
         },
+        "engine": {
+            "kv_cache_dtype": plan.settings.kv_cache_dtype,
+            "gpu_memory_utilization": plan.settings.gpu_memory_utilization,
+            "max_num_batched_tokens": plan.settings.max_num_batched_tokens,
+            "max_num_seqs": plan.settings.max_num_seqs,
+        },
         "notes": plan.notes,
+        "not_modelled": plan.not_modelled,
     }
     if calibration is not None:
         out["calibration"] = calibration_summary(calibration)
     return out
+
+
+def _run_json(r: CalibrationRow) -> dict[str, Any]:
+    return {
+        "layout": r.measurement.label,
+        "concurrency": r.measurement.concurrency,
+        "measured_decode_tok_s": round(r.measurement.decode_tok_s, 2),
+        "predicted_before_tok_s": round(r.measurement.concurrency / r.before_ms * 1e3, 2),
+        "predicted_after_tok_s": round(r.measurement.concurrency / r.after_ms * 1e3, 2),
+        "error_pct_before": round(r.error_before, 2),
+        "error_pct_after": round(r.error_after, 2),
+    }
 
 
 def calibration_summary(cal: Calibration) -> dict[str, Any]:
@@ -74,18 +96,7 @@ def calibration_summary(cal: Calibration) -> dict[str, Any]:
         "after": cal.after.as_dict(),
         "rms_error_pct_before": round(cal.rms_error_before, 2),
         "rms_error_pct_after": round(cal.rms_error_after, 2),
-        "runs": [
-            {
-                "layout": r.measurement.label,
-                "concurrency": r.measurement.concurrency,
-                "measured_decode_tok_s": round(r.measurement.decode_tok_s, 2),
-                "predicted_before_tok_s": round(r.measurement.concurrency / r.before_ms * 1e3, 2),
-                "predicted_after_tok_s": round(r.measurement.concurrency / r.after_ms * 1e3, 2),
-                "error_pct_before": round(r.error_before, 2),
-                "error_pct_after": round(r.error_after, 2),
-            }
-            for r in cal.rows
-        ],
+        "runs": [_run_json(r) for r in cal.rows],
         "prefill_runs": [
             {
                 "layout": r.measurement.label,
@@ -99,6 +110,8 @@ def calibration_summary(cal: Calibration) -> dict[str, Any]:
             }
             for r in cal.prefill_rows
         ],
+        "holdout_runs": [_run_json(r) for r in cal.holdout],
+        "holdout_rms_error_pct": round(cal.holdout_rms_error, 2),
         "warnings": list(cal.warnings),
     }
 
@@ -198,9 +211,10 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
         f"{m['params_b']:.1f}B params ({m['active_params_b']:.1f}B active), {m['weights_gb']:.1f} GB of weights"
     )
     console.print(f"       {m['quantization']}; KV {m['kv_bytes_per_token'] / 1e3:.1f} KB per token (all layers)")
-    console.print(
-        f"workload: context {wl.context}, {wl.concurrency} concurrent; decode reads {wl.kv_len:.0f} cached tokens per sequence on average"
-    )
+    console.print(f"workload: {wl.describe()}")
+    st = plan.settings
+    console.print(f"engine: KV cache {'fp8' if st.kv_dtype_bytes == 1 else 'bf16'}, gpu-memory-utilization {st.gpu_memory_utilization:g}, "
+                  f"max-num-seqs {st.max_num_seqs}, {hw.allreduce} all-reduce")
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
     if calibration is not None:
@@ -208,8 +222,8 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
 
     table = Table(
         header_style="bold",
-        caption=f"memory of the fullest GPU (of {hw.memory_gb:g} GB): █ weights ▓ runtime reserve ░ free for KV; "
-        "GB = 1e9 bytes",
+        caption=f"memory of the fullest GPU (of {hw.memory_gb:g} GB): █ weights ▓ runtime reserve ░ KV and what "
+        f"gpu-memory-utilization {plan.settings.gpu_memory_utilization:g} leaves; GB = 1e9 bytes",
     )
     table.add_column("#", justify="right")
     table.add_column("layout", no_wrap=True)
@@ -241,20 +255,21 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
         console.print(f"[bold red]{plan.reason}[/]")
     c = hw.constants
     console.print(
-        f"[dim]cost model per layer: max(bytes / ({hw.hbm_tbps:g} TB/s x {c.hbm_efficiency:.2f}), "
-        f"FLOPs / ({hw.bf16_tflops:g} TFLOP/s x {c.flops_efficiency:.2f})); all-reduce 2(n-1)/n bytes / "
-        f"({hw.link_gbps:g} GB/s x {c.link_efficiency:.2f}) + 2(n-1) x {c.link_latency_us:.2f} us; "
-        f"+ {c.step_overhead_ms:.2f} ms per step. Calibrate with --calibrate bench.json.[/]"
+        f"[dim]cost model per kernel: latency floor x {c.kernel_latency_scale:.2f} + max(weights / ({hw.hbm_tbps:g} TB/s x "
+        f"{c.hbm_efficiency:.2f}) + KV / ({hw.hbm_tbps:g} TB/s x {c.attention_efficiency:.2f}), FLOPs / (peak x "
+        f"{c.flops_efficiency:.2f})); NCCL all-reduce {hw.link_gbps:g} GB/s x {c.link_efficiency:.2f}, "
+        f"{c.link_latency_us:.2f} us per ring step ({hw.allreduce}); + {c.step_overhead_ms:.2f} ms per step. "
+        f"--explain LAYOUT shows the terms; --calibrate bench.json fits them.[/]"
     )
+    for note in plan.not_modelled:
+        console.print(f"[dim]not modelled: {note}[/]")
 
 
-def render_calibration(cal: Calibration, console: Console) -> None:
-    for w in cal.warnings:
-        console.print(f"[yellow]calibrate:[/] {w}")
-    table = Table(title="calibration: decode tok/s (concurrency / TPOT)", header_style="bold")
-    for col in ("layout", "conc", "measured", "before", "err %", "after", "err %"):
+def _runs_table(title: str, rows: tuple[CalibrationRow, ...]) -> Table:
+    table = Table(title=title, header_style="bold")
+    for col in ("layout", "conc", "measured", "priors", "err %", "calibrated", "err %"):
         table.add_column(col, justify="left" if col == "layout" else "right")
-    for r in cal.rows:
+    for r in rows:
         m = r.measurement
         table.add_row(
             m.label,
@@ -265,7 +280,15 @@ def render_calibration(cal: Calibration, console: Console) -> None:
             f"{m.concurrency / r.after_ms * 1e3:.1f}",
             f"{r.error_after:+.1f}",
         )
-    console.print(table)
+    return table
+
+
+def render_calibration(cal: Calibration, console: Console) -> None:
+    for w in cal.warnings:
+        console.print(f"[yellow]calibrate:[/] {w}")
+    console.print(_runs_table("calibration: decode tok/s (concurrency / TPOT), fitted to", cal.rows))
+    if cal.holdout:
+        console.print(_runs_table("held out: predicted with the fitted constants, not fitted to", cal.holdout))
     if cal.prefill_rows:
         table = Table(title="calibration: prefill tok/s", header_style="bold")
         for col in ("layout", "prompts x len", "measured", "before", "err %", "after", "err %"):
@@ -279,4 +302,5 @@ def render_calibration(cal: Calibration, console: Console) -> None:
     fmt = lambda c: ", ".join(f"{k}={v:.3g}" for k, v in c.as_dict().items())  # noqa: E731
     console.print(f"constants before: {fmt(cal.before)}")
     console.print(f"constants after:  {fmt(cal.after)}")
-    console.print(f"RMS error {cal.rms_error_before:.1f}% -> {cal.rms_error_after:.1f}%")
+    console.print(f"RMS error {cal.rms_error_before:.1f}% -> {cal.rms_error_after:.1f}%"
+                  + (f"; held out: {cal.holdout_rms_error:.1f}%" if cal.holdout else ""))

@@ -14,6 +14,11 @@ prompts that is most of the run. Here:
 
 Tensor-parallel all-reduces during prefill are not counted (they overlap poorly, so this
 errs fast for TP layouts on slow links).
+
+``serving_tpot_ms`` predicts a serving benchmark's mean TPOT instead: in a closed loop of
+``concurrency`` requests of ``output_len`` tokens, ``concurrency / output_len`` requests finish
+every decode step and as many new ones are prefilled, in the same steps (chunked prefill), so
+every step carries their prompt FLOPs on top of the decode cycle.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeserve.bench.bounds import prefill_flops
+from moeserve.bench.bounds import prefill_attention_flops, prefill_flops
 from moeserve.config import ModelConfig
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import Hardware
@@ -37,14 +42,32 @@ class BenchPrediction:
     decode_s: float
 
 
+def prefill_time_s(cfg: ModelConfig, hw: Hardware, world: int, num_prompts: int, input_len: int) -> float:
+    """Prompt FLOPs over the layout's compute: matmuls at the FP8 rate for FP8 weights, attention at bf16."""
+    attention = prefill_attention_flops(cfg, num_prompts, input_len)
+    linear = prefill_flops(cfg, num_prompts, input_len) - attention
+    fp8 = cfg.quantization is not None and cfg.quantization.block_size is not None
+    return linear / (world * hw.matmul_flops_per_s(fp8)) + attention / (world * hw.flops_per_s)
+
+
+def serving_tpot_ms(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, input_len: int, output_len: int,
+                    kv_dtype_bytes: int = 2) -> float:
+    """Mean TPOT of a closed-loop serving benchmark: the decode cycle plus the prefills that join it."""
+    partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
+    cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, concurrency,
+                        input_len + output_len / 2, kv_dtype_bytes).cycle_ms
+    joins = concurrency / output_len if input_len else 0.0  # new requests per decode step
+    return cycle + joins * prefill_time_s(cfg, hw, layout.world, 1, input_len) * 1e3
+
+
 def predict_bench(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, num_prompts: int,
                   input_len: int, output_len: int) -> BenchPrediction:
     if min(concurrency, num_prompts, input_len, output_len) < 1:
         raise ValueError("concurrency, num_prompts, input_len and output_len must be positive")
-    prefill_s = prefill_flops(cfg, num_prompts, input_len) / (layout.world * hw.flops_per_s)
+    prefill = prefill_time_s(cfg, hw, layout.world, num_prompts, input_len)
     batch = min(concurrency, num_prompts)
     partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
     cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, batch,
                         input_len + output_len / 2)
     decode_s = math.ceil(num_prompts / concurrency) * (output_len - 1) * cycle.cycle_ms / 1e3
-    return BenchPrediction(num_prompts * output_len / (prefill_s + decode_s), cycle.cycle_ms, prefill_s, decode_s)
+    return BenchPrediction(num_prompts * output_len / (prefill + decode_s), cycle.cycle_ms, prefill, decode_s)

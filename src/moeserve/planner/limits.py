@@ -1,0 +1,30 @@
+"""What the planner does not model, said next to every plan so that nobody mistakes its silence."""
+
+from __future__ import annotations
+
+from moeserve.config import ModelConfig
+from moeserve.planner.hardware import Hardware
+
+
+def not_modelled(cfg: ModelConfig, hw: Hardware) -> list[str]:
+    notes = []
+    if cfg.num_nextn_predict_layers:
+        notes.append(
+            f"multi-token prediction: the checkpoint has {cfg.num_nextn_predict_layers} MTP layer(s); speculative "
+            "decoding (MTP / EAGLE) is not modelled and their weights are not counted: predictions are without it"
+        )
+    if cfg.n_routed_experts and hw.gpus > 1:
+        notes.append(
+            "data-parallel attention (SGLang --enable-dp-attention, vLLM --data-parallel-size with expert "
+            "parallelism) is not modelled: moeserve runs TP attention, so EP here keeps the all-reduces and the "
+            "replicated MLA cache, and all-to-all dispatch is not counted"
+        )
+        notes.append(
+            "GEMV efficiency by shape is not modelled: whole experts (EP) and 1/tp slices stream at the same "
+            "bandwidth efficiency; routing is uniform (routing.py)"
+        )
+    if hw.gpus > 1:
+        notes.append("decode context parallelism (vLLM --decode-context-parallel-size) is not modelled")
+    notes.append("the table is decode only: prefill and chunked-prefill stalls are counted by `moeserve sweep`'s "
+                 "prediction (planner/serving.py), not here")
+    return notes

@@ -1,0 +1,273 @@
+"""The cost model's arithmetic on small cases: collectives, expert coverage, kernel inventory, terms, memory."""
+
+import argparse
+import json
+import math
+
+import pytest
+
+from moeserve.config import load_model_config
+from moeserve.planner import collectives
+from moeserve.planner.cli import add_plan_arguments, run_plan, workload_from_args
+from moeserve.planner.cost import Terms, decode_step, kernel_terms, layer_terms, step_overhead_s
+from moeserve.planner.explain import explain_rows
+from moeserve.planner.hardware import CostConstants, resolve_hardware
+from moeserve.planner.kernels import KERNEL_FLOOR_US, Kernel, KernelKind, layer_work
+from moeserve.planner.layouts import Layout
+from moeserve.planner.memory import kv_budget_bytes, layer_sizes, rank_weight_sizes, runtime_reserve
+from moeserve.planner.plan import evaluate_layout, plan_layouts
+from moeserve.planner.routing import busiest_group, experts_touched, pick_probabilities
+from moeserve.planner.serving import prefill_time_s, serving_tpot_ms
+from moeserve.planner.weights import ROUTED_EXPERTS
+from moeserve.planner.workload import EngineSettings, Workload
+
+US = 1e-6
+
+
+@pytest.fixture(scope="module")
+def moonlight():
+    return load_model_config("moonlight-16b-a3b")
+
+
+@pytest.fixture(scope="module")
+def kimi():
+    return load_model_config("kimi-k2.6")
+
+
+@pytest.fixture(scope="module")
+def dsv3():
+    return load_model_config("deepseek-v3")
+
+
+# ---- collectives: latency + bytes per algorithm ----
+
+
+def test_nccl_latency_priors():
+    """NCCL's fixed 3.8 us plus 2(n-1) ring steps reproduce the measured small-message figures."""
+    nvlink = resolve_hardware(8, gpu="h200")
+    pcie = resolve_hardware(8, gpu="rtx-pro-6000")
+    assert collectives.nccl_allreduce_s(nvlink, 128, 8) == pytest.approx(19.2 * US, abs=0.05 * US)  # 19.19 us
+    assert collectives.nccl_allreduce_s(pcie, 128, 8) == pytest.approx(23.96 * US, abs=0.05 * US)  # 24.1-24.6 us
+    assert collectives.nccl_latency_s(pcie, 16) == pytest.approx((3.8 + 30 * 1.44) * US)
+    big = 16 * 2**20  # bytes term: 2(n-1)/n S / (link x efficiency)
+    assert collectives.nccl_allreduce_s(nvlink, big, 8) - collectives.nccl_latency_s(nvlink, 8) == pytest.approx(
+        1.75 * big / (450e9 * 0.65))
+
+
+def test_custom_allreduce_picks_the_fastest_algorithm():
+    pcie = resolve_hardware(8, gpu="rtx-pro-6000", allreduce="custom")
+    small = collectives.allreduce(pcie, 14336, 8)  # batch 1 of a 7168-wide bf16 hidden state
+    assert small.algorithm == "one-shot"
+    assert small.seconds == pytest.approx(7.3 * US + 7 * 14336 / 28.9e9)  # 10.8 us; NCCL: 24 us
+    nvlink = resolve_hardware(8, gpu="h200", allreduce="custom")
+    assert collectives.allreduce(nvlink, 4 * 2**20, 8).algorithm == "two-shot"
+    assert collectives.allreduce(nvlink, 2**30, 8).algorithm == "nccl"
+    # vLLM's custom kernels support 2, 4, 6, 8 ranks: 16 falls back to NCCL
+    assert collectives.allreduce(resolve_hardware(16, gpu="rtx-pro-6000", allreduce="custom"), 14336, 16).algorithm == "nccl"
+    # moeserve runs NCCL
+    assert collectives.allreduce(resolve_hardware(8, gpu="rtx-pro-6000"), 14336, 8).algorithm == "nccl"
+    assert collectives.allreduce(pcie, 14336, 1).seconds == 0.0
+
+
+# ---- expert coverage ----
+
+
+def test_uniform_coverage_is_the_closed_form():
+    for n, k, b in ((64, 6, 1), (64, 6, 8), (384, 8, 32), (256, 8, 256)):
+        assert experts_touched(n, k, b) == pytest.approx(n * (1 - (1 - k / n) ** b))
+        assert busiest_group(n, k, b).pairs == pytest.approx(b * k)
+
+
+def test_skewed_routing_touches_fewer_experts():
+    probs = pick_probabilities(384, 8, 1.0)
+    assert sum(probs) == pytest.approx(8) and max(probs) <= 1.0
+    assert experts_touched(384, 8, 16, 1.0) < experts_touched(384, 8, 16)
+
+
+def test_busiest_expert_group_carries_more_than_its_share():
+    cov = busiest_group(384, 8, 1, groups=8)
+    assert cov.local_experts == 48
+    assert 8 / 8 < cov.pairs < 8  # mean one expert per group at batch 1; the busiest ~2.3
+    assert cov.pairs == pytest.approx(1 + 1.4236 * math.sqrt(8 * (1 / 8) * (7 / 8)))
+
+
+# ---- kernel inventory ----
+
+
+def _names(work):
+    return [k.name for k in work.kernels]
+
+
+def test_moeserve_batch1_layer_is_twelve_kernels(moonlight):
+    """profile_b1_final.txt: 12 kernels a MoE layer at batch 1 (shared experts inside the MoE GEMVs)."""
+    work = layer_work(moonlight, 1, 1, 1, 1, 1152.0, engine="moeserve")
+    assert _names(work) == ["attn_norm", "q+kv_a", "w_uk", "rope+kv_write", "mla_decode", "w_uv", "o_proj", "mlp_norm",
+                            "router", "experts gate_up", "experts down"]  # + MLA decode is split + merge: 12
+    # beyond 32 (token, expert) pairs the grouped GEMM needs its alignment, and shared experts run apart
+    assert {"moe_align", "shared gate_up", "shared down"} <= set(_names(layer_work(moonlight, 1, 1, 1, 8, 1152.0)))
+    # vLLM / SGLang: always aligned, shared experts separate
+    assert "moe_align" in _names(layer_work(moonlight, 1, 1, 1, 1, 1152.0, engine="vllm"))
+
+
+def test_fp8_matmuls_quantize_their_input(dsv3):
+    names = _names(layer_work(dsv3, 3, 8, 1, 4, 1024.0, engine="vllm"))
+    assert sum(n.endswith("fp8 quant") for n in names) == 7  # q_a+kv_a, q_b, o_proj, shared x2, experts x2
+
+
+def test_kernels_read_the_layer_once_all_experts_touched(kimi):
+    """At a batch that touches every expert, the kernels stream the whole layer shard (norms aside)."""
+    work = layer_work(kimi, 5, 8, 1, 4096, 0.0, engine="vllm")
+    sizes = layer_sizes(kimi, 5, 8, 1, 0)
+    assert work.weight_bytes == pytest.approx(sum(s.bytes for c, s in sizes.items() if c != "norms"), rel=1e-3)
+    one = layer_work(kimi, 5, 8, 1, 1, 0.0, engine="vllm")
+    routed = sizes[ROUTED_EXPERTS].bytes
+    assert one.weight_bytes == pytest.approx(work.weight_bytes - routed * (1 - 8 / 384), rel=1e-6)
+
+
+def test_kv_bytes_and_ep_imbalance(kimi):
+    work = layer_work(kimi, 5, 8, 1, 4, 3000.0, kv_dtype_bytes=1)
+    assert work.kv_bytes == 4 * 3000 * 576 * 1  # every tp rank reads the whole latent of every sequence
+    tp8 = layer_work(kimi, 5, 8, 1, 1, 0.0).weight_bytes
+    ep8 = layer_work(kimi, 5, 8, 8, 1, 0.0).weight_bytes
+    assert ep8 > tp8  # whole experts on 8 groups: the busiest rank reads ~2.3 experts, TP8 one expert's worth
+
+
+# ---- kernel time and step terms ----
+
+
+def test_kernel_time_is_floor_plus_bytes_or_flops():
+    hw = resolve_hardware(1, gpu="h200")
+    k = Kernel("x", KernelKind.GEMV, weight_bytes=40e6)
+    t = kernel_terms(hw, k)
+    assert t.launch == pytest.approx(KERNEL_FLOOR_US[KernelKind.GEMV] * US)
+    assert t.weights == pytest.approx(40e6 / (4.8e12 * 0.85))
+    big = Kernel("y", KernelKind.GEMV, weight_bytes=1e6, flops=1e12)
+    assert kernel_terms(hw, big).compute == pytest.approx(1e12 / (989e12 * 0.5)) and kernel_terms(hw, big).weights == 0
+    fp8 = Kernel("z", KernelKind.GEMV, weight_bytes=1e6, flops=1e12, fp8=True)
+    assert kernel_terms(hw, fp8).compute == pytest.approx(1e12 / (1979e12 * 0.5))
+    eager = kernel_terms(hw, Kernel("e", KernelKind.ELEMENTWISE), eager=True)
+    assert eager.launch == pytest.approx(10.0 * US)  # the host's launch, not the GPU's 1.9 us
+
+
+def test_terms_add_up_to_the_cycle(kimi):
+    hw = resolve_hardware(8, gpu="rtx-pro-6000")
+    for tp, pp, parts, batch in ((8, 1, [61], 1), (8, 1, [61], 32), (4, 2, [31, 30], 1), (1, 8, [7, 8, 8, 8, 8, 8, 7, 7], 32)):
+        step = decode_step(kimi, hw, tp, pp, 1, parts, batch, 2048.0)
+        assert step.terms.total * 1e3 == pytest.approx(step.cycle_ms)
+        assert step.layers_ms + step.tp_comm_ms + step.pp_send_ms + step.overhead_ms == pytest.approx(step.cycle_ms)
+
+
+def test_pipelined_moeserve_pays_its_host_step(kimi):
+    """moeserve runs pp > 1 without asynchronous scheduling: the host's step work (0.6 ms + 0.0196 ms a
+    sequence, profiled) is on the critical path; and its stages run eager."""
+    hw = resolve_hardware(8, gpu="rtx-pro-6000")
+    assert step_overhead_s(hw, 1, 32) == pytest.approx(0.3e-3)
+    assert step_overhead_s(hw, 2, 32) == pytest.approx((0.3 + 0.6 + 0.0196 * 32) * 1e-3)
+    vllm = resolve_hardware(8, gpu="rtx-pro-6000", engine="vllm")
+    assert step_overhead_s(vllm, 2, 32) == pytest.approx(0.3e-3)
+    graphed = layer_terms(kimi, hw, 5, 4, 1, 1, 100.0).launch
+    eager = layer_terms(kimi, hw, 5, 4, 1, 1, 100.0, eager=True).launch
+    assert eager > graphed
+
+
+def test_serving_tpot_adds_the_joining_prefills(dsv3):
+    hw = resolve_hardware(8, gpu="h200", engine="vllm")
+    layout = Layout(8)
+    cycle = decode_step(dsv3, hw, 8, 1, 1, [61], 16, 8192 + 512, 2).cycle_ms
+    tpot = serving_tpot_ms(dsv3, hw, layout, 16, 8192, 1024)
+    assert tpot == pytest.approx(cycle + 16 / 1024 * prefill_time_s(dsv3, hw, 8, 1, 8192) * 1e3)
+
+
+# ---- workload and memory ----
+
+
+def test_workload_names_and_the_old_context():
+    w = Workload(1024, 256, 8)
+    assert (w.kv_len, w.sequence_tokens, w.capacity_len) == (1024 + 128, 1280, 1280)
+    old = Workload(context=8192, concurrency=32)
+    assert (old.input_len, old.output_len, old.capacity_len, old.kv_len) == (0, 8192, 8192, 4096)
+    assert Workload(1024, 1024, 1, max_model_len=131072).capacity_len == 131072
+    with pytest.raises(ValueError):
+        Workload(1024, 0, 1)
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    add_plan_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cli_workload_flags():
+    assert workload_from_args(_args("--model", "x", "--context", "4096")) == Workload(context=4096, concurrency=32)
+    w = workload_from_args(_args("--model", "x", "--input-len", "8192", "--output-len", "1024", "--max-model-len", "262144"))
+    assert (w.input_len, w.output_len, w.capacity_len) == (8192, 1024, 262144)
+
+
+def test_kv_budget_is_what_the_engine_gives_its_pool(kimi):
+    """model_runner._pages_that_fit: total x gpu_memory_utilization - peak (weights + profiling step) - non-torch."""
+    hw = resolve_hardware(8, gpu="rtx-pro-6000")
+    lp = evaluate_layout(kimi, hw, Layout(8), Workload(1024, 1024, 32))
+    weights = sum(s.bytes for s in rank_weight_sizes(kimi, 8, 1, 1, 0).values())
+    reserve = runtime_reserve(kimi, 8, 1, 1, 2048, 32)
+    budget = kv_budget_bytes(96e9, 0.9, weights, reserve)
+    assert budget == pytest.approx(96e9 * 0.9 - weights - reserve.cuda_context - reserve.activations - reserve.workspace)
+    assert lp.kv_tokens == int(budget / (61 * 576 * 2))
+    fp8 = evaluate_layout(kimi, hw, Layout(8), Workload(1024, 1024, 32), EngineSettings(kv_cache_dtype="fp8"))
+    assert fp8.kv_tokens == pytest.approx(2 * lp.kv_tokens, abs=2)
+
+
+def test_max_model_len_is_capacity_not_workload(kimi):
+    """One 128k request needs 131,072 KV tokens: a bf16 cache on TP8 over 8 x 96 GB has ~124k, FP8 twice that."""
+    hw = resolve_hardware(8, gpu="rtx-pro-6000")
+    w = Workload(1024, 1024, 32, max_model_len=131072)
+    bf16 = evaluate_layout(kimi, hw, Layout(8), w)
+    assert not bf16.fits and "less than one --max-model-len 131072 request" in bf16.why
+    fp8 = evaluate_layout(kimi, hw, Layout(8), w, EngineSettings(kv_cache_dtype="fp8"))
+    assert fp8.fits and fp8.concurrency == 32  # 32 requests of 2,048 tokens fit easily
+    # decode speed depends on the tokens the workload caches, not on the capacity
+    assert fp8.single.cycle_ms == pytest.approx(evaluate_layout(kimi, hw, Layout(8), Workload(1024, 1024, 32),
+                                                                EngineSettings(kv_cache_dtype="fp8")).single.cycle_ms)
+
+
+def test_fp8_kv_is_planned_with_a_note(kimi):
+    hw = resolve_hardware(8, gpu="rtx-pro-6000")
+    plan = plan_layouts(kimi, hw, Workload(1024, 1024, 8), "kimi-k2.6", [Layout(8)], EngineSettings(kv_cache_dtype="fp8"))
+    assert any("moeserve allocates a bf16 cache" in n for n in plan.notes)
+    assert any("data-parallel attention" in n for n in plan.not_modelled)
+
+
+# ---- --explain ----
+
+
+def test_explain_rows_add_up(kimi, capsys):
+    hw = resolve_hardware(8, gpu="rtx-pro-6000")
+    plan = plan_layouts(kimi, hw, Workload(1024, 1024, 32), "kimi-k2.6", [Layout(4, 2)])
+    lp = plan.layouts[0]
+    for step in (lp.single, lp.aggregate):
+        rows = explain_rows(plan, lp, step)
+        assert sum(ms for _, ms, _ in rows) == pytest.approx(step.cycle_ms)
+    seed = ("--model", "kimi-k2.6", "--gpus", "8", "--gpu", "rtx-pro-6000")
+    assert run_plan(_args(*seed, "--explain", "tp8")) == 0
+    out = capsys.readouterr().out
+    assert "kernel latency floors" in out and "tp collectives" in out and "nccl" in out
+    assert run_plan(_args(*seed, "--explain", "tp8", "--layout", "tp8", "--json")) == 0
+    explained = json.loads(capsys.readouterr().out)["explain"]
+    assert explained["layout"] == "tp8"
+    assert sum(t["ms"] for t in explained["single_request"]["terms"]) == pytest.approx(
+        explained["single_request"]["cycle_ms"], abs=1e-2)
+    assert run_plan(_args(*seed, "--explain", "tp3")) == 2
+
+
+def test_mtp_is_reported_as_not_modelled(dsv3):
+    plan = plan_layouts(dsv3, resolve_hardware(8, gpu="h200"), Workload(1024, 1024, 8), "deepseek-v3", [Layout(8)])
+    assert any("MTP" in n for n in plan.not_modelled)
+
+
+def test_calibration_caps_efficiencies(moonlight):
+    from moeserve.planner.calibrate import Measurement, fit_constants
+
+    hw = resolve_hardware(1, gpu="h200")
+    fast = [(moonlight, Measurement(1, 1, 1, c, tok_s, None, kv_len=1088)) for c, tok_s in ((1, 2000.0), (256, 90000.0))]
+    cal = fit_constants(fast, hw, 1088)
+    assert all(v <= 1.0 for k, v in cal.after.as_dict().items() if k.endswith("_efficiency"))
+    assert isinstance(Terms().total, float) and CostConstants().kernel_latency_scale == 1.0
