@@ -1,0 +1,137 @@
+"""The planner against published runs (uncalibrated) and our own runs (held-out calibration).
+
+These pin the agreement reported in docs/planner.md: it may improve, it may not drop.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from moeserve.planner import fidelity
+from moeserve.planner.calibrate import calibrate_from_files
+from moeserve.planner.hardware import resolve_hardware
+from moeserve.planner.our_runs import SESSIONS, held_out
+from moeserve.planner.published import KV_CAPACITIES, POINTS, RANKINGS, SOURCES
+
+ROOT = Path(__file__).parent.parent
+
+# What the priors reach today (docs/planner.md, "Predicted vs published"): 54 of 58 points within
+# +-25 %, the layout finding of 2 of the 4 publications that compare layouts.
+MIN_WITHIN = 54
+AGREEING_RANKINGS = {"inferencex-b200-sglang", "inferencex-b200-trt"}
+
+
+@pytest.fixture(scope="module")
+def predictions():
+    return fidelity.predict_all()
+
+
+def test_every_figure_has_its_source():
+    for p in POINTS:
+        src = SOURCES[p.source]
+        assert src.url.startswith("https://github.com/") and src.settings and p.measured > 0
+    for r in RANKINGS:
+        assert r.url.startswith("https://github.com/") and r.finding
+    for k in KV_CAPACITIES:
+        assert k.source in SOURCES and k.tokens > 0
+    assert len(POINTS) == 58
+
+
+def test_published_points_within_25_percent(predictions):
+    within = sum(p.within for p in predictions)
+    assert within >= MIN_WITHIN, [f"{p.point.source} {p.point.label}: {p.error:+.0%}" for p in predictions if not p.within]
+    assert fidelity.hit_rate(predictions) >= 0.8  # the issue's target
+
+
+def test_no_publication_is_off_on_average(predictions):
+    """Every source's mean error is inside +-25 %: the priors are not right on one machine by luck."""
+    by_source: dict[str, list[float]] = {}
+    for p in predictions:
+        by_source.setdefault(p.point.source, []).append(p.error)
+    for source, errors in by_source.items():
+        assert abs(sum(errors) / len(errors)) < 0.25, source
+
+
+def test_layout_findings():
+    results = {r.claim.source: r for r in fidelity.check_rankings()}
+    agreeing = {s for s, r in results.items() if r.agrees}
+    assert AGREEING_RANKINGS <= agreeing
+    # The two findings the model disagrees with, and by how much (docs/planner.md says why): do not get worse.
+    assert results["rtx6kpro-daily-2026-02-20"].shortfall < 0.15
+    assert results["rtx6kpro-k25-c1"].shortfall < 0.15
+
+
+def test_kv_capacity_against_what_vllm_reported():
+    for check in (fidelity.check_kv(k) for k in KV_CAPACITIES):
+        assert abs(check.error) < 0.20, (check.capacity, check.predicted)
+
+
+def test_report_renders(predictions):
+    text = fidelity.report()
+    assert text.count("\n| ") >= len(POINTS) and "within +-25%" in text
+
+
+# ---- our own runs: calibrate on batch 1 and 256, predict the rest ----
+
+
+def _run4_log() -> dict[int, float]:
+    text = (ROOT / SESSIONS[0].source).read_text()
+    return {int(b): float(v.replace(",", "")) for b, v in re.findall(r"batch (\d+): .*?decode ([\d,.]+) tok/s", text)}
+
+
+def test_our_runs_are_copied_right():
+    assert dict(SESSIONS[0].decode_tok_s) == _run4_log()
+    offline = json.loads((ROOT / SESSIONS[1].source).read_text())["offline"]
+    assert dict(SESSIONS[1].decode_tok_s) == {r["batch_size"]: round(r["decode_tok_s"], 1) for r in offline}
+    first = json.loads((ROOT / SESSIONS[2].source).read_text())
+    assert dict(SESSIONS[2].decode_tok_s) == pytest.approx({r["concurrency"]: r["output_throughput"] for r in first}, rel=1e-3)
+
+
+def test_held_out_calibration_on_the_current_engine():
+    """Third session (the kernels the planner's moeserve profile describes): batch 8 and 64 within 15 %."""
+    result = held_out(SESSIONS[0])
+    assert all(abs(r.error_after) < 1 for r in result.fitted)
+    errors = {r.measurement.concurrency: r.error_after for r in result.held_out}
+    assert set(errors) == {8, 64}
+    assert all(abs(e) < 15 for e in errors.values()), errors
+
+
+def test_held_out_calibration_on_older_engines():
+    """Older commits ran different kernels than the profile: the held-out error is larger (docs say why)."""
+    second = {r.measurement.concurrency: r.error_after for r in held_out(SESSIONS[1]).held_out}
+    assert all(abs(e) < 20 for e in second.values()), second
+    first = held_out(SESSIONS[2]).held_out
+    assert len(first) == 1 and abs(first[0].error_after) < 40
+
+
+def _args(*argv):
+    import argparse
+
+    from moeserve.planner.cli import add_plan_arguments
+
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_cli_holdout_prints_the_unseen_runs(tmp_path, capsys):
+    from moeserve.planner.cli import run_plan
+
+    fit, test = tmp_path / "fit.json", tmp_path / "test.json"
+    runs = SESSIONS[0].decode_tok_s
+    row = lambda b, v: {"layout": "tp1", "concurrency": b, "output_throughput": v, "input_len": 1024,  # noqa: E731
+                        "output_len": 256, "model": "moonlight-16b-a3b", "hardware": "h200"}
+    fit.write_text(json.dumps([row(b, v) for b, v in runs if b in (1, 256)]))
+    test.write_text(json.dumps([row(b, v) for b, v in runs if b not in (1, 256)]))
+    assert run_plan(_args("--model", "moonlight-16b-a3b", "--gpus", "1", "--gpu", "h200", "--input-len", "1024",
+                          "--output-len", "256", "--calibrate", str(fit), "--holdout", str(test), "--json")) == 0
+    cal = json.loads(capsys.readouterr().out)["hardware"]["calibration"]
+    assert [r["concurrency"] for r in cal["holdout_runs"]] == [8, 64]
+    assert cal["holdout_rms_error_pct"] < 15
+    assert run_plan(_args("--model", "moonlight-16b-a3b", "--gpus", "1", "--gpu", "h200", "--holdout", str(test))) == 2
+    empty = tmp_path / "empty.json"
+    empty.write_text("[]")
+    with pytest.raises(ValueError, match="no usable"):
+        calibrate_from_files([str(empty)], resolve_hardware(1, gpu="h200"), None, "x", 1.0)
