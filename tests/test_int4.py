@@ -155,3 +155,16 @@ def test_hf_overrides_apply_to_text_config_and_dummy_int4_runs():
         assert experts.w13_packed.dtype == torch.int32 and experts.w13_packed.shape == (8, 128, 8)
         out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatch):
+    """The INT4 kernels (GEMV for the decodes, grouped GEMM for the prefill chunks) in the Triton
+    interpreter, with the decode graphs' static buffers emulated: transformers' tokens."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+    with LLM(str(ckpts["k2.6"]), dtype="float32", device="cpu", backend="triton", max_num_batched_tokens=6,
+             page_size=4, max_num_seqs=4) as llm:
+        method = llm.engine.executor.runner.model.model.layers["1"].mlp.experts.method
+        assert method.fused and method.gemv  # the INT4 kernels passed their start-up check
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
+    _check(outs, ckpts["expected"])
