@@ -86,7 +86,7 @@ class EngineProfile:
     """The kernel choices of an engine that change the step's kernel list."""
 
     name: str
-    moe_gemv_max_pairs: int  # up to this many (token, expert) pairs on a rank: GEMV path, no alignment
+    moe_gemv_max_pairs: int  # up to this many (token, expert) pairs in the step: GEMV path, no alignment
     moe_align_us: float  # the grouped-GEMM path's alignment, per MoE layer
     allreduce: str  # its all-reduce (collectives.py)
     source: str
@@ -217,7 +217,8 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
     ks = [Kernel("router", KernelKind.ROUTER, layer.bytes("mlp.gate.weight", "e_score_correction_bias"),
                  flops=2 * batch * layer.numel("mlp.gate.weight"))]
     cov = busiest_group(cfg.n_routed_experts, cfg.num_experts_per_tok, batch, ep, skew)
-    gemv_path = cov.pairs <= engine.moe_gemv_max_pairs
+    # The switch looks at all of the step's (token, expert) pairs, local or not (kernels/limits.py GEMV_MAX_PAIRS)
+    gemv_path = batch * cfg.num_experts_per_tok <= engine.moe_gemv_max_pairs
     fused = gemv_path and engine.gemv_path_fuses_shared
     shared = {"gate_up": ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"),
               "down": ("shared_experts.down_proj.weight",)} if cfg.n_shared_experts else {}
