@@ -42,8 +42,8 @@ def launched(demo_dir, tmp_path_factory):
         rel=ServerProcess(demo_dir, tmp / "rel.log", "--max-model-len", str(MAX_LEN), "--max-n", "4",
                           "--max-num-seqs", "4", "--max-waiting", "4", "--max-request-bytes", str(LIMIT),
                           env={"MOESERVE_INJECT_REQUEST_FAILURE": FAIL_MARKER}),
-        drainer=ServerProcess(demo_dir, tmp / "drainer.log", "--max-model-len", str(MAX_LEN),
-                              "--shutdown-timeout", "5"))
+        drainer=ServerProcess(demo_dir, tmp / "drainer.log", "--max-model-len", "2048",
+                              "--shutdown-timeout", "4"))
     try:
         for p in vars(procs).values():
             p.start()
@@ -376,13 +376,14 @@ def test_sigterm_drains_then_cuts_with_errors(launched):
     srv = launched.drainer
     r = srv.startup_result()
     assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
-    short = [Stream(srv, {"prompt": f"s{i}", "max_tokens": 24, "ignore_eos": True}) for i in range(2)]
-    long = Stream(srv, {**LONG, "prompt": "long"}).wait_started()
+    short_body = {"prompt": "short", "max_tokens": 24, "ignore_eos": True}
+    long_body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True}  # well past the 4 s
+    long = Stream(srv, long_body)
     with cf.ThreadPoolExecutor(2) as pool:
-        plain_long = pool.submit(post, srv, "completions", json={**LONG, "prompt": "plain long"})
-        plain_short = pool.submit(post, srv, "completions", json={"prompt": "plain", "max_tokens": 24,
-                                                                  "ignore_eos": True})
-        poll(lambda: metric(srv.url, "moeserve:num_requests_running") >= 3, 30, what="requests running")
+        plain_long = pool.submit(post, srv, "completions", json=long_body)
+        plain_short = pool.submit(post, srv, "completions", json=short_body)
+        short = [Stream(srv, short_body) for _ in range(2)]
+        poll(lambda: metric(srv.url, "moeserve:num_requests_running") == 5, 30, what="all five running")
         os.kill(srv.proc.pid, signal.SIGTERM)  # the server alone, as systemd's KillMode=mixed does
         health = poll(lambda: (h := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 503 and h, 10,
                       what="draining")
@@ -393,9 +394,9 @@ def test_sigterm_drains_then_cuts_with_errors(launched):
             assert s.done and len(s.chunks()) == 24 and s.chunks()[-1]["choices"][0]["finish_reason"] == "length"
         assert plain_short.result(30).status_code == 200
         err = assert_openai_error(plain_long.result(30), 503, code="shutting_down")
-    assert "--shutdown-timeout of 5 s" in err["message"]
+    assert "--shutdown-timeout of 4 s" in err["message"]
     long.join(30)
     assert long.done and json.loads(long.events[-2])["error"]["code"] == "shutting_down"
     assert srv.proc.wait(30) == 0
     log = srv.log()
-    assert "SIGTERM: draining" in log and "cut 2 still running" in log, log[-3000:]
+    assert "SIGTERM: draining" in log and "drained 3 request(s)" in log and "cut 2 still running" in log, log[-3000:]

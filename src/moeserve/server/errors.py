@@ -68,6 +68,8 @@ def _describe_validation_error(err: dict) -> tuple[str, str | None]:
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     if err.get("type") == "json_invalid":
         detail = (err.get("ctx") or {}).get("error", "")
+        if "surrogate" in detail or "hex escape" in detail:
+            detail += " (a lone UTF-16 surrogate escape such as \\ud800 is not text)"
         return f"invalid JSON body: {detail}".rstrip(": "), None
     # Union members show up in the location ("str", "list[int]"); keep only the field path.
     path = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool")
