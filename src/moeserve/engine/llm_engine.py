@@ -75,7 +75,7 @@ class LLMEngine:
         self.max_model_len = max_len
         self.allocator = PagedAllocator(executor.kv_capacity_pages, executor.page_size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len), self.allocator)
+            SchedulerConfig.from_engine_config(config, max_len), self.allocator)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
