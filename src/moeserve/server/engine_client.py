@@ -261,8 +261,8 @@ class AsyncEngineClient:
                 self.on_progress(msg[1])
         elif kind == "ready":
             self.info = msg[1]
-            self.state = "ready"
-            self.detail = "ready"
+            if self.state != "draining":  # a signal while it loaded: it stays closed
+                self.state, self.detail = "ready", "ready"
             if self.on_ready:
                 self.on_ready(msg[1])
         elif kind == "fatal":
