@@ -62,7 +62,7 @@ def best_partition(
 
     for wanted in (concurrency * workload.sequence_tokens, workload.capacity_len):
 
-        def cost(stage: int, a: int, b: int) -> tuple[float, float]:
+        def cost(stage: int, a: int, b: int, wanted: float = wanted) -> tuple[float, float]:
             t_extra, w_extra = extras[stage == 0, stage == pp - 1]
             free = room - (w_pre[b] - w_pre[a] + w_extra)
             kv_tokens = free / ((b - a) * kv_layer)

@@ -23,7 +23,7 @@ from moeserve.planner.memory import (
     structural_problems,
 )
 from moeserve.planner.rank import rank_layouts, recommend
-from moeserve.planner.workload import EngineSettings, Workload
+from moeserve.planner.workload import DEFAULT_SETTINGS, EngineSettings, Workload
 
 __all__ = ["EngineSettings", "LayoutPlan", "Plan", "Workload", "evaluate_layout", "plan_layouts"]
 
@@ -42,7 +42,7 @@ class LayoutPlan:
     concurrency: int  # sequences the aggregate prediction runs (KV may cap the request)
     single: StepTime
     aggregate: StepTime
-    settings: EngineSettings = EngineSettings()
+    settings: EngineSettings = field(default_factory=EngineSettings)
 
     @property
     def name(self) -> str:
@@ -67,12 +67,12 @@ class Plan:
     recommended: LayoutPlan | None
     reason: str
     notes: list[str] = field(default_factory=list)
-    settings: EngineSettings = EngineSettings()
+    settings: EngineSettings = field(default_factory=EngineSettings)
     not_modelled: list[str] = field(default_factory=list)
 
 
 def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Workload,
-                    settings: EngineSettings = EngineSettings()) -> LayoutPlan:
+                    settings: EngineSettings = DEFAULT_SETTINGS) -> LayoutPlan:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     partition = list(layout.partition) if layout.partition else None
     problems = structural_problems(cfg, tp, pp, ep, partition)
@@ -154,7 +154,7 @@ def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workl
 
 def plan_layouts(
     cfg: ModelConfig, hw: Hardware, workload: Workload, model_name: str = "", layouts: list[Layout] | None = None,
-    settings: EngineSettings = EngineSettings(),
+    settings: EngineSettings = DEFAULT_SETTINGS,
 ) -> Plan:
     """Evaluate ``layouts`` (default: every layout of ``hw.gpus`` plus the best uneven partition of
     each pipelined one, where it beats the default), rank them, recommend one."""

@@ -107,8 +107,8 @@ SOURCES: dict[str, Source] = {s.key: s for s in (
         max_model_len=262144,
         assumptions=("prompts of exactly ctx tokens and ~256 generated tokens cached on average (cells of up to 512)",
                      "usable memory 97,887 MiB = 102.6 GB per card (nvidia-smi), not the 96 GB preset",
-                     "cells whose concurrency x context exceeds the reported 437,264 KV tokens are left out: the "
-                     "engine cannot run them at the requested concurrency"),
+                     ("cells whose concurrency x context exceeds the reported 437,264 KV tokens are left out: "
+                      "without prefix sharing the engine could not run them at the requested concurrency")),
     ),
     Source(
         key="rtx6kpro-k26-tp16",

@@ -87,6 +87,9 @@ class EngineSettings:
     @property
     def notes(self) -> tuple[str, ...]:
         if self.kv_dtype_bytes == 1:
-            return ("FP8 KV cache planned: moeserve allocates a bf16 cache today, so these KV capacities "
-                    "and KV read times are for an engine that stores FP8 latents (vLLM, SGLang)",)
+            return (("FP8 KV cache planned: moeserve allocates a bf16 cache today, so these KV capacities "
+                     "and KV read times are for an engine that stores FP8 latents (vLLM, SGLang)"),)
         return ()
+
+
+DEFAULT_SETTINGS = EngineSettings()
