@@ -4,7 +4,7 @@ those layers only, and nothing reads layer 0."""
 import pytest
 import torch
 
-from moeserve.attention.backend import get_backend
+from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import LayerNotOnStage, StageKVPool, StageRange
 from moeserve.config import parse_model_config
 from moeserve.demo import DEMO_CONFIG

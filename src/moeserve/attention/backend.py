@@ -42,15 +42,3 @@ class AttentionBackend(Protocol):
 
         The new tokens' latents are already in ``pool`` for ``layer_id`` (global id)."""
         ...
-
-
-def get_backend(name: str) -> AttentionBackend:
-    if name == "reference":
-        from moeserve.attention.reference import ReferenceMLABackend
-
-        return ReferenceMLABackend()
-    if name == "triton":
-        from moeserve.attention.triton_mla import TritonMLABackend
-
-        return TritonMLABackend()
-    raise ValueError(f"unknown attention backend {name!r} (available: reference, triton)")

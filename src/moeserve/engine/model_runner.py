@@ -14,7 +14,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from moeserve.attention.backend import get_backend
+from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
@@ -270,6 +270,7 @@ class ModelRunner:
             page_tables=narrow_t[2 * B + 1:].view(B, max_pages), cu_query_lens=narrow_t[:B + 1],
             logits_indices=wide_t[3 * T:3 * T + S], page_size=self.page_size,
             context_lens_tensor=narrow_t[B + 1:2 * B + 1])
+        ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[:T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
             ids[wide_t[3 * T + S:3 * T + S + D]] = self._last_tokens[wide_t[3 * T + S + D:]]

@@ -18,7 +18,8 @@ from moeserve.engine.config import EngineConfig, uses_async_scheduling
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 from moeserve.parallel.layout import Layout
-from moeserve.parallel.nodes import accept_remote_ranks, node_authkey, spawn_rank, stop_processes
+from moeserve.parallel.nodes import accept_remote_ranks, spawn_rank, stop_processes
+from moeserve.parallel.step_link import node_authkey
 from moeserve.parallel.worker import RankInfo
 
 log = logging.getLogger("moeserve")

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
-import os
-import time
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Listener
 
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig
@@ -21,10 +19,6 @@ from moeserve.parallel.layout import Layout
 from moeserve.parallel.worker import worker_main
 
 log = logging.getLogger("moeserve")
-
-
-def node_authkey() -> bytes:
-    return os.environ.get("MOESERVE_NODE_KEY", "moeserve").encode()
 
 
 def spawn_rank(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig, init: str,
@@ -44,22 +38,6 @@ def spawn_rank(rank: int, layout: Layout, model_config: ModelConfig, config: Eng
         child.close()
         conns[rank] = parent
     return p
-
-
-def dial_engine(address: tuple[str, int], rank: int, timeout: float = 600.0) -> Connection:
-    """Connect to node 0's step port, waiting for it to come up (nodes start in any order)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            conn = Client(address, authkey=node_authkey())
-            break
-        except (ConnectionRefusedError, OSError):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {rank}: node 0 did not open {address[0]}:{address[1]} "
-                                   f"within {timeout:.0f} s") from None
-            time.sleep(0.2)
-    conn.send(("hello", rank))
-    return conn
 
 
 def accept_remote_ranks(listener: Listener, conns: list, procs: dict, first_remote: int, world: int) -> None:

@@ -66,7 +66,7 @@ def worker_main(rank: int, layout: Layout, model_config: ModelConfig, config: En
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} (stage {stage}): "
                                                    "%(message)s")
     if isinstance(conn, tuple):
-        from moeserve.parallel.nodes import dial_engine
+        from moeserve.parallel.step_link import dial_engine
 
         conn = dial_engine(conn, rank)
     try:
