@@ -137,13 +137,6 @@ class ModelConfig:
             scale = scale * m * m
         return scale
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
-        return parse_model_config(data)
-
-    @classmethod
-    def from_pretrained(cls, model: str | Path) -> "ModelConfig":
-        return load_model_config(model)
 
 
 def _rope_from(d: dict[str, Any], max_pos: int, interleave: bool) -> RopeConfig:
@@ -205,6 +198,14 @@ def _quantization_from(d: dict[str, Any]) -> QuantizationConfig | None:
             num_groups=len(groups),
         )
     return QuantizationConfig(method=method, weight_bits=int(q.get("bits", q.get("num_bits", 16))))
+
+
+def _activation(d: dict[str, Any]) -> str:
+    """The MLP activation: the model runs SiLU-gated MLPs only, so anything else is refused."""
+    act = d.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r}: moeserve's MLPs are SiLU-gated (hidden_act 'silu')")
+    return act
 
 
 def _required(d: dict[str, Any], key: str) -> Any:
@@ -287,7 +288,7 @@ def parse_model_config(data: dict[str, Any]) -> ModelConfig:
         rope=_rope_from(d, max_pos, interleave=bool(d.get("rope_interleave", True)) if is_v3 else True),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)),
-        hidden_act=d.get("hidden_act", "silu"),
+        hidden_act=_activation(d),
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=eos_ids,
         num_nextn_predict_layers=int(d.get("num_nextn_predict_layers", 0) or 0),

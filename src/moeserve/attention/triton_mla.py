@@ -102,11 +102,7 @@ def prefix_slots(page_tables: torch.Tensor, prefix_lens: torch.Tensor, total: in
 class TritonMLABackend:
     name = "triton"
 
-    def __init__(self, num_kv_splits: int | None = None, prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS,
-                 prefix_mode: str | None = None):
-        # None: choose per step from batch size and context length (mla_decode's heuristic).
-        # Fix it when capturing CUDA graphs.
-        self.num_kv_splits = num_kv_splits
+    def __init__(self, prefix_chunk_tokens: int = PREFIX_CHUNK_TOKENS, prefix_mode: str | None = None):
         if prefix_chunk_tokens < 1:
             raise ValueError(f"prefix_chunk_tokens must be at least 1, got {prefix_chunk_tokens}")
         self.prefix_chunk_tokens = prefix_chunk_tokens
@@ -185,7 +181,7 @@ class TritonMLABackend:
     def _decode(self, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: DecodeRows, scale):
         q_latent = torch.einsum("thd,hdc->thc", q_nope, weights.w_uk)  # absorb w_uk into the query
         out_latent = mla_decode(q_latent, q_pe, cache, rows.page_tables, rows.context_lens, page_size, scale,
-                                num_kv_splits=self.num_kv_splits, max_context_len=rows.max_context_len)
+                                max_context_len=rows.max_context_len)
         return torch.einsum("thc,hvc->thv", out_latent, weights.w_uv)
 
     @staticmethod

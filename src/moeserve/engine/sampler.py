@@ -170,12 +170,3 @@ def _copy(g: torch.Generator | None) -> torch.Generator | None:
     copy = torch.Generator(device=g.device)
     copy.set_state(g.get_state())
     return copy
-
-
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> SampleResult:
-    """Sample and read the result back (one device-to-host copy)."""
-    if logits.shape[0] == 0:
-        return SampleResult([], [], [])
-    pending = sample_on_device(logits, params, generators)
-    return pending.result(pending.packed.cpu())
