@@ -3,7 +3,7 @@
     python -m moeserve.kernels.bench            # default tiles, Moonlight / DeepSeek-V3 shapes
     python -m moeserve.kernels.bench --sweep    # also try a few tile configs per kernel
 
-Bounds use the H200 figures measured in DESIGN.md (copy bandwidth ~4.2 TB/s, bf16 matrix
+Bounds use the H200 figures measured on this project's GPU runs (BENCHMARKS.md: copy bandwidth ~4.2 TB/s, bf16 matrix
 ~790 TFLOP/s); pass ``--bw`` / ``--tflops`` for another card. Each kernel is first checked
 against its reference at the benchmarked shape.
 """
