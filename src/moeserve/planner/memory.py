@@ -67,10 +67,25 @@ def shard(spec: TensorSpec, tp: int, ep: int, tp_rank: int) -> tuple[tuple[int, 
     return tuple(new), copies
 
 
+def shard_offset(spec: TensorSpec, tp: int, ep: int, tp_rank: int) -> int:
+    """Where ``tp_rank``'s shard of ``spec`` starts in the full tensor, along its split dimension
+    (rows of a column split, columns of a row split; 0 when not split): an FP8 shard's layout
+    depends on it (``quant.fp8_layout``)."""
+    if spec.split in (Split.REPLICATED, Split.VOCAB):
+        return 0
+    inner = tp // ep
+    parts, index = (tp, tp_rank) if spec.split in (Split.COLUMN, Split.ROW) else (inner, tp_rank % inner)
+    dim = 0 if spec.split in (Split.COLUMN, Split.EXPERT_COLUMN) else 1
+    units = spec.shape[dim] // spec.unit
+    return min(units, index * -(-units // parts)) * spec.unit
+
+
 def _spec_size(cfg: ModelConfig, spec: TensorSpec, tp: int, ep: int, tp_rank: int, dtype_bytes: int | None, quantized: bool) -> Size:
     shape, copies = shard(spec, tp, ep, tp_rank)
     fmt = weight_format(cfg, spec, dtype_bytes, quantized)
-    return Size(math.prod(shape) * copies, shard_bytes(fmt, shape, copies))
+    split_dim = 1 if spec.split in (Split.ROW, Split.EXPERT_ROW) else 0
+    return Size(math.prod(shape) * copies,
+                shard_bytes(fmt, shape, copies, shard_offset(spec, tp, ep, tp_rank), split_dim))
 
 
 @lru_cache(maxsize=4096)

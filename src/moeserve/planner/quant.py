@@ -5,9 +5,14 @@
   (0.5 byte per weight) plus one scale per group of ``g`` input columns (symmetric: no zero
   point), bf16 as published; the engine keeps the scales in the activation dtype. The published ignore list keeps attention, shared experts, dense MLPs
   and lm_head in bf16, so only the routed experts are INT4.
-- FP8 block (DeepSeek-V3, Kimi K2-Instruct): every Linear but lm_head stores 1 byte per
-  weight plus one fp32 ``weight_scale_inv`` per 128x128 block. Embedding, norms and the
-  router gate are not Linear layers and stay in the checkpoint dtype.
+- FP8 block (DeepSeek-V3, Kimi K2-Instruct): every Linear but lm_head (and those the config's
+  ignore list names) stores 1 byte per weight plus fp32 ``weight_scale_inv`` scales, counted
+  as the engine allocates a rank's shard (``quant.fp8_layout``): one per 128x128 block, or one
+  scale row per weight row for a row shard that starts off the 128 grid or a fused gate/up
+  whose halves are not whole blocks, and zero pad columns in front of a column shard that
+  starts off it. ``kv_b_proj`` is dequantized at load (the absorbed MLA reads it plain): the
+  activation dtype. Embedding, norms and the router gate are not Linear layers and stay in
+  the checkpoint dtype.
 - Anything else: unquantized, ``dtype_bytes`` per element.
 """
 
@@ -31,6 +36,7 @@ class WeightFormat:
     group_size: int | None = None  # per-row groups of input columns (INT4)
     block: tuple[int, int] | None = None  # [out, in] blocks (FP8)
     scale_bytes: int = 2  # INT4: one scale per group, in the activation dtype (bf16 when served)
+    fused_rows: bool = False  # FP8: one of two equal pieces stacked into one weight (a dense gate_up_proj)
 
     @property
     def label(self) -> str:
@@ -58,9 +64,10 @@ def _format_for(quant: QuantizationConfig | None, name: str, kind: Kind, dtype_b
             return dense
         return WeightFormat(bits=quant.weight_bits, group_size=quant.group_size, scale_bytes=dtype_bytes)
     if quant.method == "fp8":
-        if module.endswith("lm_head"):
-            return dense
-        return WeightFormat(bits=8, block=quant.block_size)
+        if module.endswith(("lm_head", "kv_b_proj")) or quant.ignores(module):
+            return dense  # kv_b_proj: dequantized at load into the activation dtype
+        fused = module.endswith(("gate_proj", "up_proj")) and ".experts." not in module
+        return WeightFormat(bits=8, block=quant.block_size, fused_rows=fused)
     return WeightFormat(bits=quant.weight_bits)
 
 
@@ -69,11 +76,24 @@ def weight_format(cfg: ModelConfig, spec: TensorSpec, dtype_bytes: int | None = 
     return _format_for(cfg.quantization if quantized else None, spec.name, spec.kind, db)
 
 
-def shard_bytes(fmt: WeightFormat, shape: tuple[int, ...], copies: int = 1) -> int:
-    """Bytes of ``copies`` tensors of ``shape`` stored in ``fmt`` (scales included)."""
+def shard_bytes(fmt: WeightFormat, shape: tuple[int, ...], copies: int = 1, offset: int = 0, split_dim: int = 0) -> int:
+    """Bytes of ``copies`` tensors of ``shape`` stored in ``fmt`` (scales included). FP8 needs
+    where the shard starts in the full tensor: ``offset`` along ``split_dim`` (0: rows, of a
+    column-parallel split; 1: columns, of a row-parallel one)."""
     numel = math.prod(shape)
     if numel == 0 or copies == 0:
         return 0
+    if fmt.block and len(shape) == 2:
+        from moeserve.quant.fp8_layout import fp8_shard_layout
+
+        out, in_ = shape
+        if split_dim == 0:  # a fused gate/up: this piece's half of the stacked layout
+            pieces = [(offset, out)] * (2 if fmt.fused_rows else 1)
+            layout = fp8_shard_layout(pieces, 0, in_, fmt.block[0])
+        else:
+            pieces = [(0, out)]
+            layout = fp8_shard_layout(pieces, offset, in_, fmt.block[0])
+        return layout.bytes // len(pieces) * copies
     weight = math.ceil(numel * fmt.bits / 8)
     scales = 0
     if len(shape) == 2:
