@@ -35,3 +35,11 @@ def v2_checkpoint(tmp_path_factory):
     from checkpoints import make_checkpoint
 
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "v2", "v2_greedy_yarn")
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(tmp_path_factory):
+    """(DeepSeek-V3-style FP8 checkpoint, its dequantized plain twin): tests/fp8_checkpoints.py."""
+    from fp8_checkpoints import make_fp8_checkpoint
+
+    return make_fp8_checkpoint(tmp_path_factory.mktemp("fp8"))

@@ -107,14 +107,27 @@ def test_missing_weights_dir_says_use_dummy(tmp_path):
         LLM(str(tmp_path), device="cpu")
 
 
-def test_quantized_checkpoint_is_refused_clearly(v3_checkpoint, tmp_path):
-    cfg = json.loads((v3_checkpoint / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    d = tmp_path / "fp8"
-    d.mkdir()
-    (d / "config.json").write_text(json.dumps(cfg))
-    shutil.copy(v3_checkpoint / "model.safetensors", d / "model.safetensors")
-    with pytest.raises(ValueError, match="fp8 8-bit quantized weights.*load_format='dummy'"):
+def _with_quantization_config(src, dst, quantization_config):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = quantization_config
+    dst.mkdir()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    shutil.copy(src / "model.safetensors", dst / "model.safetensors")
+    return dst
+
+
+def test_fp8_config_over_plain_weights_loads_them_plain(v3_checkpoint, tmp_path):
+    """What is FP8 is read from the checkpoint (a weight with a weight_scale_inv beside it): an
+    FP8 config over plain tensors loads every linear and expert plain. (FP8 checkpoints
+    themselves: tests/test_fp8.py; this replaces the test that FP8 was refused.)"""
+    d = _with_quantization_config(v3_checkpoint, tmp_path / "fp8",
+                                  {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    assert generate(d) == generate(v3_checkpoint)
+
+
+def test_unknown_quantized_checkpoint_is_refused_clearly(v3_checkpoint, tmp_path):
+    d = _with_quantization_config(v3_checkpoint, tmp_path / "awq", {"quant_method": "awq", "bits": 4})
+    with pytest.raises(ValueError, match="awq 4-bit quantized weights.*load_format='dummy'"):
         LLM(str(d), device="cpu")
 
 

@@ -46,3 +46,18 @@ def test_planner_bytes_equal_loaded_int4_shards(tmp_path_factory, tp, pp, ep):
     for rank in range(layout.world_size):
         planned = sum(s.bytes for s in rank_weight_sizes(config, tp, pp, ep, rank, None, 4, quantized=True).values())
         assert loaded_bytes(config, ckpt, layout, rank) == planned, f"rank {rank}"
+
+
+@pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)])
+def test_planner_bytes_equal_loaded_fp8_shards(fp8_checkpoint, tp, pp, ep):
+    """FP8 stays fp8 (1 byte) with float32 scales as allocated: per-row scales for row shards off
+    the 128 grid and for gate/up halves that are not whole blocks, zero pad columns in front of
+    column shards off it; kv_b_proj dequantized into the activation dtype. The tiny checkpoint's
+    TP2 splits fall inside blocks (tests/fp8_checkpoints.py)."""
+    from moeserve.planner.memory import rank_weight_sizes
+
+    config = load_model_config(fp8_checkpoint[0])
+    layout = Layout.build(config.num_hidden_layers, tp, pp, ep)
+    for rank in range(layout.world_size):
+        planned = sum(s.bytes for s in rank_weight_sizes(config, tp, pp, ep, rank, None, 4, quantized=True).values())
+        assert loaded_bytes(config, fp8_checkpoint[0], layout, rank) == planned, f"rank {rank}"

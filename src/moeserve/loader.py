@@ -36,6 +36,21 @@ def text_model_name(name: str) -> str:
     return name.removeprefix(TEXT_MODEL_PREFIX)
 
 
+def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
+    """Every tensor name of the checkpoint (as the text model spells it), from the index or the
+    files' headers: no tensor is read."""
+    d = Path(model_dir)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            return {text_model_name(n) for n in json.load(f)["weight_map"]}
+    names: set[str] = set()
+    for path in checkpoint_files(d):
+        with safe_open(str(path), framework="pt") as f:
+            names.update(text_model_name(n) for n in f.keys())
+    return names
+
+
 def iter_checkpoint(model: DeepseekForCausalLM, model_dir: str | Path,
                     device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Yield only the tensors this rank keeps; the rest are never read from disk."""
@@ -47,16 +62,29 @@ def iter_checkpoint(model: DeepseekForCausalLM, model_dir: str | Path,
                     yield name, f.get_tensor(stored)
 
 
+# FP8 dummies: e4m3 values of a normal spread (std 64, well inside +-448), times block scales of
+# mean 0.02 / 64, so the weights have the spread of the bf16 dummies.
+_FP8_DUMMY_STD = 64.0
+
+
 def dummy_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device | str,
-                 dtype: torch.dtype) -> torch.Tensor:
+                 dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
     """The same name, shape and seed give the same tensor on every rank and every run. Quantized
-    experts come in their published format: INT4 as random packed nibbles, positive scales sized
-    so that the weights have the spread of the bf16 dummies, and the projection's shape."""
+    tensors come in their published format: INT4 as random packed nibbles, positive scales sized
+    so that the weights have the spread of the bf16 dummies, and the projection's shape; FP8
+    (``fp8``: a weight with a ``weight_scale_inv`` beside it) as random e4m3 values and positive
+    float32 block scales of that spread."""
     if name.endswith("norm.weight"):
         return torch.ones(shape, dtype=dtype, device=device)
     g = torch.Generator(device=device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     if name.endswith(".weight_shape"):
         raise AssertionError("weight_shape is built by iter_dummy, which knows the projection's shape")
+    if fp8:
+        from moeserve.quant.fp8 import round_to_fp8
+
+        return round_to_fp8(torch.randn(shape, generator=g, device=device).mul_(_FP8_DUMMY_STD))
+    if name.endswith(".weight_scale_inv"):
+        return (torch.rand(shape, generator=g, device=device) + 0.5).mul_(0.02 / _FP8_DUMMY_STD)
     if name.endswith(".weight_packed"):
         return torch.randint(-(1 << 31), 1 << 31, shape, generator=g, dtype=torch.int64, device=device).to(torch.int32)
     if name.endswith(".weight_scale"):
@@ -78,7 +106,8 @@ def iter_dummy(model: DeepseekForCausalLM, seed: int, device: torch.device | str
             out_f, words = shapes[name.removesuffix("_shape") + "_packed"]
             yield name, torch.tensor([out_f, words * 8], dtype=torch.int64, device=device)
         else:
-            yield name, dummy_tensor(name, shape, seed, device, dtype)
+            fp8 = name.endswith(".weight") and name + "_scale_inv" in shapes
+            yield name, dummy_tensor(name, shape, seed, device, dtype, fp8)
 
 
 def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None, load_format: str,
@@ -90,10 +119,12 @@ def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None,
         if model_dir is None:
             raise ValueError("load_format='auto' needs a model directory")
         q = model.config.quantization
-        if q is not None and q.method != "compressed-tensors":  # plain-weight loading would give garbage
+        if q is not None and q.method not in ("compressed-tensors", "fp8"):  # plain loading would give garbage
             raise ValueError(f"{model_dir} holds {q.method} {q.weight_bits}-bit quantized weights, which the engine "
-                             f"cannot load yet (bf16/fp16/fp32 and compressed-tensors INT4 experts); use "
-                             f"load_format='dummy' for these shapes")
+                             f"cannot load (bf16/fp16/fp32, compressed-tensors INT4 experts, DeepSeek-V3 FP8 "
+                             f"block-quantized weights); use load_format='dummy' for these shapes")
+        if q is not None and q.method == "fp8":  # which linears the checkpoint really stores in FP8
+            model.use_plain_weights(checkpoint_tensor_names(model_dir))
         used = model.load_weights(iter_checkpoint(model, model_dir, device))
     else:
         raise ValueError(f"unknown load_format {load_format!r} (use 'auto' or 'dummy')")

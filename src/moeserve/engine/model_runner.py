@@ -138,14 +138,20 @@ class ModelRunner:
                              f"config, or more pipeline stages")
 
     def _use_kernels(self) -> None:
-        """Switch the layers to their Triton kernels, each only if it passes a check on this device."""
+        """Switch the layers to their Triton kernels, each only if it passes a check on this device
+        (only the checks of the kernels this model uses: its experts' and linears' formats)."""
         from moeserve.kernels.selftest import working_kernels
         from moeserve.layers.attention import MLAAttention
         from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
         from moeserve.layers.moe import RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
 
-        ok = working_kernels(self.device)
+        linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
+        needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
+        for m in self.model.modules():
+            if isinstance(m, (RoutedExperts,) + linears):
+                needed.update(m.method.kernels)
+        ok = working_kernels(self.device, needed)
         use = {RMSNorm: "rmsnorm" in ok, Router: "router" in ok, MLAAttention: "rope_cache" in ok}
         for m in self.model.modules():
             if isinstance(m, RoutedExperts):
@@ -154,20 +160,26 @@ class ModelRunner:
                 m.use_kernel = use[type(m)]
             if isinstance(m, MLAAttention):
                 m.fuse_input_projections()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, MLAAttention)):
+            if isinstance(m, linears + (MLAAttention,)):
                 m.small_gemv = SMALL_GEMV and "gemv" in ok
+            if isinstance(m, linears):
+                m.method.use_kernels(ok)
         self.sample_kernel = "sampling" in ok
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
         self._compile_moe_tiles()
 
     @torch.inference_mode()
     def _compile_moe_tiles(self) -> None:
-        """Run the routed experts once per tile configuration a prefill can pick, so that no
-        request waits for a Triton compile (a few seconds each) after the server says it is ready."""
+        """Run the routed experts once per tile configuration a prefill can pick, and each kind of
+        FP8 linear once per GEMM tile configuration, so that no request waits for a Triton
+        compile (a few seconds each) after the server says it is ready."""
         from moeserve.layers.moe import RoutedExperts
 
+        if self.device.type != "cuda":
+            return
+        self._compile_fp8_linear_tiles()
         experts = next((m for m in self.model.modules() if isinstance(m, RoutedExperts)), None)
-        if experts is None or self.device.type != "cuda":
+        if experts is None:
             return
         k, E = self.model_config.num_experts_per_tok, experts.num_local
         lower = 0.0
@@ -178,6 +190,33 @@ class ModelRunner:
             ids = torch.randint(0, E, (T, k), device=self.device) + experts.first_expert
             experts(x, torch.full((T, k), 1.0 / k, device=self.device), ids)
         torch.cuda.synchronize(self.device)
+
+    def _compile_fp8_linear_tiles(self) -> None:
+        """The FP8 GEMM's compiled variants: its tiles (by rows, ``GEMM_TILE_TABLE``), the weight's
+        scale form (block grid or per-row) and whether K is a whole number of K steps. One call of
+        the kernel (not the layer: no collective) per distinct variant."""
+        from moeserve.quant.linear import Fp8Linear
+
+        layers = [m for m in self.model.modules() if isinstance(getattr(m, "method", None), Fp8Linear)
+                  and m.method.fast]
+        if not layers:
+            return
+        from moeserve.kernels.fp8_linear import GEMM_TILE_TABLE, fp8_linear
+
+        seen = set()
+        for m in layers:
+            key = (m.fp8_layout.per_row, m.weight.shape[1] % 128 == 0)
+            if key in seen:
+                continue
+            seen.add(key)
+            lower = 4  # up to GEMV_MAX_TOKENS tokens the GEMV runs (one variant)
+            for limit, _ in GEMM_TILE_TABLE:
+                T = min(self.config.max_num_batched_tokens, lower + 1)
+                lower = limit
+                x = torch.randn(T, m.shard.in_size, device=self.device, dtype=self.dtype)
+                fp8_linear(x, m.weight, m.weight_scale_inv, m.k_pad)
+                if T == self.config.max_num_batched_tokens:
+                    break
 
     def resize_kv(self, num_pages: int) -> None:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""

@@ -182,7 +182,7 @@ GEMM_TILE_TABLE: list[tuple[float, dict]] = [
     (512, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
     (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)),
 ]
-INTERPRETER_GEMM_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=2, num_warps=1, num_stages=1)
+INTERPRETER_GEMM_TILE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=2, num_warps=1, num_stages=1)
 
 
 def gemm_config(m: int) -> dict:
@@ -260,7 +260,7 @@ def gemv_config(tokens: int) -> dict:
     """Not yet swept on the H200. fp8 rows are half the bytes of bf16 ones, so twice the rows of
     kernels.gemv's 1-token tile per program at a 512-column chunk keeps as many bytes in flight."""
     if interpreting():
-        return {"BLOCK_N": 32, "BLOCK_K": GROUP, "num_warps": 1}  # few wide programs
+        return {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1}  # few wide programs
     return {"BLOCK_N": 8 if tokens == 1 else 4, "BLOCK_K": 512, "num_warps": 4}
 
 

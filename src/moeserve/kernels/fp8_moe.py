@@ -383,8 +383,9 @@ FP8_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}
 FP8_DOWN_CONFIGS = {1: {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8},
                     2: {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}}
 FP8_DOWN_CONFIG_MORE = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4}
-# Under the interpreter the cost is per program and per op, not per element: few wide tiles.
-INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 64, "BLOCK_K": GROUP, "num_warps": 1}
+# Under the interpreter the cost is per program and per op, not per element: few wide tiles
+# (the down kernel's BLOCK_N must divide 128: its rows share one row block of scales).
+INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1}
 
 
 def gemv_configs(tokens: int) -> tuple[dict, dict]:

@@ -14,6 +14,7 @@ from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPa
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.parallel.comm import tp_group
+from moeserve.quant.linear import linear_method
 
 
 class MLAAttention(nn.Module):
@@ -29,19 +30,24 @@ class MLAAttention(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         self.scale = c.softmax_scale
         q_out = c.num_attention_heads * c.qk_head_dim
+        # The weight format of each projection (quant.linear); kv_b_proj, read as w_uk / w_uv by
+        # the absorbed attention, is dequantized at load when the checkpoint has it in FP8.
+        quant = lambda proj, **kw: linear_method(c, f"model.layers.{layer_id}.self_attn.{proj}", **kw)  # noqa: E731
         if c.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(c.hidden_size, [q_out])
+            self.q_proj = ColumnParallelLinear(c.hidden_size, [q_out], quant=quant("q_proj"))
         else:
-            self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_proj = ReplicatedLinear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias, quant=quant("q_a_proj"))
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=1e-6)
-            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, [q_out])
+            self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, [q_out], quant=quant("q_b_proj"))
         self.q_lora = c.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_latent_dim, bias=c.attention_bias)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_latent_dim, bias=c.attention_bias,
+                                                   quant=quant("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = ColumnParallelLinear(
-            c.kv_lora_rank, [c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)])
+            c.kv_lora_rank, [c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)],
+            quant=quant("kv_b_proj", dequantize=True))
         self.o_proj = RowParallelLinear(c.num_attention_heads * c.v_head_dim, c.hidden_size,
-                                        bias=c.attention_bias)
+                                        bias=c.attention_bias, quant=quant("o_proj"))
         self.rotary = rotary
         self.pool: StageKVPool | None = None
         self.backend: AttentionBackend | None = None
@@ -64,9 +70,9 @@ class MLAAttention(nn.Module):
         one tensor, and re-point both parameters at views of it: forward then runs one GEMM
         instead of two, with no extra copy of the weights. Call after the weights are loaded
         (a later load writes through the views) and after the last ``.to()``."""
-        if self.input_fused:
-            return
         projs = self._input_projections()
+        if self.input_fused or any(p.method.quantized for p in projs):
+            return  # FP8 projections run apart (each its own FP8 GEMV / GEMM)
         sizes = [p.weight.shape[0] for p in projs]
         weight = torch.cat([p.weight for p in projs])
         bias = None

@@ -2,17 +2,18 @@
 
 Each parameter carries a ``weight_loader(param, full_tensor, shard=None)`` that takes the
 checkpoint's full tensor and keeps this rank's slice, so the loader never needs to know
-the layout.
+the layout. How the weight is stored and run (plain, FP8 block-quantized, ...) is the layer's
+``method`` (``quant.linear``), chosen once from the checkpoint's quantization config; the
+layer only describes its shard (``LinearShard``).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from moeserve.kernels.limits import GEMV_MAX_TOKENS
 from moeserve.parallel.comm import tp_all_reduce, tp_group
+from moeserve.quant.linear import LinearMethod, LinearShard, UnquantizedLinear, linear  # noqa: F401 - linear re-exported
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -23,17 +24,11 @@ def _divide(n: int, parts: int, what: str) -> int:
 
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_gemv: bool = False) -> torch.Tensor:
-    """``F.linear``; with ``small_gemv`` (the fast path), a few tokens go to the Triton GEMV."""
-    if small_gemv and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.stride(-1) == 1:
-        from moeserve.kernels.gemv import gemv
-
-        return gemv(x, weight, bias)
-    return F.linear(x, weight, bias)
-
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
+    if loaded.dtype == torch.float8_e4m3fn and param.dtype != loaded.dtype:
+        raise ValueError(f"tensor {name or '?'} is float8_e4m3fn, but this layer loads a plain weight (no FP8 "
+                         "quantization config, or no weight_scale_inv beside it in the checkpoint)")
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
             f"tensor {name or '?'} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
@@ -45,36 +40,70 @@ def replicated_loader(param: torch.Tensor, loaded: torch.Tensor, shard: object =
     copy_checked(param, loaded, getattr(param, "checkpoint_name", ""))
 
 
-class ReplicatedLinear(nn.Module):
+class _MethodLinear(nn.Module):
+    """A linear whose weight the ``method`` stores, loads and runs."""
+
+    shard: LinearShard
+    method: LinearMethod
+
+    def _init_method(self, shard: LinearShard, method: LinearMethod | None, dtype: torch.dtype | None) -> None:
+        self.shard = shard
+        self.act_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.method = method or UnquantizedLinear()
+        self.method.create_weights(self, shard, self.act_dtype, self._plain_loader())
+
+    def _plain_loader(self):
+        return self._load
+
+    def use_plain_weights(self) -> None:
+        """Re-create the weight as a plain one in the activation dtype, on the same device: the
+        checkpoint stores this module unquantized although the config quantizes it."""
+        if isinstance(self.method, UnquantizedLinear):
+            return
+        device = self.weight.device
+        for attr in ("weight", "weight_scale_inv"):
+            if attr in self._parameters:
+                del self._parameters[attr]
+        for attr in ("fp8_layout", "k_pad", "fp8_staged"):
+            self.__dict__.pop(attr, None)
+        self.method = UnquantizedLinear()
+        with torch.device(device):
+            self.method.create_weights(self, self.shard, self.act_dtype, self._plain_loader())
+
+
+class ReplicatedLinear(_MethodLinear):
     """Every rank holds the whole weight (small projections, the router)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, quant: LinearMethod | None = None):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = replicated_loader
+        self._init_method(LinearShard(((out_features, 0, out_features),), in_features, 0, in_features), quant, dtype)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = replicated_loader
         self.small_gemv = False  # set by the runner on the fast path
 
+    def _plain_loader(self):
+        return replicated_loader
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.small_gemv)
+        return self.method.apply(self, x, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_MethodLinear):
     """Output features split over the TP group; ``output_sizes`` lists the fused pieces
     (e.g. gate and up) so that each piece is split separately."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
+                 quant: LinearMethod | None = None):
         super().__init__()
-        tp = tp_group().size
+        g = tp_group()
         self.output_sizes = output_sizes
-        self.local_sizes = [_divide(n, tp, "output size") for n in output_sizes]
+        self.local_sizes = [_divide(n, g.size, "output size") for n in output_sizes]
         out_local = sum(self.local_sizes)
-        self.weight = nn.Parameter(torch.empty(out_local, in_features), requires_grad=False)
-        self.weight.weight_loader = self._load
+        pieces = tuple((n, g.rank * local, local) for n, local in zip(output_sizes, self.local_sizes))
+        self._init_method(LinearShard(pieces, in_features, 0, in_features), quant, None)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local), requires_grad=False)
@@ -100,21 +129,22 @@ class ColumnParallelLinear(nn.Module):
             copy_checked(param.data.narrow(0, dst_offset, local), part, getattr(param, "checkpoint_name", ""))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.small_gemv)
+        return self.method.apply(self, x, self.bias)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_MethodLinear):
     """Input features split over the TP group; the partial outputs are summed by an
     all-reduce unless the caller defers it (``reduce=False``) to fuse reductions."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
+                 quant: LinearMethod | None = None):
         super().__init__()
         g = tp_group()
         self.in_local = _divide(in_features, g.size, "input size")
         self.reduce = reduce
         self.small_gemv = False  # set by the runner on the fast path
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_local), requires_grad=False)
-        self.weight.weight_loader = self._load
+        shard = LinearShard(((out_features, 0, out_features),), in_features, g.rank * self.in_local, self.in_local)
+        self._init_method(shard, quant, None)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -129,7 +159,7 @@ class RowParallelLinear(nn.Module):
         copy_checked(param, loaded.narrow(1, g.rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = linear(x, self.weight, None, self.small_gemv)
+        out = self.method.apply(self, x, None)
         if self.reduce:
             out = tp_all_reduce(out)
         if self.bias is not None:

@@ -9,16 +9,25 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: F401 - re-exported for tests and scripts
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, replicated_loader
-from moeserve.quant.experts import ExpertShard, experts_method
+from moeserve.quant.experts import ExpertShard, UnquantizedExperts, experts_method
+from moeserve.quant.linear import linear_method
 from moeserve.parallel.comm import tp_all_reduce, tp_group
 
-class DenseMLP(nn.Module):
-    """SiLU-gated MLP, TP-split over its intermediate size (dense layers, shared experts)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = True):
+class DenseMLP(nn.Module):
+    """SiLU-gated MLP, TP-split over its intermediate size (dense layers, shared experts).
+    ``config`` and ``prefix`` (the module's checkpoint name) pick the weight format of its
+    linears (``quant.linear``); without them the weights are plain."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = True,
+                 config: ModelConfig | None = None, prefix: str = ""):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce)
+        def quant(proj: str):
+            return linear_method(config, f"{prefix}.{proj}") if config is not None else None
+
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size],
+                                                 quant=quant("gate_proj"))
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce, quant=quant("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -102,8 +111,26 @@ class RoutedExperts(nn.Module):
         self.i_offset = g.expert_tp_rank * self.i_local
         self.shard = ExpertShard(self.num_local, self.first_expert, self.i_local, self.i_offset, I, H,
                                  f"tp={g.size} ep={g.ep_size}")
+        self.act_dtype = torch.get_default_dtype()
         self.method = experts_method(config)
         self.method.create_weights(self, self.shard)
+
+    def use_plain_weights(self) -> None:
+        """Re-create the experts plain (activation dtype, same device): the checkpoint stores them
+        unquantized although the config quantizes them."""
+        if isinstance(self.method, UnquantizedExperts):
+            return
+        device = next(self.parameters()).device
+        for name in list(self._parameters):
+            del self._parameters[name]
+        self.method = UnquantizedExperts()
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(self.act_dtype)
+        try:
+            with torch.device(device):
+                self.method.create_weights(self, self.shard)
+        finally:
+            torch.set_default_dtype(prev)
 
     def owns(self, expert_id: int) -> bool:
         return self.first_expert <= expert_id < self.first_expert + self.num_local
@@ -118,7 +145,7 @@ class RoutedExperts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, prefix: str = ""):
         super().__init__()
         self.gate = Router(config)
         self.experts = RoutedExperts(config)
@@ -126,14 +153,13 @@ class MoE(nn.Module):
         if config.n_shared_experts:
             self.shared_experts = DenseMLP(config.hidden_size,
                                            config.moe_intermediate_size * config.n_shared_experts,
-                                           reduce=False)
+                                           reduce=False, config=config, prefix=f"{prefix}.shared_experts")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        e, s = self.experts, self.shared_experts
+        e = self.experts
         # Decode at small batch (fast path): routed and shared experts and their sum in two launches.
-        out = e.method.apply_with_shared(e, x, topk_weights, topk_ids, s.gate_up_proj.weight if s else None,
-                                         s.down_proj.weight if s else None)
+        out = e.method.apply_with_shared(e, x, topk_weights, topk_ids, self.shared_experts)
         if out is not None:
             return tp_all_reduce(out)
         out = self.experts(x, topk_weights, topk_ids)

@@ -22,14 +22,16 @@ from moeserve.layers.moe import MoE, DenseMLP
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.quant.experts import experts_method
+from moeserve.quant.linear import linear_method
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding):
         super().__init__()
         self.self_attn = MLAAttention(config, layer_id, rotary)
-        self.mlp = MoE(config) if config.is_moe_layer(layer_id) else DenseMLP(
-            config.hidden_size, config.intermediate_size)
+        mlp = f"model.layers.{layer_id}.mlp"
+        self.mlp = MoE(config, mlp) if config.is_moe_layer(layer_id) else DenseMLP(
+            config.hidden_size, config.intermediate_size, config=config, prefix=mlp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -70,7 +72,9 @@ class DeepseekModel(nn.Module):
 # A routed expert's tensor: ``weight``, or a quantized format's parts (``weight_packed``, ...).
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.(weight\w*)$")
 _FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_GATE_UP = re.compile(r"^(.*)\.(gate|up)_proj\.(weight)$")
+_GATE_UP = re.compile(r"^(.*)\.(gate|up)_proj\.(weight|weight_scale_inv)$")
+# A quantized linear's part beside its weight (FP8: ``weight_scale_inv``).
+_SCALE = ".weight_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -84,6 +88,7 @@ class DeepseekForCausalLM(nn.Module):
         self.is_first, self.is_last = is_first, is_last
         self.model = DeepseekModel(config, self.stage, is_first, is_last)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size) if is_last else None
+        self.plain_modules: set[str] = set()  # quantized by the config, stored plain in the checkpoint
         for name, p in self.named_parameters():
             p.checkpoint_name = name
 
@@ -150,8 +155,8 @@ class DeepseekForCausalLM(nn.Module):
                         gate, up = tensor[e].chunk(2, dim=0)
                         experts.load_expert(e, "gate", gate, f"{name}[{e}]")
                         experts.load_expert(e, "up", up, f"{name}[{e}]")
-            elif (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj.weight" in params:
-                p = params[f"{m.group(1)}.gate_up_proj.weight"]
+            elif (m := _GATE_UP.match(name)) and f"{m.group(1)}.gate_up_proj.{m.group(3)}" in params:
+                p = params[f"{m.group(1)}.gate_up_proj.{m.group(3)}"]
                 p.weight_loader(p, tensor, 0 if m.group(2) == "gate" else 1)
             elif name in params:
                 p = params[name]
@@ -164,18 +169,68 @@ class DeepseekForCausalLM(nn.Module):
     def expected_checkpoint_tensors(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Names and full shapes of the checkpoint tensors this rank needs."""
         for name, shape in checkpoint_tensor_shapes(self.config):
+            if name.endswith(_SCALE) and name.removesuffix(_SCALE) in self.plain_modules:
+                continue
             if self.wants(name):
                 yield name, shape
+
+    def use_plain_weights(self, checkpoint_names: set[str]) -> None:
+        """Read from the checkpoint which linears are quantized: a linear the config quantizes
+        (FP8) whose checkpoint weight has no ``weight_scale_inv`` beside it is stored plain, and
+        is re-created plain here, before loading (its expected tensors drop the scale). A layer's
+        routed experts are plain when none of this rank's experts has a scale (a missing scale
+        among FP8 experts is then a missing tensor, named)."""
+        from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+        from moeserve.layers.moe import RoutedExperts
+        from moeserve.quant.experts import PROJECTIONS, UnquantizedExperts
+        from moeserve.quant.linear import UnquantizedLinear
+
+        for module_name, module in self.named_modules():
+            if isinstance(module, RoutedExperts) and not isinstance(module.method, UnquantizedExperts):
+                owned = [f"{module_name}.{e}.{p}_proj" for e in range(module.first_expert,
+                                                                       module.first_expert + module.num_local)
+                         for p in PROJECTIONS]
+                fused = f"{module_name}.gate_up_proj" in checkpoint_names  # transformers-5 layout: plain
+                if fused or (any(f"{n}.weight" in checkpoint_names for n in owned)
+                             and not any(f"{n}{_SCALE}" in checkpoint_names for n in owned)):
+                    module.use_plain_weights()
+                    self.plain_modules.update(owned)
+                    for attr, p in module.named_parameters(recurse=False):
+                        p.checkpoint_name = f"{module_name}.{attr}"
+                continue
+            if not isinstance(module, (ColumnParallelLinear, ReplicatedLinear, RowParallelLinear)):
+                continue
+            if isinstance(module.method, UnquantizedLinear):
+                continue
+            sources = [module_name]
+            if module_name.endswith(".gate_up_proj"):
+                base = module_name.removesuffix("gate_up_proj")
+                sources = [f"{base}gate_proj", f"{base}up_proj"]
+            plain = [s for s in sources if f"{s}.weight" in checkpoint_names and f"{s}{_SCALE}" not in checkpoint_names]
+            if not plain:
+                continue
+            if len(plain) != len(sources):
+                raise ValueError(f"checkpoint tensors {', '.join(f'{s}.weight' for s in sources)} are fused into one "
+                                 f"layer, but only {plain[0]}.weight has no weight_scale_inv beside it: they must be "
+                                 "both FP8 or both plain")
+            module.use_plain_weights()
+            self.plain_modules.update(sources)
+            for attr, p in module.named_parameters(recurse=False):
+                p.checkpoint_name = f"{module_name}.{attr}"
 
 
 def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
     """Every tensor of a Hugging Face checkpoint of this config (per-expert layout, no MTP);
-    routed experts in their checkpoint format (``quant.experts``: e.g. INT4 packed words,
-    scales and shapes)."""
+    routed experts and linears in their checkpoint format (``quant.experts``, ``quant.linear``:
+    e.g. INT4 packed words, scales and shapes; FP8 ``weight`` + ``weight_scale_inv``)."""
     c = config
     H = c.hidden_size
     check_quantized_modules(c)
     experts = experts_method(c)
+
+    def lin(module: str, out_features: int, in_features: int):  # a linear in its format (quant.linear)
+        return linear_method(c, module).checkpoint_tensors(module, out_features, in_features)
+
     yield "model.embed_tokens.weight", (c.vocab_size, H)
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}"
@@ -184,16 +239,15 @@ def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[i
         a = f"{p}.self_attn"
         q_out = c.num_attention_heads * c.qk_head_dim
         if c.q_lora_rank is None:
-            yield f"{a}.q_proj.weight", (q_out, H)
+            yield from lin(f"{a}.q_proj", q_out, H)
         else:
-            yield f"{a}.q_a_proj.weight", (c.q_lora_rank, H)
+            yield from lin(f"{a}.q_a_proj", c.q_lora_rank, H)
             yield f"{a}.q_a_layernorm.weight", (c.q_lora_rank,)
-            yield f"{a}.q_b_proj.weight", (q_out, c.q_lora_rank)
-        yield f"{a}.kv_a_proj_with_mqa.weight", (c.kv_latent_dim, H)
+            yield from lin(f"{a}.q_b_proj", q_out, c.q_lora_rank)
+        yield from lin(f"{a}.kv_a_proj_with_mqa", c.kv_latent_dim, H)
         yield f"{a}.kv_a_layernorm.weight", (c.kv_lora_rank,)
-        yield f"{a}.kv_b_proj.weight", (c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim),
-                                         c.kv_lora_rank)
-        yield f"{a}.o_proj.weight", (H, c.num_attention_heads * c.v_head_dim)
+        yield from lin(f"{a}.kv_b_proj", c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        yield from lin(f"{a}.o_proj", H, c.num_attention_heads * c.v_head_dim)
         if c.attention_bias:  # as in transformers, q_proj (no q_lora) has no bias
             if c.q_lora_rank:
                 yield f"{a}.q_a_proj.bias", (c.q_lora_rank,)
@@ -210,13 +264,13 @@ def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[i
                     yield from experts.checkpoint_tensors(f"{m}.experts.{e}.{proj}_proj", *shape)
             if c.n_shared_experts:
                 Is = I * c.n_shared_experts
-                yield f"{m}.shared_experts.gate_proj.weight", (Is, H)
-                yield f"{m}.shared_experts.up_proj.weight", (Is, H)
-                yield f"{m}.shared_experts.down_proj.weight", (H, Is)
+                yield from lin(f"{m}.shared_experts.gate_proj", Is, H)
+                yield from lin(f"{m}.shared_experts.up_proj", Is, H)
+                yield from lin(f"{m}.shared_experts.down_proj", H, Is)
         else:
-            yield f"{m}.gate_proj.weight", (c.intermediate_size, H)
-            yield f"{m}.up_proj.weight", (c.intermediate_size, H)
-            yield f"{m}.down_proj.weight", (H, c.intermediate_size)
+            yield from lin(f"{m}.gate_proj", c.intermediate_size, H)
+            yield from lin(f"{m}.up_proj", c.intermediate_size, H)
+            yield from lin(f"{m}.down_proj", H, c.intermediate_size)
     yield "model.norm.weight", (H,)
     if not c.tie_word_embeddings:
         yield "lm_head.weight", (c.vocab_size, H)
@@ -225,8 +279,14 @@ def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[i
 def check_quantized_modules(config: ModelConfig) -> None:
     """A quantized checkpoint must leave unquantized every module the engine runs only in the
     activation dtype: with the published Kimi K2.x INT4 scheme (``ignore`` keeps attention,
-    shared experts, dense MLPs and lm_head in bf16) only the routed experts are quantized."""
+    shared experts, dense MLPs and lm_head in bf16) only the routed experts are quantized. An
+    FP8 checkpoint must be the DeepSeek-V3 block scheme (``quant.fp8.check_fp8_config``)."""
     q = config.quantization
+    if q is not None and q.method == "fp8":  # DeepSeek-V3 FP8: every linear but lm_head may be FP8
+        from moeserve.quant.fp8 import check_fp8_config
+
+        check_fp8_config(q)
+        return
     if q is None or q.method != "compressed-tensors":  # other formats: refused by the loader
         return
     dense = next((i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)), None)

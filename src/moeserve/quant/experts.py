@@ -34,6 +34,9 @@ class ExpertShard:
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if src.dtype == torch.float8_e4m3fn and dst.dtype != src.dtype:
+        raise ValueError(f"tensor {name} is float8_e4m3fn, but these experts load plain weights (no FP8 "
+                         "quantization config, or no weight_scale_inv beside any of their weights in the checkpoint)")
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"tensor {name} gives a slice of shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src.to(dst.dtype))
@@ -75,18 +78,32 @@ class ExpertsMethod:
               topk_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    kernels: tuple[str, ...] = ()  # start-up checks (kernels.selftest) its fast path needs
+
     def apply_with_shared(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor, shared_w13: torch.Tensor | None,
-                          shared_w2: torch.Tensor | None) -> torch.Tensor | None:
-        """Routed plus shared experts in one fused kernel for a few tokens (decode), or None
-        when this method has no such kernel on (the caller then runs the two apart)."""
+                          topk_ids: torch.Tensor, shared: nn.Module | None) -> torch.Tensor | None:
+        """Routed plus shared experts (``shared``: the MoE block's shared ``DenseMLP``, or
+        None) in one fused kernel for a few tokens (decode), or None when this method has no
+        such kernel on or cannot take these shared experts (the caller then runs the two apart)."""
         return None
+
+
+def plain_shared_weights(shared: nn.Module | None) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
+    """The shared experts' ``(gate_up, down)`` weights in the activation dtype, ``(None, None)``
+    without shared experts, or None when they are stored quantized (a fused kernel of plain
+    shared weights cannot take them)."""
+    if shared is None:
+        return None, None
+    if shared.gate_up_proj.method.quantized or shared.down_proj.method.quantized:
+        return None
+    return shared.gate_up_proj.weight, shared.down_proj.weight
 
 
 class UnquantizedExperts(ExpertsMethod):
     """bf16 / fp16 / fp32 experts: ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``."""
 
     name = "unquantized"
+    kernels = ("moe_gemv",)
 
     def __init__(self) -> None:
         self.fused = False  # moeserve.kernels.fused_moe for any batch
@@ -127,12 +144,13 @@ class UnquantizedExperts(ExpertsMethod):
                              small_batch_gemv=self.gemv)
         return moe_experts_ref(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert)
 
-    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared_w13, shared_w2):
-        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS:
+    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
+        weights = plain_shared_weights(shared)
+        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS or weights is None:
             return None
         from moeserve.kernels.moe_gemv import moe_gemv
 
-        return moe_gemv(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, shared_w13, shared_w2)
+        return moe_gemv(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, *weights)
 
 
 class Int4Experts(ExpertsMethod):
@@ -142,6 +160,7 @@ class Int4Experts(ExpertsMethod):
     float32). The reference dequantizes one chosen expert at a time (a bounded temporary)."""
 
     name = "int4"
+    kernels = ("int4_moe",)
 
     def __init__(self, group_size: int) -> None:
         self.group = group_size
@@ -220,13 +239,130 @@ class Int4Experts(ExpertsMethod):
             x, lambda e: (dequantize_int4(w13p[e], w13s[e], x.dtype), dequantize_int4(w2p[e], w2s[e], x.dtype)),
             w13p.shape[0], topk_weights, topk_ids, layer.first_expert)
 
-    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared_w13, shared_w2):
-        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS:
+    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
+        weights = plain_shared_weights(shared)
+        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS or weights is None:
             return None
         from moeserve.kernels.int4_moe import int4_moe_gemv
 
-        return int4_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert,
-                             shared_w13, shared_w2)
+        return int4_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, *weights)
+
+
+class Fp8Experts(ExpertsMethod):
+    """DeepSeek-V3 FP8 experts (``quant.fp8``), kept fp8, in the layout of ``kernels.fp8_moe``:
+    ``w13 [E, 2I, H]`` e4m3 (gate rows then up rows) + ``w13_scale_inv`` float32, each half on
+    its own block grid ``[E, 2 * ceil(I/128), ceil(H/128)]``, or per-row ``[E, 2I, ceil(H/128)]``
+    when this rank's slice of I starts inside a block; ``w2 [E, H, k_pad + I]`` with ``k_pad =
+    i_offset % 128`` leading zero columns + ``w2_scale_inv [E, ceil(H/128), ceil((k_pad + I)/128)]``
+    (``quant.fp8_layout`` gives both shapes). The reference dequantizes one chosen expert at a
+    time (a bounded temporary); the fast path is ``kernels.fp8_moe`` (grouped W8A8 GEMMs, and the
+    GEMV pair with the FP8 shared experts for decode)."""
+
+    name = "fp8"
+    kernels = ("fp8_moe",)
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+        self.fused = False  # kernels.fp8_moe grouped GEMMs
+        self.gemv = False  # kernels.fp8_moe GEMV (decode), with the shared experts
+
+    def checkpoint_tensors(self, prefix, out_features, in_features):
+        from moeserve.quant.fp8_layout import cdiv
+
+        bn, bk = self.block
+        return [(f"{prefix}.weight", (out_features, in_features)),
+                (f"{prefix}.weight_scale_inv", (cdiv(out_features, bn), cdiv(in_features, bk)))]
+
+    @staticmethod
+    def layouts(shard: ExpertShard):
+        """(one half of w13, w2) as ``quant.fp8_layout.Fp8ShardLayout``."""
+        from moeserve.quant.fp8_layout import fp8_shard_layout
+
+        return (fp8_shard_layout([(shard.i_offset, shard.i_local)], 0, shard.hidden),
+                fp8_shard_layout([(0, shard.hidden)], shard.i_offset, shard.i_local))
+
+    def create_weights(self, layer, shard):
+        from moeserve.quant.fp8 import FP8_DTYPE
+
+        half, down = self.layouts(shard)
+        E, il, H = shard.num_local, shard.i_local, shard.hidden
+        layer.fp8_half, layer.fp8_down = half, down
+        f32, fp8 = dict(dtype=torch.float32), dict(dtype=FP8_DTYPE)
+        layer.w13 = nn.Parameter(torch.empty(E, 2 * il, H, **fp8), requires_grad=False)
+        layer.w13_scale_inv = nn.Parameter(torch.empty(E, 2 * half.scale_rows, half.scale_cols, **f32),
+                                           requires_grad=False)
+        layer.w2 = nn.Parameter(torch.empty(E, H, down.cols, **fp8), requires_grad=False)
+        layer.w2_scale_inv = nn.Parameter(torch.empty(E, *down.scale_shape, **f32), requires_grad=False)
+
+    def load(self, layer, shard, e, proj, part, loaded, name):
+        from moeserve.quant.fp8 import FP8_DTYPE, shard_fp8_scales, shard_fp8_weight
+        from moeserve.quant.fp8_layout import cdiv
+
+        il, off, H, full = shard.i_local, shard.i_offset, shard.hidden, shard.full_i
+        out_f, in_f = (full, H) if proj in ("gate", "up") else (H, full)
+        if part == "weight":
+            if loaded.dtype != FP8_DTYPE:
+                raise ValueError(f"tensor {name} is {loaded.dtype}, but the checkpoint's FP8 quantization config "
+                                 "quantizes the routed experts: expected float8_e4m3fn weights with a "
+                                 "weight_scale_inv beside them")
+            check_full_shape(loaded, (out_f, in_f), name)
+            if proj in ("gate", "up"):
+                rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
+                copy_rows(layer.w13.data[e, rows], loaded[off:off + il], name)
+            else:
+                copy_rows(layer.w2.data[e], shard_fp8_weight(loaded, 1, off, il, self.block[1]), name)
+        elif part == "weight_scale_inv":
+            check_full_shape(loaded, (cdiv(out_f, self.block[0]), cdiv(in_f, self.block[1])), name)
+            if proj in ("gate", "up"):
+                n = layer.fp8_half.scale_rows
+                rows = slice(0, n) if proj == "gate" else slice(n, 2 * n)
+                scales = shard_fp8_scales(loaded.float(), 0, off, il, layer.fp8_half.per_row, self.block)
+                copy_rows(layer.w13_scale_inv.data[e, rows], scales, name)
+            else:
+                copy_rows(layer.w2_scale_inv.data[e], shard_fp8_scales(loaded.float(), 1, off, il, block=self.block),
+                          name)
+        else:
+            raise ValueError(f"tensor {name}: unexpected part {part!r} of an FP8 expert "
+                             "(expected weight, weight_scale_inv)")
+
+    def use_kernels(self, working):
+        self.fused = self.gemv = "fp8_moe" in working
+
+    def tile_limits(self):
+        from moeserve.kernels.fp8_moe import FP8_MOE_TILE_TABLE
+
+        return [limit for limit, _ in FP8_MOE_TILE_TABLE] if self.fused else []
+
+    def _weights(self, layer):
+        return layer.w13, layer.w13_scale_inv, layer.w2, layer.w2_scale_inv
+
+    def apply(self, layer, x, topk_weights, topk_ids):
+        if self.fused:
+            from moeserve.kernels.fp8_moe import fp8_fused_moe
+
+            return fp8_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert,
+                                 small_batch_gemv=self.gemv)
+        from moeserve.quant.fp8 import dequantize_fp8_block, dequantize_fp8_gate_up
+
+        w13, s13, w2, s2 = self._weights(layer)
+        pad = layer.fp8_down.k_pad
+        return moe_experts_by_expert(
+            x, lambda e: (dequantize_fp8_gate_up(w13[e], s13[e], self.block, x.dtype),
+                          dequantize_fp8_block(w2[e], s2[e], self.block, x.dtype)[:, pad:]),
+            w13.shape[0], topk_weights, topk_ids, layer.first_expert)
+
+    def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
+        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS:
+            return None
+        from moeserve.kernels.fp8_moe import fp8_moe_gemv
+
+        if shared is None:
+            return fp8_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
+        gu, down = shared.gate_up_proj, shared.down_proj
+        if not (gu.method.name == down.method.name == "fp8"):
+            return None  # shared experts stored plain: the two run apart
+        return fp8_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert,
+                            gu.weight, gu.weight_scale_inv, down.weight, down.weight_scale_inv)
 
 
 def experts_method(config: ModelConfig) -> ExpertsMethod:
@@ -238,8 +374,10 @@ def experts_method(config: ModelConfig) -> ExpertsMethod:
 
         check_pack_quantized(q)
         return Int4Experts(q.group_size)
-    # Other formats (FP8 so far) load as dummy weights in the activation dtype; the loader
-    # refuses their checkpoints.
+    if q is not None and q.method == "fp8" and routed_experts_quantized(config):
+        from moeserve.quant.fp8 import check_fp8_config
+
+        return Fp8Experts(check_fp8_config(q))
     return UnquantizedExperts()
 
 

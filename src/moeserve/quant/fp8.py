@@ -35,15 +35,12 @@ from typing import Any, NamedTuple
 
 import torch
 
+from moeserve.quant.fp8_layout import BLOCK, cdiv
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value; quantization saturates there
-BLOCK = 128
 SUPPORTED_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                     "weight_block_size": [BLOCK, BLOCK]}
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # ---- the scheme ----
@@ -124,6 +121,21 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return (weight.to(torch.float32) * expand_scales(scale_inv, rows, cols, block)).to(dtype)
 
 
+def dequantize_fp8_rows(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, k_pad: int = 0,
+                        chunk_rows: int = 32 * BLOCK) -> torch.Tensor:
+    """``dequantize_fp8_block`` of a 2-D weight (block-grid or per-row scales) without its first
+    ``k_pad`` columns, ``chunk_rows`` rows at a time: the float32 temporaries stay a few MB
+    whatever the layer's size (the torch reference dequantizes per call)."""
+    rows, cols = weight.shape
+    rb = scale_row_block(rows, scale_inv.shape[0])
+    out = torch.empty(rows, cols - k_pad, dtype=dtype, device=weight.device)
+    for r0 in range(0, rows, chunk_rows):
+        r1 = min(rows, r0 + chunk_rows)
+        s = scale_inv[r0 // rb:cdiv(r1, rb)]
+        out[r0:r1] = dequantize_fp8_block(weight[r0:r1], s, dtype=torch.float32)[:, k_pad:]
+    return out
+
+
 def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
     """Saturating cast to e4m3fn (round to nearest even): values beyond +-448 clamp to it."""
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
@@ -176,6 +188,36 @@ class Fp8Shard(NamedTuple):
     k_pad: int = 0
 
 
+def shard_fp8_weight(weight: torch.Tensor, dim: int, start: int, size: int, block_k: int = BLOCK) -> torch.Tensor:
+    """The fp8 weight's part of :func:`shard_fp8_block`: rows ``[start, start + size)``, or
+    those columns with ``start % block_k`` zero columns in front."""
+    if dim == 0:
+        return weight[start:start + size]
+    w = weight[:, start:start + size]
+    pad = start % block_k
+    if pad:
+        w = torch.cat([torch.zeros(w.shape[0], pad, dtype=weight.dtype, device=weight.device), w], dim=1)
+    return w
+
+
+def shard_fp8_scales(scale_inv: torch.Tensor, dim: int, start: int, size: int, per_row: bool | None = None,
+                     block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+    """The scales' part of :func:`shard_fp8_block`, from the full tensor's block grid: for rows,
+    the row blocks they touch (``per_row`` False, the default when ``start`` is on the grid) or
+    one scale row per weight row (``per_row`` True, the default off the grid); for columns, the
+    column blocks they touch."""
+    bn, bk = block
+    if dim == 0:
+        if per_row is None:
+            per_row = start % bn != 0
+        if per_row:
+            return per_row_scales(scale_inv, size, start, bn)
+        if start % bn:
+            raise ValueError(f"rows from {start} are not on the {bn}-row grid: their scales must be per-row")
+        return scale_inv[start // bn:cdiv(start + size, bn)]
+    return scale_inv[:, start // bk:cdiv(start + size, bk)]
+
+
 def shard_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dim: int, start: int, size: int,
                     block: tuple[int, int] = (BLOCK, BLOCK)) -> Fp8Shard:
     """Rows (``dim=0``) or columns (``dim=1``) ``[start, start + size)`` of a checkpoint weight
@@ -195,17 +237,9 @@ def shard_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dim: int, sta
                          f"in {bn} x {bk} blocks")
     if dim not in (0, 1) or start < 0 or size <= 0 or start + size > weight.shape[dim]:
         raise ValueError(f"shard [{start}, {start + size}) along dim {dim} is outside a weight of {tuple(weight.shape)}")
-    if dim == 0:
-        w = weight[start:start + size]
-        if start % bn == 0:
-            return Fp8Shard(w, scale_inv[start // bn:cdiv(start + size, bn)], 0)
-        return Fp8Shard(w, per_row_scales(scale_inv, size, start, bn), 0)
-    w = weight[:, start:start + size]
-    s = scale_inv[:, start // bk:cdiv(start + size, bk)]
-    pad = start % bk
-    if pad:
-        w = torch.cat([torch.zeros(rows, pad, dtype=weight.dtype, device=weight.device), w], dim=1)
-    return Fp8Shard(w, s, pad)
+    return Fp8Shard(shard_fp8_weight(weight, dim, start, size, bk), shard_fp8_scales(scale_inv, dim, start, size,
+                                                                                       block=block),
+                    start % bk if dim == 1 else 0)
 
 
 def cat_fp8_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], block_n: int = BLOCK
@@ -225,5 +259,6 @@ def cat_fp8_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], block_n: int = 
 
 
 __all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "SUPPORTED_CONFIG", "Fp8Shard", "cat_fp8_rows", "cdiv",
-           "check_fp8_config", "dequantize_fp8_block", "dequantize_fp8_gate_up", "expand_scales", "per_row_scales",
-           "quantize_fp8_block", "quantize_fp8_gate_up", "round_to_fp8", "scale_row_block", "shard_fp8_block"]
+           "check_fp8_config", "dequantize_fp8_block", "dequantize_fp8_gate_up", "dequantize_fp8_rows",
+           "expand_scales", "per_row_scales", "quantize_fp8_block", "quantize_fp8_gate_up", "round_to_fp8",
+           "scale_row_block", "shard_fp8_block", "shard_fp8_scales", "shard_fp8_weight"]
