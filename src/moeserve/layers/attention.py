@@ -32,7 +32,9 @@ class MLAAttention(nn.Module):
         q_out = c.num_attention_heads * c.qk_head_dim
         # The weight format of each projection (quant.linear); kv_b_proj, read as w_uk / w_uv by
         # the absorbed attention, is dequantized at load when the checkpoint has it in FP8.
-        quant = lambda proj, **kw: linear_method(c, f"model.layers.{layer_id}.self_attn.{proj}", **kw)  # noqa: E731
+        def quant(proj: str, dequantize: bool = False):
+            return linear_method(c, f"model.layers.{layer_id}.self_attn.{proj}", dequantize)
+
         if c.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(c.hidden_size, [q_out], quant=quant("q_proj"))
         else:
