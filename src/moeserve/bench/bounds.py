@@ -6,6 +6,7 @@ FLOPs / measured peak) so that "fast" always means "close to what the hardware a
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -37,6 +38,8 @@ def param_counts(config: ModelConfig) -> ParamCounts:
         n = 1
         for d in shape:
             n *= d
+        if name.endswith(SCALE_SUFFIXES):  # quantization scales and shapes: bytes, not parameters
+            continue
         if ".experts." in name:
             expert = expert or 3 * config.moe_intermediate_size * config.hidden_size
         elif name.startswith("model.embed_tokens"):
@@ -63,26 +66,66 @@ class StepCost:
     flops: float
 
 
-def expert_bytes_per_weight(config: ModelConfig, dtype_bytes: int) -> float:
-    """Bytes a routed-expert weight occupies as the engine keeps it: INT4 experts stay packed
-    (half a byte, plus one scale in the activation dtype per group of 32 input columns)."""
-    from moeserve.quant.experts import Int4Experts, experts_method
+SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_shape")
 
-    method = experts_method(config)
-    if isinstance(method, Int4Experts):
-        return 0.5 + dtype_bytes / method.group
-    return dtype_bytes
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """Bytes of the weights as the engine keeps them (quantized formats as published)."""
+    expert: float  # one routed expert of one layer
+    lm_head: float
+    other: float  # attention, dense MLPs, shared experts, norms, routers (no embedding: a lookup)
+
+
+def _tensor_bytes(name: str, numel: int, names: set[str], dtype_bytes: int) -> float:
+    if name.endswith(".weight_shape"):
+        return 0  # read at load, not kept
+    if name.endswith("_packed"):
+        return 4 * numel  # INT4: eight nibbles an int32 word
+    if name.endswith(".weight_scale"):
+        return dtype_bytes * numel  # INT4 group scales, kept in the activation dtype
+    # kv_b_proj feeds the absorbed MLA and is dequantized at load: the activation dtype, no scales.
+    if ".kv_b_proj." in name:
+        return 0 if name.endswith(".weight_scale_inv") else dtype_bytes * numel
+    if name.endswith(".weight_scale_inv"):
+        return 4 * numel  # FP8 block scales, fp32
+    if name.endswith(".weight") and f"{name}_scale_inv" in names:
+        return numel  # FP8 e4m3
+    return dtype_bytes * numel
+
+
+@lru_cache(maxsize=64)
+def stored_bytes(config: ModelConfig, dtype_bytes: int) -> StoredBytes:
+    shapes = list(checkpoint_tensor_shapes(config))
+    names = {n for n, _ in shapes}
+    expert_prefix = next((n.rsplit(".", 2)[0] + "." for n, _ in shapes if ".experts.0." in n), None)
+    expert = head = other = emb = 0.0
+    for name, shape in shapes:
+        b = _tensor_bytes(name, math.prod(shape), names, dtype_bytes)
+        if expert_prefix and name.startswith(expert_prefix):
+            expert += b  # the first MoE layer's expert 0: gate, up, down and their scales
+        elif ".experts." in name:
+            continue
+        elif name.startswith("model.embed_tokens"):
+            emb = b
+        elif name.startswith("lm_head"):
+            head = b
+        else:
+            other += b
+    if config.tie_word_embeddings:
+        head = emb
+    return StoredBytes(expert, head, other)
 
 
 def decode_step_cost(config: ModelConfig, batch: int, context_len: int, dtype_bytes: int) -> StepCost:
     p = param_counts(config)
-    dense = p.other + p.lm_head
-    experts = p.num_moe_layers * expected_experts_touched(config, batch) * p.expert
-    kv = batch * context_len * config.kv_latent_dim * config.num_hidden_layers
+    w = stored_bytes(config, dtype_bytes)
+    weights = w.other + w.lm_head + p.num_moe_layers * expected_experts_touched(config, batch) * w.expert
+    kv = batch * context_len * config.kv_latent_dim * config.num_hidden_layers * dtype_bytes
     H, L = config.num_attention_heads, config.num_hidden_layers
     # Absorbed MLA decode: scores over (latent + rope) and the latent-weighted sum, per head.
     attn_flops = 2 * batch * L * H * context_len * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
-    return StepCost(bytes=(dense + kv) * dtype_bytes + experts * expert_bytes_per_weight(config, dtype_bytes),
+    return StepCost(bytes=weights + kv,
                     flops=2 * batch * p.active_per_token(config) + attn_flops)
 
 

@@ -121,7 +121,10 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = GROUP, k_pad: in
     padded = torch.zeros(M, ng * group, dtype=torch.float32, device=x.device)
     padded[:, k_pad:kp] = x.float()
     g = padded.view(M, ng, group)
-    scale = g.abs().amax(dim=-1).clamp(min=AMAX_EPS) / FP8_MAX
+    amax = g.abs().amax(dim=-1).clamp(min=AMAX_EPS)
+    # A tensor divisor, not the Python scalar: on CUDA torch turns division by a scalar into a
+    # multiplication by its reciprocal, one ulp off the kernel's correctly rounded division.
+    scale = amax / torch.full_like(amax, FP8_MAX)
     q = (g / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(M, ng * group)[:, :kp]
     return q.contiguous(), scale
 
