@@ -29,6 +29,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request prefills in a step (0: off; vLLM's flag)")
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the KV pages of prompt prefixes computed before (default: on)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV cache size in pages")
     p.add_argument("--backend", default="auto", help="auto | reference")
@@ -77,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens,
                 long_prefill_token_threshold=args.long_prefill_token_threshold, page_size=args.page_size,
+                enable_prefix_caching=args.enable_prefix_caching,
                 gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
                 backend=args.backend, trust_remote_code=args.trust_remote_code, hf_overrides=args.hf_overrides,
                 enforce_eager=args.enforce_eager,
@@ -159,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="random", help="random | FILE.jsonl with a 'prompt' per line")
     b.add_argument("--api-key", default=None)
     b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
+    b.add_argument("--shared-prefix-len", type=int, default=0,
+                   help="random prompts all start with the same this many tokens (prefix caching)")
+    b.add_argument("--multi-turn", type=int, default=1,
+                   help="conversations of this many turns: each prompt is the previous prompt + its answer + "
+                        "--input-len new tokens")
     b.add_argument("--layout", default=None, help="tag results with the server's layout (e.g. tp8) for --calibrate")
     b.add_argument("--hardware", default=None, help="tag results with the GPU (e.g. h200) for --calibrate")
     b.set_defaults(func=cmd_bench)

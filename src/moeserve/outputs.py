@@ -28,3 +28,4 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     error: str | None = None  # set when the request failed (finish_reason "error"): why
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (of its first sample)

@@ -37,6 +37,9 @@ class EngineConfig:
     # whole step's budget from the prompts behind it (vLLM's name); 0: off.
     long_prefill_token_threshold: int = 0
     page_size: int = 16
+    # Reuse the KV pages of prompt prefixes computed before (vLLM's default: on); see
+    # engine/scheduler.py and docs/architecture.md, "Prefix caching".
+    enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     num_kv_pages: int | None = None  # explicit KV size, overrides gpu_memory_utilization
     backend: str = "auto"  # "auto" (triton on CUDA, reference elsewhere), "triton" or "reference"

@@ -40,6 +40,7 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         raise
     for line in executor.describe():
         log.info(line)
+    log.info("prefix caching %s", "on" if config.enable_prefix_caching else "off")
     return engine
 
 

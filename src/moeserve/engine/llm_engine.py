@@ -129,7 +129,8 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         seqs = []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params)
+            seq = Sequence(next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params,
+                           leader=seqs[0] if seqs else None)
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             seqs.append(seq)
@@ -168,6 +169,16 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         """Sequences preempted (their KV freed, to be recomputed) since the engine started."""
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache since the engine started (vLLM's counter)."""
+        return self.scheduler.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Of those, the tokens found cached."""
+        return self.scheduler.prefix_cache_hits
 
     @property
     def kv_cache_usage(self) -> float:
@@ -310,7 +321,8 @@ class LLMEngine:
             logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
             cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
             stop_reason=s.stop_reason) for s in req.seqs]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.error)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.error,
+                             req.seqs[0].num_cached_tokens or 0)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

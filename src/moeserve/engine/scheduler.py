@@ -23,6 +23,21 @@ still runs on the device. A sequence whose in-flight step samples its next token
 scheduled again for that token before its value is known: the batch marks it ``deferred``
 and the model runner takes the token from the previous step's output on the device. Should
 that token end the sequence, the extra step's token is dropped when its result comes back.
+
+**Prefix caching** (``enable_prefix_caching``; the page index lives in the allocator): a
+sequence admitted with nothing computed maps the longest run of cached full pages that match
+the start of its tokens into its page table, at most ``(num_tokens - 1) // page_size`` of them
+so that its last token is always computed (it needs logits), and computes the rest as a later
+chunk of its prompt would be. A page is offered to the index when the step that wrote its last
+token has *finished* (``finish_step``: the result came back, so every stage and TP rank has
+written its KV), never at schedule time: a reader is admitted in a later ``schedule`` call
+than that, so whatever the overlap (asynchronous scheduling, PP micro-batches) its step is
+launched after the writer's finished, and a failed step (``LLMEngine._forget_in_flight``) can
+never have indexed KV it did not write. The price is that a page becomes shareable one step
+later than at launch. A page in a sequence's table keeps a reference, so eviction never takes
+a page in use; a finished or preempted sequence drops its references and its cached pages
+stay until memory is needed. The later samples of a request (``n > 1``) wait at the head of
+the queue while its first sample computes the prompt pages, then map them.
 """
 
 from __future__ import annotations
@@ -31,7 +46,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from moeserve.cache.allocator import PagedAllocator
+from moeserve.cache.allocator import ROOT_HASH, PagedAllocator, chain_hashes
 from moeserve.engine.sequence import Sequence, SeqStatus
 
 if TYPE_CHECKING:
@@ -46,6 +61,8 @@ class SchedulerConfig:
     # Most prompt tokens one sequence computes in a step (vLLM's --long-prefill-token-threshold);
     # 0: only the step budget limits a chunk.
     long_prefill_token_threshold: int = 0
+    # Reuse the KV pages of cached prompt prefixes (see the module doc); the engine's default is on.
+    enable_prefix_caching: bool = False
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold < 0:
@@ -56,7 +73,7 @@ class SchedulerConfig:
     def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
         """The scheduler's share of the engine settings (``max_model_len`` as resolved)."""
         return cls(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                   config.long_prefill_token_threshold)
+                   config.long_prefill_token_threshold, config.enable_prefix_caching)
 
     def chunk(self, remaining: int, budget: int) -> int:
         """Prompt tokens a sequence with ``remaining`` of them computes this step."""
@@ -92,6 +109,10 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        # vLLM's prefix cache counters, in tokens: those of admitted sequences, and of them those
+        # found cached
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -124,16 +145,61 @@ class Scheduler:
             budget -= n
         while (self.waiting and budget > 0 and len(batch) < cap
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            n = self.config.chunk(seq.num_tokens - seq.num_scheduled, budget)
-            if self._pages_needed(seq, n) > self.allocator.num_free:
+            seq = self.waiting[0]  # nothing scheduled, no pages (new or preempted)
+            if self._waits_for_leader(seq):
+                break
+            hits = self._lookup(seq)
+            start = len(hits) * self.allocator.page_size
+            n = self.config.chunk(seq.num_tokens - start, budget)
+            new_pages = self.allocator.pages_for(start + n) - len(hits)
+            if new_pages + self.allocator.num_evictable(hits) > self.allocator.num_free:
                 break
             self.waiting.popleft()
+            self._map_prefix(seq, hits)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             self._add_to(batch, seq, n)
             budget -= n
         return batch
+
+    # ---- prefix caching ----
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The cached pages its tokens start with (none with the cache off)."""
+        if not self.config.enable_prefix_caching:
+            return []
+        max_pages = (seq.num_tokens - 1) // self.allocator.page_size
+        hashes = chain_hashes(seq.token_ids, self.allocator.page_size, max_pages, seq.page_hashes)
+        return self.allocator.lookup(hashes[:max_pages], seq.token_ids)
+
+    def _map_prefix(self, seq: Sequence, hits: list[int]) -> None:
+        self.allocator.acquire(hits)
+        seq.pages = list(hits)
+        seq.num_cached_pages = len(hits)
+        seq.num_computed = seq.num_scheduled = len(hits) * self.allocator.page_size
+        if seq.num_cached_tokens is None:  # as first admitted (a preempted one keeps it)
+            seq.num_cached_tokens = seq.num_computed
+        if self.config.enable_prefix_caching:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += seq.num_computed
+
+    def _waits_for_leader(self, seq: Sequence) -> bool:
+        """A later sample of a request waits while its first sample, running, has not cached
+        the prompt pages it would map."""
+        lead = seq.leader
+        if not self.config.enable_prefix_caching or lead is None or lead.status is not SeqStatus.RUNNING:
+            return False
+        return lead.num_cached_pages < (seq.num_prompt_tokens - 1) // self.allocator.page_size
+
+    def _cache_pages(self, seq: Sequence) -> None:
+        """Offer its newly full pages whose KV is written (``num_computed``) to the index."""
+        ps = self.allocator.page_size
+        full = min(seq.num_computed, seq.num_tokens) // ps
+        if full <= seq.num_cached_pages:
+            return
+        hashes = chain_hashes(seq.token_ids, ps, full, seq.page_hashes)
+        for i in range(seq.num_cached_pages, full):
+            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else ROOT_HASH, seq.token_ids[i * ps:(i + 1) * ps])
+        seq.num_cached_pages = full
 
     def _wanted(self, seq: Sequence, overlap: bool) -> tuple[int, bool] | None:
         """(tokens a running sequence has left to compute, whether its input token is deferred
@@ -181,7 +247,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.pages)
         seq.pages = []
-        seq.num_computed = seq.num_scheduled = 0
+        seq.num_computed = seq.num_scheduled = seq.num_cached_pages = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -192,6 +258,8 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.in_flight -= 1
             seq.num_computed += n
+            if self.config.enable_prefix_caching and seq.pages:  # (none if it stopped meanwhile)
+                self._cache_pages(seq)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.finish_reason = reason
@@ -206,6 +274,7 @@ class Scheduler:
                 pass
         self.allocator.free(seq.pages)
         seq.pages = []
+        seq.num_cached_pages = 0
 
     @property
     def num_running(self) -> int:

@@ -28,6 +28,14 @@ class Sequence:
     num_scheduled: int = 0  # ... or being computed by a batch in flight
     pages: list[int] = field(default_factory=list)
     in_flight: int = 0  # batches holding it whose results have not come back
+    # Prefix cache: hashes of its first full pages (computed once, tokens never change), how many
+    # of its pages are settled with the index (mapped from it or offered to it), the prompt
+    # tokens found cached when it was first admitted, and the request's first sample, whose
+    # prompt pages the others wait for (n > 1) so that they map them instead of computing them.
+    page_hashes: list[int] = field(default_factory=list)
+    num_cached_pages: int = 0
+    num_cached_tokens: int | None = None
+    leader: "Sequence | None" = None
     num_preemptions: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
