@@ -99,6 +99,7 @@ def test_health_says_loading_until_a_real_generation_went_through(server):
     assert any("layers [0, 4)" in line for line in body["layout"])
     log = server.log()
     assert "ready in" in log and "rank 0: layers [0, 4)" in log and "warm-up" in log
+    assert "prefix caching on" in log
 
 
 def test_models_and_version(client, server):
@@ -143,7 +144,7 @@ def test_streaming_equals_non_streaming(client, offline, stop_at):
     chunks = list(complete(client, stream=True, stream_options={"include_usage": True}, **kw))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
-    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage
+    assert chunks[-1].choices == [] and same_usage(chunks[-1].usage, whole.usage)
     assert all(c.usage is None for c in chunks[:-1])
     if not stop:  # a chunk per token, also where its text is held back: clients time tokens by chunks
         assert len([c for c in chunks if c.choices]) == whole.usage.completion_tokens
@@ -157,7 +158,34 @@ def test_streaming_equals_non_streaming(client, offline, stop_at):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    assert chunks[-1].usage == whole.usage
+    assert same_usage(chunks[-1].usage, whole.usage)
+
+
+def same_usage(streamed, whole) -> bool:
+    """Equal token counts; the second of two equal requests may find more of its prompt cached."""
+    return (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == \
+        (whole.prompt_tokens, whole.completion_tokens, whole.total_tokens) and \
+        streamed.prompt_tokens_details.cached_tokens >= whole.prompt_tokens_details.cached_tokens
+
+
+def test_a_repeated_prompt_reports_cached_tokens(server, client):
+    prompt = "A long shared system prompt, long enough for a few full pages of sixteen tokens. " * 2
+    hits_before = metric(server.url, "moeserve:prefix_cache_hits_total")
+    first = complete(client, prompt=prompt, max_tokens=2, temperature=0)
+    again = complete(client, prompt=prompt, max_tokens=2, temperature=0)
+    assert again.choices[0].text == first.choices[0].text
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
+    chunks = list(complete(client, prompt=prompt, max_tokens=2, temperature=0, stream=True,
+                           stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    chat = [{"role": "user", "content": prompt}]
+    client.chat.completions.create(model=client.model, messages=chat, max_tokens=2)
+    r = client.chat.completions.create(model=client.model, messages=chat, max_tokens=2)
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    assert metric(server.url, "moeserve:prefix_cache_hits_total") >= hits_before + 2 * cached
+    assert metric(server.url, "moeserve:prefix_cache_queries_total") >= \
+        metric(server.url, "moeserve:prefix_cache_hits_total")
 
 
 def test_n_seed_and_vllm_extras(client):

@@ -9,8 +9,8 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
-from moeserve.server.serving import (SSEResponse, ServerContext, collect_while_connected, new_id, now,
-                                     reject_unsupported, sampling_kwargs, sse_events, submit, top_logprobs,
+from moeserve.server.serving import (SSEResponse, ServerContext, cached_tokens, collect_while_connected,
+                                     new_id, now, reject_unsupported, sampling_kwargs, sse_events, submit, top_logprobs,
                                      usage)
 
 
@@ -102,7 +102,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
             for i in range(req.n):
                 yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}], **extra}
-            async for _, update in group.updates():
+            cached: dict[str, int] = {}
+            async for rid, update in group.updates():
+                cached_tokens(cached, update, rid)
                 choices = []
                 for seq in update["seqs"]:
                     completion_tokens += len(seq["token_ids"])
@@ -115,7 +117,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 if choices:
                     yield {**head, "choices": choices, **extra}
             if include_usage:
-                yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens)}
+                yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, sum(cached.values()))}
 
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
@@ -127,4 +129,5 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         choices.append({"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
     completion_tokens = sum(len(r.token_ids) for r in results.values())
-    return {**head, "choices": choices, "usage": usage(len(ids), completion_tokens)}
+    cached = results[(0, 0)].cached_tokens if results else 0
+    return {**head, "choices": choices, "usage": usage(len(ids), completion_tokens, cached)}

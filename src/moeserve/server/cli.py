@@ -120,6 +120,7 @@ def run_serve(args: argparse.Namespace) -> int:
     app = create_app(config, tokenizer)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving %s on http://%s:%d (model %s)", config.model_names[0], host, args.port, kw["model"])
+    log.info("prefix caching %s", "on" if kw.get("enable_prefix_caching", True) else "off")
     if config.api_key:
         log.info("auth on: /v1/* needs 'Authorization: Bearer <key>'")
     else:

@@ -9,8 +9,8 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import CompletionRequest
-from moeserve.server.serving import (SSEResponse, ServerContext, collect_while_connected, new_id, now,
-                                     prompt_index, reject_unsupported, sampling_kwargs, sse_events, submit,
+from moeserve.server.serving import (SSEResponse, ServerContext, cached_tokens, collect_while_connected,
+                                     new_id, now, prompt_index, reject_unsupported, sampling_kwargs, sse_events, submit,
                                      top_logprobs, usage)
 
 
@@ -98,7 +98,9 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         async def chunks() -> AsyncIterator[dict]:
             logprobs = {}
             completion_tokens = 0
+            cached: dict[str, int] = {}
             async for rid, update in group.updates():
+                cached_tokens(cached, update, rid)
                 p = prompt_index(rid)
                 choices = []
                 for seq in update["seqs"]:
@@ -118,7 +120,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
                 if choices:
                     yield {**head, "choices": choices, **({"usage": None} if include_usage else {})}
             if include_usage:
-                yield {**head, "choices": [], "usage": usage(n_prompt, completion_tokens)}
+                yield {**head, "choices": [], "usage": usage(n_prompt, completion_tokens, sum(cached.values()))}
 
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
@@ -130,4 +132,5 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         choices.append({"index": p * req.n + i, "text": echo[p] + r.text, "logprobs": lp,
                         "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
     completion_tokens = sum(len(r.token_ids) for r in results.values())
-    return {**head, "choices": choices, "usage": usage(n_prompt, completion_tokens)}
+    cached = sum(r.cached_tokens for (_, i), r in results.items() if i == 0)
+    return {**head, "choices": choices, "usage": usage(n_prompt, completion_tokens, cached)}

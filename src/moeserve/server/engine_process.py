@@ -162,8 +162,8 @@ class DeltaTracker:
             self.drop(out.request_id)
         if not seqs and not out.finished:
             return None
-        return {"prompt_tokens": len(out.prompt_token_ids), "seqs": seqs, "finished": out.finished,
-                "error": out.error}
+        return {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
+                "seqs": seqs, "finished": out.finished, "error": out.error}
 
 
 class _FailingDetokenizer:
@@ -217,7 +217,8 @@ class EngineLoop:
     def stats(self) -> dict:
         e = self.engine
         return {"running": e.num_running, "waiting": e.num_waiting, "kv_cache_usage": e.kv_cache_usage,
-                "preemptions": e.num_preemptions}
+                "preemptions": e.num_preemptions, "prefix_cache_queries": e.prefix_cache_queries,
+                "prefix_cache_hits": e.prefix_cache_hits}
 
     def _drain(self, block: bool) -> list | None:
         """Commands waiting now (waits up to 0.2 s for one when idle); None when the server is gone."""

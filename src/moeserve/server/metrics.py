@@ -36,16 +36,22 @@ class ServerMetrics:
                                 ["model_name", "finished_reason"], registry=r)
         self.preemptions = Counter("moeserve:num_preemptions", "Sequences preempted (KV freed, recomputed later)",
                                    labels, registry=r).labels(model_name)
-        self._preemptions_seen = 0
+        self.prefix_queries = Counter("moeserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r).labels(model_name)
+        self.prefix_hits = Counter("moeserve:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   labels, registry=r).labels(model_name)
+        self._seen = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.model_name = model_name
 
     def update_engine_stats(self, stats: dict) -> None:
         self.running.set(stats.get("running", 0))
         self.waiting.set(stats.get("waiting", 0))
         self.kv_usage.set(stats.get("kv_cache_usage", 0.0))
-        preemptions = stats.get("preemptions", self._preemptions_seen)
-        self.preemptions.inc(max(0, preemptions - self._preemptions_seen))
-        self._preemptions_seen = preemptions
+        for key, counter in (("preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
+                             ("prefix_cache_hits", self.prefix_hits)):
+            total = stats.get(key, self._seen[key])  # the engine's running totals
+            counter.inc(max(0, total - self._seen[key]))
+            self._seen[key] = total
 
     def observe_request(self, prompt_tokens: int, generation_tokens: int, arrival: float,
                         first_token: float | None, last_token: float | None, finish_reason: str) -> None:

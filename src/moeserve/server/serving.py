@@ -245,6 +245,7 @@ class SeqResult:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
     def add(self, seq: dict) -> None:
         self.text += seq["text"]
@@ -262,6 +263,9 @@ async def collect(group: RequestGroup, n: int) -> dict[tuple[int, int], SeqResul
         p = prompt_index(rid)
         for seq in update["seqs"]:
             results[(p, seq["index"])].add(seq)
+        for i in range(n):
+            r = results[(p, i)]
+            r.cached_tokens = max(r.cached_tokens, update.get("cached_tokens", 0))
     return results
 
 
@@ -291,9 +295,16 @@ async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: fl
             task.cancel()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_tokens(cached: dict[str, int], update: dict, rid: str) -> None:
+    """Note the prompt tokens of engine request ``rid`` found in the prefix cache (known once it
+    is admitted, so any update after its first token has it)."""
+    cached[rid] = max(cached.get(rid, 0), update.get("cached_tokens", 0))
 
 
 def top_logprobs(row: dict[int, float], n: int) -> list[tuple[int, float]]:
