@@ -42,6 +42,24 @@ def test_bench_against_live_server(server, tmp_path):
     assert "| 4 |" in (tmp_path / "report.md").read_text()
 
 
+def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp_path):
+    from moeserve.bench.serving import conversations, random_prompts
+
+    prompts = random_prompts(3, 4, 256, 0, shared_prefix_len=5)
+    assert all(p[:5] == prompts[0][:5] and len(p) == 9 for p in prompts) and prompts[0][5:] != prompts[1][5:]
+    convs = conversations(random_prompts(5, 4, 256, 0), 2, 4, 256, 0)
+    assert [len(c) for c in convs] == [2, 2, 1] and len(convs[0][1]) == 4
+    (r,) = run_serving(server.url, [2], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path),
+                       quiet=True, shared_prefix_len=32, multi_turn=3)
+    assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 30
+    # two conversations: turns of 44, 44 + 5 + 12 and 61 + 5 + 12 prompt tokens
+    assert r["total_input_tokens"] == 2 * (44 + 61 + 78)
+    # later turns map the full pages of the turn before, its answer included (the first turns run
+    # together, so their shared prefix may be computed twice)
+    assert r["total_cached_tokens"] >= 2 * (48 + 64)
+    assert (r["shared_prefix_len"], r["multi_turn"]) == (32, 3)
+
+
 def test_bench_cli_reports_failures_against_a_dead_url(tmp_path):
     # A port nobody listens on: every request fails and the exit code says so.
     code = main(["bench", "--url", "http://127.0.0.1:9", "--served-model", "x", "--concurrency", "1",

@@ -3,6 +3,13 @@ concurrency levels and report the numbers vLLM's ``bench serve`` reports.
 
 Requests stream from ``/v1/completions`` with ``ignore_eos`` so that output lengths are exact;
 time to first token, inter-token latencies and time per output token come from the stream.
+
+Workloads for prefix caching (random token-id prompts): ``shared_prefix_len`` N puts the same N
+tokens before every prompt's ``input_len`` random ones; ``multi_turn`` K groups the requests
+into conversations of K turns, each turn's prompt being the previous prompt, its answer (as
+token ids: ``logprobs`` with vLLM's ``return_tokens_as_token_ids``; a server that does not
+return them gets the prompt without the answer) and ``input_len`` new tokens, so that the last
+turn's prompt is ``shared_prefix_len + K * input_len + (K - 1) * output_len`` tokens long.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ class RequestRecord:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str = ""
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, where the server reports it
+    answer_ids: list[int] = field(default_factory=list)  # only when asked for (multi-turn)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -51,6 +60,7 @@ def summarize(records: list[RequestRecord], concurrency: int, duration: float) -
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_token_throughput": (out_tokens + in_tokens) / duration if duration else 0.0,
         "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_cached_tokens": sum(r.cached_tokens for r in ok),
     }
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         res[f"mean_{name}_ms"] = statistics.fmean(vals) if vals else float("nan")
@@ -62,9 +72,30 @@ def summarize(records: list[RequestRecord], concurrency: int, duration: float) -
     return res
 
 
-def random_prompts(n: int, input_len: int, vocab: int, seed: int) -> list[list[int]]:
+def random_prompts(n: int, input_len: int, vocab: int, seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
+    prefix = [rng.randrange(10, vocab) for _ in range(shared_prefix_len)]
+    return [prefix + [rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
+
+
+def conversations(prompts: list, turns: int, input_len: int, vocab: int, seed: int) -> list[list]:
+    """``len(prompts)`` requests as conversations of ``turns`` turns (the last one shorter):
+    each a first prompt, then the new tokens of each later turn."""
+    if turns < 1:
+        raise ValueError(f"multi_turn must be at least 1, got {turns}")
+    if turns > 1 and not all(isinstance(p, list) for p in prompts):
+        raise ValueError("multi_turn needs the random dataset (token-id prompts)")
+    rng = random.Random(seed + 1)
+    out = []
+    for i in range(0, len(prompts), turns):
+        n = min(turns, len(prompts) - i)
+        out.append([prompts[i]] + [[rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n - 1)])
+    return out
+
+
+def _token_ids(logprobs: dict | None) -> list[int]:
+    tokens = (logprobs or {}).get("tokens") or []
+    return [int(t.split(":", 1)[1]) for t in tokens if isinstance(t, str) and t.startswith("token_id:")]
 
 
 def file_prompts(path: str, n: int) -> list[str]:
@@ -80,9 +111,11 @@ def file_prompts(path: str, n: int) -> list[str]:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
-                      output_len: int, headers: dict) -> RequestRecord:
+                      output_len: int, headers: dict, want_ids: bool = False) -> RequestRecord:
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    if want_ids:
+        body.update(logprobs=0, return_tokens_as_token_ids=True)
     prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
     rec = RequestRecord(ok=False, prompt_tokens=prompt_tokens)
     start = time.perf_counter()
@@ -102,7 +135,10 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
                 if chunk.get("usage"):
                     rec.output_tokens = chunk["usage"].get("completion_tokens", rec.output_tokens)
                     rec.prompt_tokens = chunk["usage"].get("prompt_tokens", rec.prompt_tokens)
+                    rec.cached_tokens = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
                 if chunk.get("choices"):
+                    if want_ids:
+                        rec.answer_ids += _token_ids(chunk["choices"][0].get("logprobs"))
                     now = time.perf_counter()
                     if rec.ttft == 0.0:
                         rec.ttft = now - start
@@ -120,18 +156,33 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 
 async def run_level(url: str, model: str, prompts: list, output_len: int, concurrency: int,
                     headers: dict, progress=None, timeout: float = 600.0) -> dict:
+    """``prompts``: one per request, or conversations (lists of turns, see ``conversations``)
+    whose turns go one after another; ``concurrency`` bounds the requests in flight."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        async def bounded(p):
+        async def bounded(p, want_ids=False):
             async with sem:
-                rec = await one_request(client, url, model, p, output_len, headers)
+                rec = await one_request(client, url, model, p, output_len, headers, want_ids)
                 if progress is not None:
                     progress()
                 return rec
 
+        async def converse(turns):
+            records, prompt = [], []
+            for t, new in enumerate(turns):
+                prompt = prompt + new
+                records.append(await bounded(prompt, want_ids=t + 1 < len(turns)))
+                if not records[-1].ok:
+                    break
+                prompt = prompt + records[-1].answer_ids
+            return records
+
         start = time.perf_counter()
-        records = await asyncio.gather(*(bounded(p) for p in prompts))
+        if prompts and isinstance(prompts[0], list) and prompts[0] and isinstance(prompts[0][0], list):
+            records = [r for conv in await asyncio.gather(*(converse(c) for c in prompts)) for r in conv]
+        else:
+            records = await asyncio.gather(*(bounded(p) for p in prompts))
         duration = time.perf_counter() - start
     return summarize(list(records), concurrency, duration)
 
@@ -146,7 +197,7 @@ async def detect_model(url: str, headers: dict) -> str:
 def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
                 result_dir: str, model: str | None = None, dataset: str = "random", api_key: str | None = None,
                 vocab: int = 256, seed: int = 0, label: str | None = None, quiet: bool = False,
-                tags: dict | None = None) -> list[dict]:
+                tags: dict | None = None, shared_prefix_len: int = 0, multi_turn: int = 1) -> list[dict]:
     """``tags`` (e.g. layout, hardware) are copied into every result, so that
     ``moeserve plan --calibrate`` can read them."""
     from tqdm import tqdm
@@ -154,14 +205,19 @@ def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len:
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     model = model or asyncio.run(detect_model(url, headers))
-    prompts: list = (random_prompts(num_prompts, input_len, vocab, seed) if dataset == "random"
+    if shared_prefix_len < 0:
+        raise ValueError(f"shared_prefix_len must be >= 0, got {shared_prefix_len}")
+    prompts: list = (random_prompts(num_prompts, input_len, vocab, seed, shared_prefix_len) if dataset == "random"
                      else file_prompts(dataset, num_prompts))
+    if multi_turn != 1:
+        prompts = conversations(prompts, multi_turn, input_len, vocab, seed)
     results = []
     for c in concurrencies:
         bar = tqdm(total=num_prompts, desc=f"concurrency {c}", disable=quiet)
         res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1)))
         bar.close()
-        res.update(model=model, url=url, input_len=input_len, output_len=output_len, num_prompts=num_prompts)
+        res.update(model=model, url=url, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
+                   shared_prefix_len=shared_prefix_len, multi_turn=multi_turn)
         if label:
             res["label"] = label
         res.update(tags or {})
@@ -190,6 +246,7 @@ def run_serving_cli(args) -> int:
     results = run_serving(args.url, levels, args.num_prompts, args.input_len, args.output_len,
                           args.result_dir or "bench-results", model=args.served_model or args.model,
                           dataset=args.dataset, api_key=args.api_key, vocab=args.vocab,
+                          shared_prefix_len=args.shared_prefix_len, multi_turn=args.multi_turn,
                           tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v})
     from moeserve.bench.report import markdown_table
 
