@@ -44,12 +44,21 @@ def per_row(w, s):
     return s.repeat_interleave(BLOCK, dim=-2)[..., :w.shape[-2], :].contiguous()
 
 
+# Hopper's FP8 tensor cores accumulate one MMA chain (a 128-column K step here) with about 14
+# mantissa bits, not float32's 24 (as DeepSeek-V3's report notes): against the float32 emulation
+# the GPU's GEMM is off by ~1e-4 relative. The interpreter multiplies exactly.
+GPU_FP8_MMA_TOL = 5e-4
+
+
 def assert_close_to_emulation(out, emulated, fp32_tol=1e-5):
     """The kernels sum in another order; in bf16 both round their output once (or, for the MoE,
     once per pair), so allow a few bf16 ulps overall. The MoE's intermediate is quantized from
     sums whose last bits differ, which now and then moves a value to the next e4m3 step:
     ``MOE_FP32_TOL`` (a scale read from the wrong block would be off by 2x or more)."""
-    assert rel_error(out, emulated) < (fp32_tol if out.dtype == torch.float32 else 6e-3)
+    if out.is_cuda:
+        fp32_tol = max(fp32_tol, GPU_FP8_MMA_TOL)
+    err = rel_error(out, emulated)
+    assert err < (fp32_tol if out.dtype == torch.float32 else 6e-3), f"relative error {err:.2e}"
 
 
 MOE_FP32_TOL = 1e-3
