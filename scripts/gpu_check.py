@@ -77,7 +77,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"model": args.model, "hf_overrides": args.hf_overrides, "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    summary: dict = {"model": args.model, "hf_overrides": args.hf_overrides, "gpu": torch.cuda.get_device_name(0),
+                     "torch": torch.__version__}
 
     def save() -> None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))

@@ -1,12 +1,12 @@
 """The best uneven pipeline partition.
 
 Among contiguous partitions whose every stage fits (weights + runtime reserve + KV for the
-wanted tokens, within ``gpu_memory_utilization`` of the GPU as the engine sizes it), pick the one with the shortest decode cycle at the aggregate micro-batch
-size, then the most KV room. The cycle is ``max(m * slowest stage, a floor no partition
-changes)`` (see cost.py: one micro-batch through all stages + sends + overhead), so only the
-slowest stage matters until it drops under the floor. Stage 0 (embedding: a row lookup)
-can take more layers, the last stage (lm_head: read every step) fewer. Exact by dynamic
-programming over (stage, first layer of the next stage).
+wanted tokens, within ``gpu_memory_utilization`` of the GPU as the engine sizes it), pick the one
+with the shortest decode cycle at the aggregate micro-batch size, then the most KV room. The
+cycle is ``max(m * slowest stage, a floor no partition changes)`` (see cost.py: one micro-batch
+through all stages + sends + overhead), so only the slowest stage matters until it drops under
+the floor. Stage 0 (embedding: a row lookup) can take more layers, the last stage (lm_head: read
+every step) fewer. Exact by dynamic programming over (stage, first layer of the next stage).
 """
 
 from __future__ import annotations

@@ -51,9 +51,11 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                     help="KV cache element type: auto/bf16 (moeserve) or fp8 (planned; moeserve does not run it yet)")
     wl.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the engine may use (default 0.9)")
     wl.add_argument("--max-num-seqs", type=int, default=256, help="most requests the engine runs at once (default 256)")
-    parser.add_argument("--layout", action="append", help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable")
+    parser.add_argument("--layout", action="append",
+                        help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable")
     parser.add_argument("--partition", help="layers per stage for a single pipelined --layout, e.g. 8,8,8,8,8,8,8,5")
-    parser.add_argument("--calibrate", action="append", metavar="RESULTS.json", help="fit the hardware constants to moeserve bench results first; repeatable")
+    parser.add_argument("--calibrate", action="append", metavar="RESULTS.json",
+                        help="fit the hardware constants to moeserve bench results first; repeatable")
     parser.add_argument("--holdout", action="append", metavar="RESULTS.json",
                         help="runs to predict with the calibrated constants without fitting to them (needs --calibrate); repeatable")
     parser.add_argument("--explain", metavar="LAYOUT", help="print where one decode step of LAYOUT goes, term by term")

@@ -3,8 +3,9 @@
 - INT4 compressed-tensors, ``pack-quantized``, group ``g`` (Kimi K2 Thinking / K2.5 / K2.6):
   every Linear not matched by the ``ignore`` list stores 4-bit weights packed into int32
   (0.5 byte per weight) plus one scale per group of ``g`` input columns (symmetric: no zero
-  point), bf16 as published; the engine keeps the scales in the activation dtype. The published ignore list keeps attention, shared experts, dense MLPs
-  and lm_head in bf16, so only the routed experts are INT4.
+  point), bf16 as published; the engine keeps the scales in the activation dtype. The published
+  ignore list keeps attention, shared experts, dense MLPs and lm_head in bf16, so only the
+  routed experts are INT4.
 - FP8 block (DeepSeek-V3, Kimi K2-Instruct): every Linear but lm_head (and those the config's
   ignore list names) stores 1 byte per weight plus fp32 ``weight_scale_inv`` scales, counted
   as the engine allocates a rank's shard (``quant.fp8_layout``): one per 128x128 block, or one
