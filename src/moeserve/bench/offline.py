@@ -46,9 +46,11 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
     cfg = eng.model_config
     g = torch.Generator().manual_seed(seed + batch)
     prompts = torch.randint(0, cfg.vocab_size, (batch, input_len), generator=g).tolist()
-    # Untimed warm-up at the timed prefill's chunk shape (first-use Triton compiles land here).
+    # Untimed warm-up at the timed prefill's chunk shape (first-use Triton compiles land here), on
+    # prompts of its own: the timed ones must not find their pages in the prefix cache.
     per_step = max(1, min(batch, llm.config.max_num_batched_tokens // input_len))
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:per_step]],
+    warm = torch.randint(0, cfg.vocab_size, (per_step, input_len), generator=g).tolist()
+    llm.generate([{"prompt_token_ids": p} for p in warm],
                  SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for p in prompts:
