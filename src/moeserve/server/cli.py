@@ -19,7 +19,7 @@ DEATH_GRACE_S = 2.0  # /health shows why the engine died for this long before th
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from moeserve.cli import add_engine_arguments
+    from moeserve.engine.args import add_engine_arguments
 
     add_engine_arguments(p)
     p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
@@ -65,7 +65,7 @@ def run_serve(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import uvicorn
 
-    from moeserve.cli import engine_kwargs
+    from moeserve.engine.args import engine_kwargs
     from moeserve.engine.config import EngineConfig
     from moeserve.engine.tokenizer import load_tokenizer
     from moeserve.server.app import ServerConfig, create_app
