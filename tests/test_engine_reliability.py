@@ -135,3 +135,28 @@ def test_extreme_but_valid_settings_sample(v3_checkpoint):
                    for o, c_len in zip(outs, [3, 3, 2]))
         with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size"):
             llm.generate([1, 2], SamplingParams(logprobs=V + 1))
+
+
+def test_server_warm_up_runs_a_mixed_step_over_a_cached_prefix():
+    """Ready means ready: before the server says so, its warm-up runs a step in which one sequence
+    decodes while another prefills a chunk over a prefix the cache holds (on a GPU those kernels
+    compile on first use)."""
+    from moeserve.engine.config import EngineConfig
+    from moeserve.engine.llm import build_engine
+    from moeserve.server.engine_process import warm_up, warm_up_step_shapes
+
+    engine = build_engine(EngineConfig(model=None, device="cpu", page_size=4))
+    try:
+        warm_up(engine)
+        steps, outputs = [], []
+        schedule, step = engine.scheduler.schedule, engine.step
+        engine.scheduler.schedule = lambda *a, **k: steps.append(b := schedule(*a, **k)) or b
+        engine.step = lambda *a, **k: outputs.extend(o := step(*a, **k)) or o
+        warm_up_step_shapes(engine)
+        mixed = [b for b in steps if b and 1 in b.num_new_tokens and max(b.num_new_tokens) > 1]
+        assert mixed, "no step decoded beside a prefill"
+        second = [o for o in outputs if o.request_id.endswith(":b") and o.finished]
+        assert second and second[0].num_cached_tokens >= 8  # two cached pages of its prefix
+        assert not engine.requests and engine.allocator.num_free == engine.allocator.num_pages
+    finally:
+        engine.executor.shutdown()

@@ -85,6 +85,7 @@ def _start(engine_kwargs: dict, events: Connection) -> Any:
     t_built = time.monotonic()
     events.send(("progress", "warm-up generation through every rank and stage"))
     n_tokens = warm_up(engine)
+    warm_up_step_shapes(engine)
     t_ready = time.monotonic()
     events.send(("ready", {"max_model_len": engine.max_model_len, "layout": lines,
                          "build_s": t_built - t0, "warmup_s": t_ready - t_built, "warmup_tokens": n_tokens,
@@ -111,6 +112,39 @@ def warm_up(engine: Any, max_steps: int = 64) -> int:
                 return n
     engine.abort_request(WARMUP_REQUEST_ID)
     raise RuntimeError(f"the warm-up generation did not finish within {max_steps} steps")
+
+
+def warm_up_step_shapes(engine: Any, max_steps: int = 64) -> None:
+    """Before ready, run the step shapes whose Triton kernels compile on first use (seconds each
+    on a GPU), so that no request pays for them: a mixed step (one sequence decoding beside
+    another's prefill) whose prefill chunk extends a prefix the cache already holds. The lengths
+    are not multiples of 16, as most requests' are not (Triton specializes on that)."""
+    from moeserve.sampling_params import SamplingParams
+
+    page = engine.executor.page_size
+    vocab = int(getattr(engine.model_config, "vocab_size", 2))
+    if engine.max_model_len < 3 * page + 8 or vocab < 3:
+        return
+    prefix = [(7 * i + 3) % vocab for i in range(2 * page)]
+    first = prefix + [1 % vocab] * 5
+    second = prefix + [2 % vocab] * (page // 2 + 3)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = [f"{WARMUP_REQUEST_ID}:a", f"{WARMUP_REQUEST_ID}:b"]
+    engine.add_request({"prompt_token_ids": first}, params, ids[0])
+    pending = set(ids)
+    submitted = False
+    for _ in range(max_steps):
+        for out in engine.step():
+            if out.request_id == ids[0] and out.outputs[0].token_ids and not submitted:
+                engine.add_request({"prompt_token_ids": second}, params, ids[1])  # joins while the first decodes
+                submitted = True
+            if out.finished:
+                pending.discard(out.request_id)
+        if not pending and submitted:
+            return
+    for rid in pending:
+        engine.abort_request(rid)
+    raise RuntimeError(f"the warm-up of the step shapes did not finish within {max_steps} steps")
 
 
 @dataclass
