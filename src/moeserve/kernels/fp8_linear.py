@@ -132,13 +132,14 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = GROUP, k_pad: in
 # ---- block-scaled W8A8 GEMM ----
 
 @triton.jit
-def _fp8_gemm_kernel(A, AS, B, BS, C, M, N, K,
+def _fp8_gemm_kernel(A, AS, B, BS, C, Part, Tickets, M, N, K, steps_per_split,
                      stride_am, stride_as, stride_bn, stride_bs, stride_cm,
                      SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
     # Programs walk GROUP_M row tiles down one column of tiles before moving right, so a
     # weight tile is read from L2 by GROUP_M programs in a row.
     pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * num_n
@@ -152,13 +153,15 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, M, N, K,
     offs_m = rows % M  # rows past the end re-read valid ones (never stored): no load masks
     offs_n = cols % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    b_ptrs = B + offs_n.to(tl.int64)[None, :] * stride_bn + offs_k[:, None]  # [BLOCK_K, BLOCK_N], K-major
+    first_kt = pid_k * steps_per_split
+    last_kt = tl.minimum(first_kt + steps_per_split, tl.cdiv(K, BLOCK_K))
+    a_ptrs = A + offs_m.to(tl.int64)[:, None] * stride_am + (first_kt * BLOCK_K + offs_k)[None, :]
+    b_ptrs = B + offs_n.to(tl.int64)[None, :] * stride_bn + (first_kt * BLOCK_K + offs_k)[:, None]  # K-major
     as_ptrs = AS + offs_m * stride_as
     bs_ptrs = BS + (offs_n // SCALE_BN) * stride_bs
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kt in range(0, tl.cdiv(K, BLOCK_K)):
+    for kt in range(first_kt, last_kt):
         if EVEN_K:
             a = tl.load(a_ptrs)
             b = tl.load(b_ptrs)
@@ -174,13 +177,54 @@ def _fp8_gemm_kernel(A, AS, B, BS, C, M, N, K,
         b_ptrs += BLOCK_K
 
     c_ptrs = C + rows.to(tl.int64)[:, None] * stride_cm + cols[None, :]
-    tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+    c_mask = (rows < M)[:, None] & (cols < N)[None, :]
+    if SPLIT_K == 1:
+        tl.store(c_ptrs, acc.to(C.dtype.element_ty), mask=c_mask)
+    else:
+        # Split K: each split stores its partial tile; the split that arrives last (its ticket
+        # says so) adds them all up in split order, so the sum does not depend on arrival
+        # order, writes the output and resets the ticket for the next call (and graph replay).
+        tile = pid_m * num_n + pid_n
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        tile_parts = Part + tile.to(tl.int64) * (SPLIT_K * BLOCK_M * BLOCK_N)
+        tl.store(tile_parts + pid_k * (BLOCK_M * BLOCK_N) + local, acc)
+        tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+        ticket = tl.atomic_add(Tickets + tile, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(tile_parts + s * (BLOCK_M * BLOCK_N) + local, cache_modifier=".cg")
+            tl.store(c_ptrs, total.to(C.dtype.element_ty), mask=c_mask)
+            tl.atomic_xchg(Tickets + tile, 0)
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+MAX_SPLIT_TILES = 1 << 14  # tiles of one split-K GEMM (one int32 ticket each)
+
+
+def split_tickets(device: torch.device) -> torch.Tensor:
+    """This device's zeroed tickets of the split-K GEMM (each call leaves them zero again)."""
+    tickets = _TICKETS.get(device)
+    if tickets is None:
+        tickets = _TICKETS[device] = torch.zeros(MAX_SPLIT_TILES, dtype=torch.int32, device=device)
+    return tickets
+
+
+def split_k_for(tiles: int, k_steps: int, device: torch.device, min_steps: int = 4) -> int:
+    """Splits of K that give a small-M GEMM about two programs per SM, each at least
+    ``min_steps`` K steps long (a GEMM with few output tiles, e.g. kv_a's 576 rows at one
+    token, would otherwise run on a handful of SMs)."""
+    if device.type != "cuda" or interpreting():
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = -(-2 * sms // tiles)
+    return max(1, min(want, k_steps // min_steps, 16))
 
 
 # (largest M, tiles). Not yet swept on the H200: small M reads each weight tile once with
 # narrow row tiles and deep pipelining; large M takes the usual 128 x 128 fp8 tiles.
 GEMM_TILE_TABLE: list[tuple[float, dict]] = [
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, split_k=True)),
     (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)),
     (512, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)),
     (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)),
@@ -215,12 +259,24 @@ def fp8_block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
         return out.zero_()
     cfg = {**gemm_config(M), **(config or {})}
     assert GROUP % cfg["BLOCK_K"] == 0, cfg
-    grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    _fp8_gemm_kernel[grid](
-        x_q, x_scale, w, w_scale_inv, out, M, N, kp,
+    tiles = triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"])
+    k_steps = triton.cdiv(kp, cfg["BLOCK_K"])
+    split = cfg.get("SPLIT_K")
+    if split is None:
+        split = split_k_for(tiles, k_steps, x_q.device) if cfg.get("split_k", False) else 1
+    split = max(1, min(int(split), k_steps))
+    steps = triton.cdiv(k_steps, split)
+    split = triton.cdiv(k_steps, steps)  # no empty split
+    if split > 1 and tiles > MAX_SPLIT_TILES:
+        split, steps = 1, k_steps
+    part = (torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=x_q.device)
+            if split > 1 else out)
+    tickets = split_tickets(x_q.device) if split > 1 else out
+    _fp8_gemm_kernel[(tiles, split)](
+        x_q, x_scale, w, w_scale_inv, out, part, tickets, M, N, kp, steps,
         x_q.stride(0), x_scale.stride(0), w.stride(0), w_scale_inv.stride(0), out.stride(0),
         SCALE_BN=scale_bn, GROUP_K=GROUP, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], EVEN_K=kp % cfg["BLOCK_K"] == 0,
+        GROUP_M=cfg["GROUP_M"], EVEN_K=kp % cfg["BLOCK_K"] == 0, SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out
 
@@ -230,10 +286,12 @@ def fp8_block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
 @triton.jit
 def _fp8_gemv_kernel(X, W, WS, Out, T, N, K, k_pad, stride_x, stride_w, stride_ws, stride_o,
                      SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, ONE_SCALE_ROW: tl.constexpr):
     # As kernels.gemv: products accumulate elementwise in a [tokens, BLOCK_N, GROUP_K] tile and
     # are summed over K once at the end. Each BLOCK_K chunk is unrolled into GROUP_K-wide
-    # pieces, one weight block column each, so every piece scales by one scale per row.
+    # pieces, one weight block column each, so every piece scales by one scale per row. When
+    # the program's rows share one row block of scales (ONE_SCALE_ROW), that one scale
+    # multiplies the piece's activations instead of every weight element.
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     mask_n = offs_n < N
@@ -249,11 +307,16 @@ def _fp8_gemv_kernel(X, W, WS, Out, T, N, K, k_pad, stride_x, stride_w, stride_w
             offs_k = c0 + tl.arange(0, GROUP_K)  # weight columns (padded grid)
             mask_k = offs_k < kp
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-            s = tl.load(s_rows + c0 // GROUP_K, mask=mask_n & (offs_n * 0 + c0 < kp), other=0.0)
             src = offs_k - k_pad
             x = tl.load(x_rows + src[None, :], mask=mask_t[:, None] & ((src >= 0) & mask_k)[None, :],
                         other=0.0).to(tl.float32)
-            acc += (w * s[:, None])[None, :, :] * x[:, None, :]
+            if ONE_SCALE_ROW:
+                s1 = tl.load(WS + (tl.program_id(0) * BLOCK_N // SCALE_BN) * stride_ws + c0 // GROUP_K,
+                             mask=c0 < kp, other=0.0)
+                acc += w[None, :, :] * (x * s1)[:, None, :]
+            else:
+                s = tl.load(s_rows + c0 // GROUP_K, mask=mask_n & (offs_n * 0 + c0 < kp), other=0.0)
+                acc += (w * s[:, None])[None, :, :] * x[:, None, :]
     out = tl.sum(acc, axis=2)
     tl.store(Out + offs_t[:, None] * stride_o + offs_n[None, :], out.to(Out.dtype.element_ty),
              mask=mask_t[:, None] & mask_n[None, :])
@@ -286,7 +349,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pad:
     _fp8_gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
         x, w, w_scale_inv, out, T, N, K, k_pad, x.stride(0), w.stride(0), w_scale_inv.stride(0), out.stride(0),
         SCALE_BN=scale_bn, GROUP_K=GROUP, BLOCK_T=triton.next_power_of_2(T), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        BLOCK_K=cfg["BLOCK_K"], ONE_SCALE_ROW=cfg.get("one_scale_row", True) and scale_bn % cfg["BLOCK_N"] == 0,
+        num_warps=cfg["num_warps"])
     return out
 
 
