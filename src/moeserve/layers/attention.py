@@ -14,6 +14,7 @@ from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowPa
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
 from moeserve.parallel.comm import tp_group
+from moeserve.parallel.layout import check_split
 from moeserve.quant.linear import linear_method
 
 
@@ -22,8 +23,7 @@ class MLAAttention(nn.Module):
         super().__init__()
         c = config
         tp = tp_group().size
-        if c.num_attention_heads % tp:
-            raise ValueError(f"{c.num_attention_heads} attention heads cannot be split over tp={tp} ranks")
+        check_split(c, tp, tp_group().ep_size)  # the layout rule (heads over tp), for a layer built directly
         self.layer_id = layer_id
         self.num_heads = c.num_attention_heads // tp
         self.nope_dim, self.rope_dim, self.v_dim = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim

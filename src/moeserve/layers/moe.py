@@ -9,9 +9,10 @@ from torch import nn
 from moeserve.config import ModelConfig
 from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: F401 - re-exported for tests and scripts
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, replicated_loader
-from moeserve.quant.experts import ExpertShard, UnquantizedExperts, experts_method
+from moeserve.quant.experts import UnquantizedExperts, expert_shard, experts_method
 from moeserve.quant.linear import linear_method
 from moeserve.parallel.comm import tp_all_reduce, tp_group
+from moeserve.parallel.layout import check_split
 
 
 class DenseMLP(nn.Module):
@@ -100,17 +101,10 @@ class RoutedExperts(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         g = tp_group()
-        E, I, H = config.n_routed_experts, config.moe_intermediate_size, config.hidden_size
-        if E % g.ep_size:
-            raise ValueError(f"{E} routed experts cannot be split evenly over ep={g.ep_size} ranks")
-        if I % g.expert_tp_size:
-            raise ValueError(f"moe_intermediate_size {I} is not divisible by tp/ep = {g.expert_tp_size}")
-        self.num_local = E // g.ep_size
-        self.first_expert = g.ep_rank * self.num_local
-        self.i_local = I // g.expert_tp_size
-        self.i_offset = g.expert_tp_rank * self.i_local
-        self.shard = ExpertShard(self.num_local, self.first_expert, self.i_local, self.i_offset, I, H,
-                                 f"tp={g.size} ep={g.ep_size}")
+        check_split(config, g.size, g.ep_size)  # the layout rule (experts over ep, tp/ep), for a layer built directly
+        self.shard = expert_shard(config, g.size, g.ep_size, g.rank)
+        self.num_local, self.first_expert = self.shard.num_local, self.shard.first_expert
+        self.i_local, self.i_offset = self.shard.i_local, self.shard.i_offset
         self.act_dtype = torch.get_default_dtype()
         self.method = experts_method(config)
         self.method.create_weights(self, self.shard)

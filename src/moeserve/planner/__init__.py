@@ -3,12 +3,13 @@
 Needs only the model's config.json; no weights are loaded.
 """
 
+from moeserve.parallel.layout import Layout
 from moeserve.planner.hardware import GPU_PRESETS, CostConstants, Hardware, resolve_hardware
-from moeserve.planner.layouts import Layout, parse_layout
+from moeserve.planner.layouts import parse_layout
 from moeserve.planner.memory import expected_rank_weight_bytes, rank_weight_sizes, structural_problems
 from moeserve.planner.plan import LayoutPlan, Plan, evaluate_layout, plan_layouts
-from moeserve.planner.workload import EngineSettings, Workload
 from moeserve.planner.weights import ParameterCounts, parameter_counts
+from moeserve.planner.workload import EngineSettings, Workload
 
 __all__ = [
     "GPU_PRESETS",

@@ -31,9 +31,10 @@ from typing import Any
 import numpy as np
 
 from moeserve.config import ModelConfig, load_model_config
+from moeserve.parallel.layout import Layout
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import FITTED_CONSTANTS, GPU_PRESETS, CostConstants, Hardware
-from moeserve.planner.layouts import Layout, parse_layout
+from moeserve.planner.layouts import parse_layout
 from moeserve.planner.memory import resolve_partition
 
 # A prefill shorter than one full default step (max_num_batched_tokens) is dominated by fixed

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moeserve.config import ModelConfig, load_model_config
+from moeserve.parallel.layout import Layout
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import Hardware, resolve_hardware
-from moeserve.planner.layouts import Layout, parse_layout
+from moeserve.planner.layouts import parse_layout
 from moeserve.planner.memory import resolve_partition
 from moeserve.planner.plan import evaluate_layout
 from moeserve.planner.published import KV_CAPACITIES, POINTS, RANKINGS, SOURCES, KvCapacity, Point, RankingClaim

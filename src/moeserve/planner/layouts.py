@@ -1,44 +1,24 @@
-"""Layouts of a GPU count: names, parsing, enumeration.
+"""Layouts of a GPU count: parsing and enumeration of names.
 
-Names (as the engine's ``parallel.layout.Layout.name`` writes them): ``tp8``, ``pp8``,
-``ep8`` (tp=8 with experts over all 8), ``tp8ep4`` (tp=8, experts over 4 groups of 2),
-``tp4xpp2``, ``ep4xpp2``, ``tp1`` (one GPU). A ``-balanced`` suffix marks the best uneven
-pipeline partition. The parser also takes separators (``tp8xep4``, ``TP4 x PP2``).
+The layout itself is the engine's ``parallel.layout.Layout`` (re-exported here), named as the
+engine names it: ``tp8``, ``pp8``, ``ep8`` (tp=8 with experts over all 8), ``tp8ep4`` (tp=8,
+experts over 4 groups of 2), ``tp4xpp2``, ``ep4xpp2``, ``tp1`` (one GPU). A ``-balanced`` suffix
+marks the best uneven pipeline partition (``Layout.balanced``). The parser also takes
+separators (``tp8xep4``, ``TP4 x PP2``).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
 
-from moeserve.parallel.layout import layout_name
+from moeserve.parallel.layout import BALANCED_SUFFIX, Layout
 
-BALANCED_SUFFIX = "-balanced"
+__all__ = ["BALANCED_SUFFIX", "Layout", "divisors", "enumerate_layouts", "parse_layout"]
+
 _TOKEN = re.compile(r"(tp|pp|ep)\s*=?\s*(\d+)")
 _SEPARATORS = re.compile(r"[\sx×*,+_/-]+")
 _IGNORED_WORDS = ("balanced", "uneven", "default")
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int
-    pp: int = 1
-    ep: int = 1
-    partition: tuple[int, ...] | None = None  # None: the default partition
-    balanced: bool = False  # partition chosen by the planner's balancing search
-
-    @property
-    def world(self) -> int:
-        return self.tp * self.pp
-
-    @property
-    def base_name(self) -> str:
-        return layout_name(self.tp, self.pp, self.ep)
-
-    @property
-    def name(self) -> str:
-        return self.base_name + (BALANCED_SUFFIX if self.balanced else "")
 
 
 def parse_layout(spec: str | Mapping[str, object]) -> tuple[int, int, int]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moeserve.config import ModelConfig
+from moeserve.parallel.layout import split_problems
 from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 from moeserve.planner.quant import shard_bytes, weight_format
 from moeserve.planner.weights import (
@@ -155,54 +156,20 @@ def rank_weight_sizes(
 def structural_problems(
     cfg: ModelConfig, tp: int, pp: int, ep: int, partition: list[int] | None = None, quantized: bool = True
 ) -> list[str]:
-    """Why the engine could not run this layout at all (empty when it can)."""
-    problems: list[str] = []
+    """Why the engine could not run this layout at all (empty when it can): the engine's own rules,
+    in the planner's words: ep divides tp, the partition (``parallel.partition``), and the split
+    of the model over tp / ep (``parallel.layout.split_problems``; ``quantized``: with the
+    rule of the experts' weight format, INT4 groups kept whole)."""
     if min(tp, pp, ep) < 1:
         return [f"tp, pp and ep must be positive integers (got tp={tp}, pp={pp}, ep={ep})"]
+    problems: list[str] = []
     if tp % ep:
         problems.append(f"ep={ep} does not divide tp={tp} (experts are split over the tp ranks of a stage)")
-    if cfg.num_attention_heads % tp:
-        problems.append(f"{cfg.num_attention_heads} attention heads do not split evenly over tp={tp}")
     try:
         resolve_partition(cfg, pp, partition)
     except ValueError as e:
         problems.append(str(e))
-    moe = any(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    dense = any(not cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
-    if dense and cfg.intermediate_size % tp:
-        problems.append(f"dense MLP intermediate size {cfg.intermediate_size} does not split evenly over tp={tp}")
-    if ep > 1 and not moe:
-        problems.append("ep > 1 needs a model with routed experts")
-    if moe and not tp % ep:
-        inner = tp // ep
-        if cfg.n_routed_experts % ep:
-            problems.append(f"{cfg.n_routed_experts} routed experts do not split evenly over ep={ep}")
-        if cfg.moe_intermediate_size % inner:
-            problems.append(f"expert intermediate size {cfg.moe_intermediate_size} does not split evenly {inner} ways (tp/ep)")
-        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        if shared % tp:
-            problems.append(f"shared-expert intermediate size {shared} does not split evenly over tp={tp}")
-    if quantized and not problems:
-        problems += _quantization_alignment(cfg, tp, ep)
-    return problems
-
-
-def _quantization_alignment(cfg: ModelConfig, tp: int, ep: int) -> list[str]:
-    """INT4 shards must hold whole groups of input columns, as the engine checks at start-up. FP8
-    shards off the 128 grid are fine: the engine keeps per-row scales / zero-padded columns there."""
-    q = cfg.quantization
-    if q is None or not q.group_size:
-        return []
-    layers = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}.values()
-    problems = []
-    for spec in [s for i in layers for s in layer_tensors(cfg, i)] + [lm_head_tensor(cfg)]:
-        if spec.split is Split.REPLICATED or spec.split is Split.VOCAB:
-            continue
-        fmt = weight_format(cfg, spec)
-        shape, _ = shard(spec, tp, ep, 0)
-        dim = 0 if spec.split in (Split.COLUMN, Split.EXPERT_COLUMN) else 1
-        if fmt.group_size and dim == 1 and shape[1] % fmt.group_size:
-            problems.append(f"{spec.name}: shard of {shape[1]} input columns is not a whole number of INT4 groups of {fmt.group_size}")
+    problems += [m.uneven for m in split_problems(cfg, tp, ep, quantized)]
     return problems
 
 

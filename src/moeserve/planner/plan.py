@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeserve.config import ModelConfig
+from moeserve.parallel.layout import Layout
 from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges
 from moeserve.planner.balance import best_partition
 from moeserve.planner.cost import StepTime, decode_step
 from moeserve.planner.hardware import Hardware
-from moeserve.planner.layouts import Layout, enumerate_layouts
+from moeserve.planner.layouts import enumerate_layouts
 from moeserve.planner.limits import not_modelled
 from moeserve.planner.memory import (
     RuntimeReserve,
@@ -76,8 +77,8 @@ def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Wo
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     partition = list(layout.partition) if layout.partition else None
     problems = structural_problems(cfg, tp, pp, ep, partition)
-    if layout.world != hw.gpus:
-        problems.insert(0, f"{layout.name} uses {layout.world} GPUs, not {hw.gpus}")
+    if layout.world_size != hw.gpus:
+        problems.insert(0, f"{layout.name} uses {layout.world_size} GPUs, not {hw.gpus}")
     try:
         partition = resolve_partition(cfg, pp, partition)
     except ValueError:  # already among the problems; size memory with the default split

@@ -30,7 +30,7 @@ from moeserve.bench.bounds import prefill_attention_flops, prefill_flops
 from moeserve.config import ModelConfig
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import Hardware
-from moeserve.planner.layouts import Layout
+from moeserve.parallel.layout import Layout
 from moeserve.planner.memory import resolve_partition
 
 
@@ -57,14 +57,14 @@ def serving_tpot_ms(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency:
     cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, concurrency,
                         input_len + output_len / 2, kv_dtype_bytes).cycle_ms
     joins = concurrency / output_len if input_len else 0.0  # new requests per decode step
-    return cycle + joins * prefill_time_s(cfg, hw, layout.world, 1, input_len) * 1e3
+    return cycle + joins * prefill_time_s(cfg, hw, layout.world_size, 1, input_len) * 1e3
 
 
 def predict_bench(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, num_prompts: int,
                   input_len: int, output_len: int) -> BenchPrediction:
     if min(concurrency, num_prompts, input_len, output_len) < 1:
         raise ValueError("concurrency, num_prompts, input_len and output_len must be positive")
-    prefill = prefill_time_s(cfg, hw, layout.world, num_prompts, input_len)
+    prefill = prefill_time_s(cfg, hw, layout.world_size, num_prompts, input_len)
     batch = min(concurrency, num_prompts)
     partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
     cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, batch,

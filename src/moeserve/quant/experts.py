@@ -33,6 +33,17 @@ class ExpertShard:
     layout: str  # e.g. "tp=4 ep=2", for error messages
 
 
+def expert_shard(config: ModelConfig, tp: int, ep: int, tp_rank: int) -> ExpertShard:
+    """Rank ``tp_rank``'s slice of a stage of ``tp`` ranks with experts over ``ep`` of them:
+    ``n_routed / ep`` whole experts (expert group ``tp_rank // (tp / ep)``), each cut ``tp / ep``
+    ways over its intermediate size (slice ``tp_rank % (tp / ep)``). The split must be even
+    (``parallel.layout.split_problems``)."""
+    inner = tp // ep
+    num_local, i_local = config.n_routed_experts // ep, config.moe_intermediate_size // inner
+    return ExpertShard(num_local, tp_rank // inner * num_local, i_local, tp_rank % inner * i_local,
+                       config.moe_intermediate_size, config.hidden_size, f"tp={tp} ep={ep}")
+
+
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if src.dtype == torch.float8_e4m3fn and dst.dtype != src.dtype:
         raise ValueError(f"tensor {name} is float8_e4m3fn, but these experts load plain weights (no FP8 "
@@ -56,6 +67,11 @@ class ExpertsMethod:
         """Names and full shapes of one projection's checkpoint tensors (``prefix`` ends in
         ``gate_proj`` / ``up_proj`` / ``down_proj``)."""
         raise NotImplementedError
+
+    def split_problems(self, shard: ExpertShard) -> list[str]:
+        """Why this format cannot store ``shard`` (a layout's slice of the experts); empty when
+        it can. Part of the layout rule (``parallel.layout.split_problems``)."""
+        return []
 
     def create_weights(self, layer: nn.Module, shard: ExpertShard) -> None:
         raise NotImplementedError
@@ -174,15 +190,20 @@ class Int4Experts(ExpertsMethod):
                 (f"{prefix}.weight_scale", (out_features, in_features // self.group)),
                 (f"{prefix}.weight_shape", (2,))]
 
+    def split_problems(self, shard):
+        g, il = self.group, shard.i_local
+        return [f"INT4 experts under {shard.layout}: the {what} {size} is not a whole number of groups of {g} "
+                f"(moe_intermediate_size {shard.full_i} split into slices of {il}); choose a layout whose tp/ep "
+                f"split keeps groups of {g} whole"
+                for what, size in (("hidden size", shard.hidden), ("intermediate size per rank", il),
+                                   ("intermediate offset", shard.i_offset)) if size % g]
+
     def create_weights(self, layer, shard):
         from moeserve.quant.int4 import PACK
 
+        if problems := self.split_problems(shard):
+            raise ValueError(problems[0])
         E, il, H, g = shard.num_local, shard.i_local, shard.hidden, self.group
-        for what, size in (("hidden size", H), ("intermediate size per rank", il), ("intermediate offset", shard.i_offset)):
-            if size % g:
-                raise ValueError(f"INT4 experts under {shard.layout}: the {what} {size} is not a whole number of "
-                                 f"groups of {g} (moe_intermediate_size {shard.full_i} split into slices of {il}); "
-                                 f"choose a layout whose tp/ep split keeps groups of {g} whole")
         int32 = dict(dtype=torch.int32)
         layer.w13_packed = nn.Parameter(torch.empty(E, 2 * il, H // PACK, **int32), requires_grad=False)
         layer.w13_scale = nn.Parameter(torch.empty(E, 2 * il, H // g), requires_grad=False)
