@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from moeserve.config import parse_model_config
 from moeserve.loader import dummy_tensor
-from moeserve.models.deepseek import checkpoint_tensor_shapes
+from moeserve.models.deepseek_weights import checkpoint_tensor_shapes
 
 DEMO_VERSION = 2
 DEMO_SEED = 1234

@@ -14,7 +14,7 @@ from functools import lru_cache
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.models.deepseek import checkpoint_tensor_shapes
+from moeserve.models.deepseek_weights import checkpoint_tensor_shapes
 
 
 @dataclass(frozen=True)

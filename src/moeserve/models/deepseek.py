@@ -21,8 +21,8 @@ from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.moe import MoE, DenseMLP
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.quant.experts import experts_method
-from moeserve.quant.linear import linear_method
+# The checkpoint's tensor list (engine/model_runner.py also imports checkpoint_tensor_shapes from here).
+from moeserve.models.deepseek_weights import check_quantized_modules, checkpoint_tensor_shapes
 
 
 class DecoderLayer(nn.Module):
@@ -217,89 +217,3 @@ class DeepseekForCausalLM(nn.Module):
             self.plain_modules.update(sources)
             for attr, p in module.named_parameters(recurse=False):
                 p.checkpoint_name = f"{module_name}.{attr}"
-
-
-def checkpoint_tensor_shapes(config: ModelConfig) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """Every tensor of a Hugging Face checkpoint of this config (per-expert layout, no MTP);
-    routed experts and linears in their checkpoint format (``quant.experts``, ``quant.linear``:
-    e.g. INT4 packed words, scales and shapes; FP8 ``weight`` + ``weight_scale_inv``)."""
-    c = config
-    H = c.hidden_size
-    check_quantized_modules(c)
-    experts = experts_method(c)
-
-    def lin(module: str, out_features: int, in_features: int):  # a linear in its format (quant.linear)
-        return linear_method(c, module).checkpoint_tensors(module, out_features, in_features)
-
-    yield "model.embed_tokens.weight", (c.vocab_size, H)
-    for i in range(c.num_hidden_layers):
-        p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (H,)
-        yield f"{p}.post_attention_layernorm.weight", (H,)
-        a = f"{p}.self_attn"
-        q_out = c.num_attention_heads * c.qk_head_dim
-        if c.q_lora_rank is None:
-            yield from lin(f"{a}.q_proj", q_out, H)
-        else:
-            yield from lin(f"{a}.q_a_proj", c.q_lora_rank, H)
-            yield f"{a}.q_a_layernorm.weight", (c.q_lora_rank,)
-            yield from lin(f"{a}.q_b_proj", q_out, c.q_lora_rank)
-        yield from lin(f"{a}.kv_a_proj_with_mqa", c.kv_latent_dim, H)
-        yield f"{a}.kv_a_layernorm.weight", (c.kv_lora_rank,)
-        yield from lin(f"{a}.kv_b_proj", c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
-        yield from lin(f"{a}.o_proj", H, c.num_attention_heads * c.v_head_dim)
-        if c.attention_bias:  # as in transformers, q_proj (no q_lora) has no bias
-            if c.q_lora_rank:
-                yield f"{a}.q_a_proj.bias", (c.q_lora_rank,)
-            yield f"{a}.kv_a_proj_with_mqa.bias", (c.kv_latent_dim,)
-            yield f"{a}.o_proj.bias", (H,)
-        m = f"{p}.mlp"
-        if c.is_moe_layer(i):
-            yield f"{m}.gate.weight", (c.n_routed_experts, H)
-            if c.topk_method == "noaux_tc":
-                yield f"{m}.gate.e_score_correction_bias", (c.n_routed_experts,)
-            I = c.moe_intermediate_size
-            for e in range(c.n_routed_experts):
-                for proj, shape in (("gate", (I, H)), ("up", (I, H)), ("down", (H, I))):
-                    yield from experts.checkpoint_tensors(f"{m}.experts.{e}.{proj}_proj", *shape)
-            if c.n_shared_experts:
-                Is = I * c.n_shared_experts
-                yield from lin(f"{m}.shared_experts.gate_proj", Is, H)
-                yield from lin(f"{m}.shared_experts.up_proj", Is, H)
-                yield from lin(f"{m}.shared_experts.down_proj", H, Is)
-        else:
-            yield from lin(f"{m}.gate_proj", c.intermediate_size, H)
-            yield from lin(f"{m}.up_proj", c.intermediate_size, H)
-            yield from lin(f"{m}.down_proj", H, c.intermediate_size)
-    yield "model.norm.weight", (H,)
-    if not c.tie_word_embeddings:
-        yield "lm_head.weight", (c.vocab_size, H)
-
-
-def check_quantized_modules(config: ModelConfig) -> None:
-    """A quantized checkpoint must leave unquantized every module the engine runs only in the
-    activation dtype: with the published Kimi K2.x INT4 scheme (``ignore`` keeps attention,
-    shared experts, dense MLPs and lm_head in bf16) only the routed experts are quantized. An
-    FP8 checkpoint must be the DeepSeek-V3 block scheme (``quant.fp8.check_fp8_config``)."""
-    q = config.quantization
-    if q is not None and q.method == "fp8":  # DeepSeek-V3 FP8: every linear but lm_head may be FP8
-        from moeserve.quant.fp8 import check_fp8_config
-
-        check_fp8_config(q)
-        return
-    if q is None or q.method != "compressed-tensors":  # other formats: refused by the loader
-        return
-    dense = next((i for i in range(config.num_hidden_layers) if not config.is_moe_layer(i)), None)
-    moe = next((i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)), None)
-    linears = [(f"model.layers.{i}.self_attn.{p}") for i in (dense, moe) if i is not None
-               for p in ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")]
-    if dense is not None:
-        linears += [f"model.layers.{dense}.mlp.{p}_proj" for p in ("gate", "up", "down")]
-    if moe is not None and config.n_shared_experts:
-        linears += [f"model.layers.{moe}.mlp.shared_experts.{p}_proj" for p in ("gate", "up", "down")]
-    linears.append("lm_head")
-    quantized = [m for m in linears if not q.ignores(m)]
-    if quantized:
-        raise ValueError(f"this {q.method} checkpoint quantizes {', '.join(quantized[:4])}"
-                         f"{' and more' if len(quantized) > 4 else ''}; moeserve runs quantized routed experts "
-                         "only (the rest bf16, as Kimi K2.x publishes its INT4 checkpoints)")

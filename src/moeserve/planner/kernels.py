@@ -52,7 +52,7 @@ from moeserve.config import ModelConfig
 from moeserve.planner.memory import global_sizes, tensor_sizes
 from moeserve.planner.quant import weight_format
 from moeserve.planner.routing import busiest_group
-from moeserve.planner.weights import layer_tensors, lm_head_tensor
+from moeserve.models.deepseek_weights import layer_tensors, lm_head_tensor
 
 ACT_BYTES = 2  # bf16 activations on the wire
 MMA_TILE_M = 16  # rows of the smallest tensor-core tile: fewer tokens still cost a whole tile

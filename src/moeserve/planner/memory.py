@@ -20,7 +20,7 @@ from moeserve.config import ModelConfig
 from moeserve.parallel.layout import split_problems
 from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 from moeserve.planner.quant import shard_bytes, weight_format
-from moeserve.planner.weights import (
+from moeserve.models.deepseek_weights import (
     COMPONENTS,
     TensorSpec,
     Split,

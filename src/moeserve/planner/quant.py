@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moeserve.config import ModelConfig, QuantizationConfig
-from moeserve.planner.weights import Kind, TensorSpec
+from moeserve.models.deepseek_weights import COMPONENTS, Kind, TensorSpec, layer_tensors, lm_head_tensor
 
 SCALE_BYTES_FP8_BLOCK = 4  # fp32 scale per block
 
@@ -108,8 +108,6 @@ def shard_bytes(fmt: WeightFormat, shape: tuple[int, ...], copies: int = 1, offs
 
 def quantized_components(cfg: ModelConfig) -> list[str]:
     """Components with at least one tensor stored below the checkpoint dtype."""
-    from moeserve.planner.weights import COMPONENTS, layer_tensors, lm_head_tensor
-
     layers = {cfg.is_moe_layer(i): i for i in range(cfg.num_hidden_layers)}.values()
     specs = [s for i in layers for s in layer_tensors(cfg, i)] + [lm_head_tensor(cfg)]
     dense_bits = 8 * dtype_bytes_of(cfg)
