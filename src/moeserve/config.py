@@ -14,7 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+# The one list of architectures moeserve serves (``models.MODEL_REGISTRY`` maps each to its class),
+# each with the config.json ``model_type`` values that name it when ``architectures`` does not.
+ARCHITECTURES: dict[str, tuple[str, ...]] = {
+    "DeepseekV3ForCausalLM": ("deepseek_v3", "kimi_k2"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2",),
+}
+SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 BUILTIN_CONFIG_DIR = Path(__file__).parent / "configs"
 
 
@@ -243,11 +249,7 @@ def parse_model_config(data: dict[str, Any]) -> ModelConfig:
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         model_type = d.get("model_type", "")
-        arch = {
-            "deepseek_v3": "DeepseekV3ForCausalLM",
-            "kimi_k2": "DeepseekV3ForCausalLM",
-            "deepseek_v2": "DeepseekV2ForCausalLM",
-        }.get(model_type)
+        arch = next((a for a, model_types in ARCHITECTURES.items() if model_type in model_types), None)
     if arch is None:
         raise ValueError(
             f"unsupported architecture {archs or d.get('model_type')!r}; "

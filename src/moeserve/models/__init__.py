@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
+from moeserve.config import SUPPORTED_ARCHITECTURES
 from moeserve.models.deepseek import DeepseekForCausalLM
 
-MODEL_REGISTRY = {
-    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
-    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
-}
+MODEL_REGISTRY = {arch: DeepseekForCausalLM for arch in SUPPORTED_ARCHITECTURES}  # DeepSeek V2 and V3 share one class
 
 
 def model_class(architecture: str) -> type[DeepseekForCausalLM]:
