@@ -1,11 +1,12 @@
-"""Decode-size FP8 kernels at DeepSeek-V3 shapes on a GPU, both ways the issue asks for.
+"""Decode-size FP8 kernels at DeepSeek-V3 shapes on a GPU.
 
 Dense linears (q_a, kv_a, q_b, o_proj, the dense MLP's gate/up and down at one GPU) at 1, 2 and 4
-tokens:
-  * ``gemv``: bf16 activations, FP8 weights converted in registers (``fp8_gemv``), a tile grid;
-  * ``w8a8``: activations quantized per token and 128 channels (``per_token_group_quant_fp8``,
-    timed in the call) and the block-scaled FP8 tensor-core GEMM with split K, a tile grid.
-MoE (256 experts, top 8) at 1 and 4 tokens: the MoE GEMV pair against the grouped W8A8 GEMMs.
+tokens: activations quantized per token and 128 channels (``per_token_group_quant_fp8``, timed
+in the call) and the block-scaled FP8 tensor-core GEMM, over a grid of tiles and K splits, with
+the engine's default tile as ``default``. (A GEMV on bf16 activations was measured here against
+it on 2026-12-01, lost 2-4x on every shape and was removed: BENCHMARKS.md.)
+MoE (256 experts, top 8) at 1 and 4 tokens: the MoE GEMV pair (bf16 activations) over a grid of
+tiles against the grouped W8A8 GEMMs.
 
 Each variant is checked against the float32 reference, then timed inside a CUDA graph
 (``triton.testing.do_bench_cudagraph``: the launch gaps of a decode step's graph, not Python's),
@@ -24,15 +25,12 @@ import torch
 import triton
 import triton.testing
 
-from moeserve.kernels.fp8_linear import (fp8_block_gemm, fp8_gemv, fp8_linear_ref, per_token_group_quant_fp8,
-                                         rel_error)
+from moeserve.kernels.fp8_linear import fp8_block_gemm, fp8_linear_ref, per_token_group_quant_fp8, rel_error
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
 from moeserve.quant.fp8 import BLOCK, FP8_DTYPE
 
 LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384),
            "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432)}
-GEMV_GRID = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=w) for n, k, w in
-             itertools.product((4, 8, 16), (512, 1024), (4, 8))]
 GEMM_GRID = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
              for n, w, st, sk in itertools.product((32, 64, 128), (4,), (4,), (1, 2, 4, 8, 16))]
 
@@ -63,15 +61,10 @@ def sweep_linears(tokens: list[int], bandwidth: float, rows: list[dict]) -> None
         ref = fp8_linear_ref(x.float(), w0, s0)
         bound = (N * K + s0.numel() * 4) / bandwidth * 1e6
 
-        def gemv(cfg):
-            return fp8_gemv(x, *weight(), 0, cfg)
-
         def w8a8(cfg):
             xq, xs = per_token_group_quant_fp8(x)
             return fp8_block_gemm(xq, xs, *weight(), torch.bfloat16, cfg)
-        variants = [("gemv", cfg, lambda cfg=cfg: gemv(cfg)) for cfg in GEMV_GRID]
-        variants += [("gemv", {**GEMV_GRID[0], "one_scale_row": False},
-                      lambda: gemv({**GEMV_GRID[0], "one_scale_row": False}))]
+        variants = [("default", {}, lambda: w8a8(None))]
         variants += [("w8a8", cfg, lambda cfg=cfg: w8a8(cfg)) for cfg in GEMM_GRID]
         for way, cfg, fn in variants:
             try:
@@ -139,7 +132,7 @@ def main() -> int:
             json.dump(rows, f, indent=1)
     print(f"\n{'shape':14} {'T':>2} {'way':5} {'best tile':100} {'us':>8} {'% bound':>7}")
     for name, T in sorted({(r["name"], r["tokens"]) for r in rows}):
-        for way in ("gemv", "w8a8"):
+        for way in ("default", "gemv", "w8a8"):
             rs = [r for r in rows if (r["name"], r["tokens"], r["way"]) == (name, T, way) and r["rel_err"] < 5e-2]
             if rs:
                 b = min(rs, key=lambda r: r["us"])

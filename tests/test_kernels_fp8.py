@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
-from moeserve.kernels.fp8_linear import (FP8_GEMV_MAX_TOKENS, GEMM_REL_TOL, fp8_block_gemm, fp8_gemv,  # noqa: E402
+from moeserve.kernels.fp8_linear import (GEMM_REL_TOL, fp8_block_gemm,  # noqa: E402
                                          fp8_linear, fp8_linear_emulated, fp8_linear_ref,
                                          per_token_group_quant_fp8, per_token_group_quant_fp8_ref, rel_error)
 from moeserve.kernels.fp8_moe import (MOE_REL_TOL, fp8_fused_moe, fp8_moe_emulated, fp8_moe_gemv,  # noqa: E402
@@ -100,7 +100,7 @@ def test_fp8_gemm_matches_emulation_and_reference(M, N, K, k_pad, rows, dtype):
     w, s = fp8_weight(N, k_pad + K, gen=g)
     if rows:
         s = per_row(w, s)
-    out = fp8_linear(x, w, s, k_pad, small_batch_gemv=False)
+    out = fp8_linear(x, w, s, k_pad)
     assert out.shape == (M, N) and out.dtype == dtype
     assert_close_to_emulation(out, fp8_linear_emulated(x, w, s, k_pad))
     assert rel_error(out, fp8_linear_ref(x, w, s, k_pad)) < GEMM_REL_TOL
@@ -144,40 +144,37 @@ def test_fp8_gemm_split_k(M, N, K, k_pad, rows, split):
 def test_fp8_gemm_empty_batch():
     g = torch.Generator().manual_seed(5)
     w, s = fp8_weight(24, 200, gen=g)
-    out = fp8_linear(torch.zeros(0, 200, device=DEV), w, s, small_batch_gemv=False)
+    out = fp8_linear(torch.zeros(0, 200, device=DEV), w, s)
     assert out.shape == (0, 24)
 
 
-# ---- GEMV (decode) ----
+# ---- decode sizes ----
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,k_pad,rows", [(1, 0, False), (3, 37, True), (4, 0, False)])
-def test_fp8_gemv_matches_reference(T, k_pad, rows, dtype):
+def test_fp8_linear_at_decode_sizes(T, k_pad, rows, dtype):
+    """A few tokens take the quantized GEMM too (their rows padded to a 16-row tile)."""
     g = torch.Generator().manual_seed(T * 10 + k_pad)
     K, N = 300, 75
     x = torch.randn(T, K, generator=g).to(DEV, dtype)
     w, s = fp8_weight(N, k_pad + K, gen=g)
     if rows:
         s = per_row(w, s)
-    out = fp8_gemv(x, w, s, k_pad, {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4})  # 2 groups per chunk
-    ref = fp8_linear_ref(x.float(), w, s, k_pad)  # the GEMV's weights are exact fp32: closer than a bf16 ref
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2 * ref.abs().max().item(), rtol=1e-2)
-    torch.testing.assert_close(out.float(), ref, **tol)
+    out = fp8_linear(x, w, s, k_pad)
+    assert out.shape == (T, N) and out.dtype == dtype
+    assert_close_to_emulation(out, fp8_linear_emulated(x, w, s, k_pad))
+    assert rel_error(out, fp8_linear_ref(x, w, s, k_pad)) < GEMM_REL_TOL
 
 
-def test_fp8_linear_routes_few_tokens_to_the_gemv():
+def test_fp8_linear_keeps_leading_dims_and_adds_the_bias():
     g = torch.Generator().manual_seed(6)
     w, s = fp8_weight(40, 200, gen=g)
     b = torch.randn(40, generator=g).to(DEV)
-    x = torch.randn(2, 2, 200, generator=g).to(DEV)  # 4 tokens: GEMV
-    assert 4 <= FP8_GEMV_MAX_TOKENS
+    x = torch.randn(2, 2, 200, generator=g).to(DEV)
     out = fp8_linear(x, w, s, bias=b)
     assert out.shape == (2, 2, 40)
-    torch.testing.assert_close(out, fp8_gemv(x.view(4, 200), w, s).view(2, 2, 40) + b, atol=0, rtol=0)
-    torch.testing.assert_close(out, fp8_linear_ref(x, w, s, bias=b), atol=1e-4, rtol=1e-4)
-    x = torch.randn(5, 200, generator=g).to(DEV)  # 5 tokens: quantized GEMM
-    xq, xs = per_token_group_quant_fp8(x)
-    torch.testing.assert_close(fp8_linear(x, w, s), fp8_block_gemm(xq, xs, w, s, torch.float32), atol=0, rtol=0)
+    xq, xs = per_token_group_quant_fp8(x.view(4, 200))
+    torch.testing.assert_close(out, fp8_block_gemm(xq, xs, w, s, torch.float32).view(2, 2, 40) + b, atol=0, rtol=0)
 
 
 def test_fp8_linear_on_tensor_parallel_shards_off_the_grid():
@@ -187,16 +184,16 @@ def test_fp8_linear_on_tensor_parallel_shards_off_the_grid():
     g = torch.Generator().manual_seed(7)
     x = torch.randn(6, 400, generator=g).to(DEV)
     w, s = fp8_weight(300, 400, gen=g)
-    full = fp8_linear(x, w, s, small_batch_gemv=False)
+    full = fp8_linear(x, w, s)
     parts = [shard_fp8_block(w, s, 0, start, 150) for start in (0, 150)]
     assert parts[1].scale_inv.shape == (150, 4)
-    col = torch.cat([fp8_linear(x, p.weight, p.scale_inv, small_batch_gemv=False) for p in parts], dim=1)
+    col = torch.cat([fp8_linear(x, p.weight, p.scale_inv) for p in parts], dim=1)
     assert rel_error(col, full) < 1e-6  # the same activation groups: only the weight's slicing differs
     total = torch.zeros_like(full)
     for start in (0, 200):
         p = shard_fp8_block(w, s, 1, start, 200)
         assert p.k_pad == start % BLOCK
-        part = fp8_linear(x[:, start:start + 200], p.weight, p.scale_inv, p.k_pad, small_batch_gemv=False)
+        part = fp8_linear(x[:, start:start + 200], p.weight, p.scale_inv, p.k_pad)
         assert_close_to_emulation(part, fp8_linear_emulated(x[:, start:start + 200], p.weight, p.scale_inv, p.k_pad))
         total += part
     assert rel_error(total, fp8_linear_ref(x, w, s)) < GEMM_REL_TOL
@@ -351,8 +348,8 @@ def test_dense_gate_up_pieces_cat_for_the_linear_kernel():
     x = torch.randn(6, 160, generator=g).to(DEV)
     gate, up = fp8_weight(100, 160, gen=g), fp8_weight(100, 160, gen=g)
     w, s = cat_fp8_rows([gate, up])
-    out = fp8_linear(x, w, s, small_batch_gemv=False)
-    apart = torch.cat([fp8_linear(x, *gate, small_batch_gemv=False), fp8_linear(x, *up, small_batch_gemv=False)], 1)
+    out = fp8_linear(x, w, s)
+    apart = torch.cat([fp8_linear(x, *gate), fp8_linear(x, *up)], 1)
     assert rel_error(out, apart) < 1e-6
 
 
@@ -379,11 +376,8 @@ def test_fp8_linear_real_shapes(N, K, k_pad, M):
     w, s = fp8_weight(N, k_pad + K, gen=g)
     out = fp8_linear(x, w, s, k_pad)
     ref = fp8_linear_ref(x, w, s, k_pad)
-    if M > FP8_GEMV_MAX_TOKENS:
-        assert_close_to_emulation(out, fp8_linear_emulated(x, w, s, k_pad))
-        assert rel_error(out, ref) < GEMM_REL_TOL
-    else:
-        assert rel_error(out, fp8_linear_ref(x.float(), w, s, k_pad)) < 6e-3
+    assert_close_to_emulation(out, fp8_linear_emulated(x, w, s, k_pad))
+    assert rel_error(out, ref) < GEMM_REL_TOL
 
 
 @real

@@ -378,21 +378,22 @@ def _fp8_down_gemv(Inter, W2, S2, SW2, SS2, Ids, Weights, Out, first_expert, num
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# Not yet swept on the H200; kernels.moe_gemv's tiles with K chunks in whole 128-column groups.
+# Swept on the H200 at DeepSeek-V3 shapes (scripts/fp8_sweep.py, BENCHMARKS.md): gate/up at
+# kernels.moe_gemv's tile; the down kernel at 8 rows x 1,024 columns for 1 to 4 tokens (2.2x the
+# 4 x 512 tile at one token, 1.7x the 32 x 512 one at four), its chunk no wider than the slot.
 FP8_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}
-FP8_DOWN_CONFIGS = {1: {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8},
-                    2: {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}}
-FP8_DOWN_CONFIG_MORE = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4}
+FP8_DOWN_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
 # Under the interpreter the cost is per program and per op, not per element: few wide tiles
 # (the down kernel's BLOCK_N must divide 128: its rows share one row block of scales).
 INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1}
 
 
-def gemv_configs(tokens: int) -> tuple[dict, dict]:
-    """(gate/up, down) tiles of the GEMV kernels for ``tokens`` tokens."""
+def gemv_configs(inter: int) -> tuple[dict, dict]:
+    """(gate/up, down) tiles of the GEMV kernels for experts ``inter`` wide (on this rank)."""
     if interpreting():
         return dict(INTERPRETER_GEMV_CONFIG), dict(INTERPRETER_GEMV_CONFIG)
-    return dict(FP8_GATE_UP_CONFIG), dict(FP8_DOWN_CONFIGS.get(tokens, FP8_DOWN_CONFIG_MORE))
+    down = dict(FP8_DOWN_CONFIG, BLOCK_K=min(FP8_DOWN_CONFIG["BLOCK_K"], max(GROUP, triton.next_power_of_2(inter))))
+    return dict(FP8_GATE_UP_CONFIG), down
 
 
 def fp8_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
@@ -424,7 +425,7 @@ def fp8_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor
     out = torch.empty_like(x)
     if T == 0:
         return out
-    default_gu, default_dn = gemv_configs(T)
+    default_gu, default_dn = gemv_configs(inter)
     gu, dn = gate_up_config or default_gu, down_config or default_dn
     assert gu["BLOCK_K"] % GROUP == 0 and GROUP % dn["BLOCK_N"] == 0, (gu, dn)
     slots = K + shared_slots
