@@ -6,7 +6,7 @@
 #   run: bash scripts/gpu_session_int4.sh $OUT
 source "$(dirname "$0")/gpu_steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
-git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null || true
+cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 K26='{"num_hidden_layers": 8}'
 step int4_kernels 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_int4.py -x
 step bench_k26 230 python3 scripts/gpu_check.py --model kimi-k2.6 --hf-overrides "$K26" --out "$work/k26" \

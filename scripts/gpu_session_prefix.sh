@@ -6,7 +6,7 @@
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
-git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null || true
+cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 MODEL=(--model moonlight-16b-a3b --load-format dummy --dtype bfloat16 --max-model-len 8192)
 BENCH=(--input-len 128 --output-len 128 --shared-prefix-len 4096 --vocab 100000)
 for mode in on off; do

@@ -8,7 +8,7 @@ source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
-git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null || true
+cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 MODEL=(--model moonlight-16b-a3b --load-format dummy --dtype bfloat16)
 step offline 150 python3 -m moeserve bench --offline "${MODEL[@]}" --batch-sizes 1,128,256 --input-len 1024 \
   --output-len 128 --max-model-len 2048 --result-dir "$work/offline"
