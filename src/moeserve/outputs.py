@@ -1,8 +1,48 @@
-"""Results returned by ``LLM.generate`` and the engine (vLLM's shapes)."""
+"""What the engine gives back: a delta per changed request per step (``RequestDelta``), and the
+full results ``LLM.generate`` returns (``RequestOutput``, vLLM's shapes), folded from them."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+
+@dataclass
+class SeqDelta:
+    """What one completion produced since its previous delta. ``text`` never takes anything
+    back: text that a stop string could still cut is held back until it cannot."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[dict[int, float]] | None  # one row per new token; None when not asked for
+    cumulative_logprob: float  # of all its tokens so far
+    finish_reason: str | None = None  # set in its last delta, and only there
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestDelta:
+    """One request's changes in one engine step: the completions that changed, and whether
+    the request is done (then every completion has sent its last delta)."""
+
+    request_id: str
+    seqs: list[SeqDelta]
+    finished: bool
+    error: str | None  # why it failed (its completions finish with "error")
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens found in the prefix cache (of its first sample)
+
+    def to_wire(self) -> tuple:
+        """As plain tuples, for the pipe to the HTTP process: they pickle several times faster
+        than dataclasses, and this is sent for every running request every step."""
+        return (self.request_id, [(s.index, s.token_ids, s.text, s.logprobs, s.cumulative_logprob,
+                                   s.finish_reason, s.stop_reason) for s in self.seqs],
+                self.finished, self.error, self.prompt_tokens, self.cached_tokens)
+
+    @classmethod
+    def from_wire(cls, t: tuple) -> RequestDelta:
+        rid, seqs, finished, error, prompt_tokens, cached_tokens = t
+        return cls(rid, [SeqDelta(*s) for s in seqs], finished, error, prompt_tokens, cached_tokens)
 
 
 @dataclass
@@ -19,6 +59,14 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def add(self, delta: SeqDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if self.logprobs is not None and delta.logprobs:
+            self.logprobs += delta.logprobs
+        self.cumulative_logprob = delta.cumulative_logprob
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+
 
 @dataclass
 class RequestOutput:
@@ -29,3 +77,16 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None  # set when the request failed (finish_reason "error"): why
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (of its first sample)
+
+    @classmethod
+    def empty(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
+              logprobs: bool) -> RequestOutput:
+        """Nothing generated yet: what ``add`` folds a request's deltas into."""
+        return cls(request_id, prompt, prompt_token_ids,
+                   [CompletionOutput(i, "", [], [] if logprobs else None, 0.0) for i in range(n)])
+
+    def add(self, delta: RequestDelta) -> None:
+        """Fold in the request's next delta (in place: the work is that of the delta)."""
+        for s in delta.seqs:
+            self.outputs[s.index].add(s)
+        self.finished, self.error, self.num_cached_tokens = delta.finished, delta.error, delta.cached_tokens

@@ -76,13 +76,21 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
         rids = [self.engine.add_request(prompt, p) for prompt, p in prepared]
+        # Each step's deltas are folded into these; the engine keeps no output of its own.
+        outputs = {rid: RequestOutput.empty(rid, prompt["prompt"], prompt["prompt_token_ids"], p.n,
+                                            p.logprobs is not None)
+                   for rid, (prompt, p) in zip(rids, prepared)}
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm)
         try:
             while len(results) < len(rids):
-                for out in self.engine.step(finished_only=True):
-                    if out.finished and out.request_id in rids:
-                        results[out.request_id] = out
+                for delta in self.engine.step_deltas():
+                    out = outputs.get(delta.request_id)
+                    if out is None:  # a request someone else added to this engine
+                        continue
+                    out.add(delta)
+                    if delta.finished:
+                        results[delta.request_id] = out
                         bar.update(1)
         except BaseException:
             for rid in rids:

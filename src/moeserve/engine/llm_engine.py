@@ -20,7 +20,7 @@ from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from moeserve.engine.sequence import Sequence
 from moeserve.engine.step_input import StepInput, build_step_input
-from moeserve.outputs import CompletionOutput, RequestOutput
+from moeserve.outputs import RequestDelta, RequestOutput
 from moeserve.sampling_params import SamplingParams
 
 log = logging.getLogger("moeserve")
@@ -57,6 +57,7 @@ class Request:
     first_token_time: float | None = None
     aborted: bool = False
     error: str | None = None  # why it failed; it finishes with finish_reason "error"
+    output: RequestOutput | None = None  # what ``LLMEngine.step`` folds its deltas into
 
     @property
     def finished(self) -> bool:
@@ -185,10 +186,26 @@ class LLMEngine:
         return self.allocator.usage
 
     # ---- the loop ----
+    def step_deltas(self) -> list[RequestDelta]:
+        """Run one step; return what it changed: a delta for each request it changed."""
+        return [delta for _, delta in self._run_step()]
+
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Keep up to ``max_in_flight`` batches submitted, then complete the oldest one; return
-        the requests it changed (only those that finished, with ``finished_only``: offline
-        callers skip building a full output per running request per step)."""
+        """``step_deltas`` folded into vLLM's cumulative outputs: the requests the step changed
+        (only those that finished, with ``finished_only``), each one's output so far. A request's
+        steps go through one of the two: the deltas that ``step_deltas`` returns are not folded."""
+        outputs = []
+        for req, delta in self._run_step():
+            if req.output is None:
+                req.output = RequestOutput.empty(req.request_id, req.prompt, req.prompt_token_ids,
+                                                 len(req.seqs), req.params.logprobs is not None)
+            req.output.add(delta)
+            if delta.finished or not finished_only:
+                outputs.append(req.output)
+        return outputs
+
+    def _run_step(self) -> list[tuple[Request, RequestDelta]]:
+        """Keep up to ``max_in_flight`` batches submitted, then complete the oldest one."""
         depth = self.executor.max_in_flight
         overlap = self.executor.overlap
         while len(self._in_flight) < depth:
@@ -214,7 +231,7 @@ class LLMEngine:
         except BaseException:
             self._forget_in_flight(batch)
             raise
-        return self.process_result(batch, step, result, finished_only)
+        return self.process_result(batch, step, result)
 
     def _forget_in_flight(self, *batches: ScheduledBatch) -> None:
         """A step failed: drop every batch in flight; their sequences are scheduled again from
@@ -225,8 +242,9 @@ class LLMEngine:
                 seq.num_scheduled = seq.num_computed
         self._in_flight.clear()
 
-    def process_result(self, batch: ScheduledBatch, step: StepInput, result: SampleResult,
-                       finished_only: bool = False) -> list[RequestOutput]:
+    def process_result(self, batch: ScheduledBatch, step: StepInput,
+                       result: SampleResult) -> list[tuple[Request, RequestDelta]]:
+        """Take in a step's sampled tokens; return the requests they changed, with their deltas."""
         self.scheduler.finish_step(batch)
         touched: dict[str, Request] = {}
         by_id = {s.seq_id: s for s in batch.seqs}
@@ -256,18 +274,24 @@ class LLMEngine:
             if req.aborted or req.error is not None:
                 self._finish(seq, "abort" if req.aborted else "error")
                 touched[req.request_id] = req
-        outputs = [self._output(req) for req in touched.values() if req.finished or not finished_only]
+        changed = []
         for req in touched.values():
-            if req.finished:
+            finished = req.finished
+            seqs = [d for seq in req.seqs if (d := seq.take_delta()) is not None]
+            if seqs or finished:
+                changed.append((req, RequestDelta(req.request_id, seqs, finished, req.error,
+                                                  len(req.prompt_token_ids), req.seqs[0].num_cached_tokens or 0)))
+            if finished:
                 del self.requests[req.request_id]
-        return outputs
+        return changed
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
                       sampled_logprob: float) -> None:
         seq.token_ids.append(token)
+        seq.new_token_ids.append(token)
         seq.cumulative_logprob += sampled_logprob
         if seq.params.logprobs is not None:
-            seq.logprobs.append(logprobs or {})
+            seq.new_logprobs.append(logprobs or {})
         p = seq.params
         n_out = seq.num_output_tokens
         stop_token = None
@@ -277,10 +301,10 @@ class LLMEngine:
             elif not p.ignore_eos and token in self.eos_token_ids:
                 stop_token = token
         if seq.detok is not None:
-            text_before = len(seq.text)
-            if stop_token is None or p.include_stop_str_in_output:
-                seq.text += seq.detok.add(token)
-            if p.stop_list and n_out > p.min_tokens and self._check_stop_strings(seq, text_before):
+            text = seq.detok.add(token) if stop_token is None or p.include_stop_str_in_output else ""
+            stop = seq.text.add(text, check_stops=n_out > p.min_tokens)
+            if stop is not None:
+                self._finish(seq, "stop", stop, flush=False)
                 return
         if stop_token is not None:
             self._finish(seq, "stop", stop_token if token in p.stop_token_ids else None)
@@ -296,33 +320,12 @@ class LLMEngine:
             if not seq.finished and not seq.in_flight:
                 self._finish(seq, "error")
 
-    def _check_stop_strings(self, seq: Sequence, text_before: int) -> bool:
-        longest = max(len(s) for s in seq.params.stop_list)
-        search_from = max(0, text_before - longest + 1)
-        hits = [(seq.text.find(s, search_from), s) for s in seq.params.stop_list]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
-            return False
-        i, s = min(hits)
-        seq.text = seq.text[: i + len(s)] if seq.params.include_stop_str_in_output else seq.text[:i]
-        self._finish(seq, "stop", s, flush=False)
-        return True
-
     def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
                 flush: bool = True) -> None:
         if seq.detok is not None and flush and reason not in ("abort", "error"):
-            seq.text += seq.detok.flush()
+            seq.text.add(seq.detok.flush())
         self.scheduler.finish(seq, reason, stop_reason)
         self._finished_seq_ids.append(seq.seq_id)
-
-    def _output(self, req: Request) -> RequestOutput:
-        outs = [CompletionOutput(
-            index=s.index, text=s.text, token_ids=list(s.output_token_ids),
-            logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-            cumulative_logprob=s.cumulative_logprob, finish_reason=s.finish_reason,
-            stop_reason=s.stop_reason) for s in req.seqs]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished, req.error,
-                             req.seqs[0].num_cached_tokens or 0)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

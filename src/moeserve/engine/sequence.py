@@ -6,6 +6,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.engine.stop import StreamedText
+from moeserve.outputs import SeqDelta
 from moeserve.sampling_params import SamplingParams
 
 
@@ -37,13 +39,19 @@ class Sequence:
     num_cached_tokens: int | None = None
     leader: "Sequence | None" = None
     num_preemptions: int = 0
-    logprobs: list[dict[int, float]] = field(default_factory=list)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""
     detok: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
     generator: Any = None  # torch.Generator for seeded sampling
+    # Its output since its previous delta (``take_delta``): tokens, their logprobs, the text.
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[dict[int, float]] = field(default_factory=list)
+    text: StreamedText = field(init=False)
+    last_delta_sent: bool = False  # the one with its finish reason
+
+    def __post_init__(self) -> None:
+        self.text = StreamedText(self.params.stop_list, self.params.include_stop_str_in_output)
 
     @property
     def num_tokens(self) -> int:
@@ -67,3 +75,21 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is SeqStatus.FINISHED
+
+    def take_delta(self) -> SeqDelta | None:
+        """What it produced since its previous delta, or None if nothing (once finished and
+        told, nothing more)."""
+        if self.last_delta_sent:
+            return None
+        done = self.finished
+        text = self.text.release(final=done)
+        if not (self.new_token_ids or text or done):
+            return None
+        delta = SeqDelta(self.index, self.new_token_ids, text,
+                         self.new_logprobs if self.params.logprobs is not None else None,
+                         self.cumulative_logprob, self.finish_reason, self.stop_reason)
+        self.new_token_ids = []
+        if self.new_logprobs:
+            self.new_logprobs = []
+        self.last_delta_sent = done
+        return delta

@@ -106,14 +106,14 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
             async for rid, update in group.updates():
                 cached_tokens(cached, update, rid)
                 choices = []
-                for seq in update["seqs"]:
-                    completion_tokens += len(seq["token_ids"])
-                    delta = {"content": seq["text"]} if seq["text"] or not seq["finish_reason"] else {}
-                    lp = {"content": _logprobs_content(ctx, seq["token_ids"], seq["logprobs"], n_top, as_ids)} \
+                for seq in update.seqs:
+                    completion_tokens += len(seq.token_ids)
+                    delta = {"content": seq.text} if seq.text or not seq.finish_reason else {}
+                    lp = {"content": _logprobs_content(ctx, seq.token_ids, seq.logprobs or [], n_top, as_ids)} \
                         if req.logprobs else None
-                    if seq["text"] or lp or seq["finish_reason"]:
-                        choices.append({"index": seq["index"], "delta": delta, "logprobs": lp,
-                                        "finish_reason": seq["finish_reason"]})
+                    if seq.text or lp or seq.finish_reason:
+                        choices.append({"index": seq.index, "delta": delta, "logprobs": lp,
+                                        "finish_reason": seq.finish_reason})
                 if choices:
                     yield {**head, "choices": choices, **extra}
             if include_usage:

@@ -99,24 +99,24 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
             logprobs = {}
             completion_tokens = 0
             cached: dict[str, int] = {}
-            async for rid, update in group.updates():
-                cached_tokens(cached, update, rid)
+            async for rid, delta in group.updates():
+                cached_tokens(cached, delta, rid)
                 p = prompt_index(rid)
                 choices = []
-                for seq in update["seqs"]:
-                    key = (p, seq["index"])
-                    text = seq["text"]
+                for seq in delta.seqs:
+                    key = (p, seq.index)
+                    text = seq.text
                     if key not in logprobs:
                         logprobs[key] = _Logprobs(ctx, req.logprobs or 0, len(echo[p]), as_ids)
                         text = echo[p] + text
-                    completion_tokens += len(seq["token_ids"])
-                    lp = logprobs[key].block(seq["token_ids"], seq["logprobs"]) \
+                    completion_tokens += len(seq.token_ids)
+                    lp = logprobs[key].block(seq.token_ids, seq.logprobs or []) \
                         if req.logprobs is not None else None
                     # A chunk per step that made tokens, even while their text is held back
                     # (a partial UTF-8 character, or no tokenizer): clients time tokens by chunks.
-                    if text or lp or seq["finish_reason"] or seq["token_ids"]:
-                        choices.append({"index": p * req.n + seq["index"], "text": text, "logprobs": lp,
-                                        "finish_reason": seq["finish_reason"]})
+                    if text or lp or seq.finish_reason or seq.token_ids:
+                        choices.append({"index": p * req.n + seq.index, "text": text, "logprobs": lp,
+                                        "finish_reason": seq.finish_reason})
                 if choices:
                     yield {**head, "choices": choices, **({"usage": None} if include_usage else {})}
             if include_usage:

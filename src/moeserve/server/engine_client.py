@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+from moeserve.outputs import RequestDelta
 from moeserve.server.engine_process import engine_main
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
@@ -124,8 +125,8 @@ class AsyncEngineClient:
         return RequestGroup(self)
 
     async def generate(self, request_id: str, prompt: dict | str | list[int],
-                       params: Any) -> AsyncIterator[dict]:
-        """One engine request's updates (SamplingParams or its keyword arguments); aborts it when
+                       params: Any) -> AsyncIterator[RequestDelta]:
+        """One engine request's deltas (SamplingParams or its keyword arguments); aborts it when
         the caller stops early or is cancelled."""
         if dataclasses.is_dataclass(params):
             params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
@@ -284,20 +285,20 @@ class AsyncEngineClient:
         tracked = self._requests.get(rid)
         if tracked is None:  # aborted already
             return
-        update = event[2]
+        delta = RequestDelta.from_wire(event[2])
         now = time.monotonic()
-        tracked.prompt_tokens = update["prompt_tokens"]
-        new_tokens = sum(len(s["token_ids"]) for s in update["seqs"])
+        tracked.prompt_tokens = delta.prompt_tokens
+        new_tokens = sum(len(s.token_ids) for s in delta.seqs)
         if new_tokens:
             tracked.generated += new_tokens
             tracked.first_token = tracked.first_token or now
             tracked.last_token = now
-        error = update.get("error")
-        tracked.group._queue.put_nowait((rid, GenerationError(error) if error else update))
-        if update["finished"]:
+        error = delta.error
+        tracked.group._queue.put_nowait((rid, GenerationError(error) if error else delta))
+        if delta.finished:
             del self._requests[rid]
             tracked.group._pending.discard(rid)
-            reasons = [s["finish_reason"] for s in update["seqs"] if s["finish_reason"]]
+            reasons = [s.finish_reason for s in delta.seqs if s.finish_reason]
             self._observe(tracked, "error" if error else reasons[-1] if reasons else "stop")
 
     def _observe(self, t: _Tracked, reason: str) -> None:
@@ -349,8 +350,8 @@ class RequestGroup:
             self._pending.difference_update(rids)
             raise
 
-    async def updates(self) -> AsyncIterator[tuple[str, dict]]:
-        """(request id, update) until every request finished; raises the first error (the engine
+    async def updates(self) -> AsyncIterator[tuple[str, RequestDelta]]:
+        """(request id, delta) until every request finished; raises the first error (the engine
         died, the request failed, the server cut it); the caller aborts the others."""
         while self._pending or not self._queue.empty():
             rid, update = await self._queue.get()

@@ -8,10 +8,11 @@ Messages out (``events``):
   ``("progress", text)`` while starting;
   ``("ready", info)`` after the warm-up generation went through every rank and stage;
   ``("batch", events, stats)`` after each loop turn that changed something, where an event is
-  ``("accepted", key)``, ``("error", key, http_status, message)`` or ``("output", rid, update)``;
+  ``("accepted", key)``, ``("error", key, http_status, message)`` or ``("output", rid, delta)``;
   ``("fatal", text)`` right before the process exits on an error.
-An update carries only what is new since the previous one (see :class:`DeltaTracker`); a request
-that failed during generation ends with an update whose ``error`` says why.
+A delta is the engine's own ``RequestDelta`` (what is new since the previous one, text that a stop
+string could still cut held back) as ``RequestDelta.to_wire`` packs it; a request that failed
+during generation ends with a delta whose ``error`` says why.
 
 SIGTERM and SIGINT are ignored here: the server drains its requests first and then sends
 ``shutdown`` (or closes the pipe), so a signal sent to the whole process group does not cut
@@ -26,7 +27,6 @@ import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -147,59 +147,6 @@ def warm_up_step_shapes(engine: Any, max_steps: int = 64) -> None:
     raise RuntimeError(f"the warm-up of the step shapes did not finish within {max_steps} steps")
 
 
-@dataclass
-class _SeqSent:
-    tokens: int = 0
-    text: int = 0
-    logprobs: int = 0
-    done: bool = False
-
-
-class DeltaTracker:
-    """What each request's completions have sent so far; turns a full RequestOutput into a delta.
-
-    With stop strings, the last ``len(longest stop) - 1`` characters are held back until the
-    request finishes: the engine may cut them off when a stop string completes a token later,
-    and streamed text must never be taken back."""
-
-    def __init__(self) -> None:
-        self.sent: dict[str, list[_SeqSent]] = {}
-        self.holdback: dict[str, int] = {}
-
-    def add(self, rid: str, n: int, stop: list[str]) -> None:
-        self.sent[rid] = [_SeqSent() for _ in range(n)]
-        self.holdback[rid] = max((len(s) for s in stop), default=1) - 1
-
-    def drop(self, rid: str) -> None:
-        self.sent.pop(rid, None)
-        self.holdback.pop(rid, None)
-
-    def delta(self, out: Any) -> dict | None:
-        sent = self.sent.get(out.request_id)
-        if sent is None:
-            return None
-        seqs = []
-        for c in out.outputs:
-            s = sent[c.index]
-            if s.done:
-                continue
-            end = len(c.text) if c.finish_reason else max(s.text, len(c.text) - self.holdback[out.request_id])
-            new = {"index": c.index, "token_ids": list(c.token_ids[s.tokens:]), "text": c.text[s.text:end],
-                   "logprobs": [dict(lp) for lp in c.logprobs[s.logprobs:]] if c.logprobs is not None else None,
-                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            s.tokens, s.text = len(c.token_ids), end
-            s.logprobs = len(c.logprobs) if c.logprobs is not None else 0
-            s.done = c.finish_reason is not None
-            if new["token_ids"] or new["text"] or new["finish_reason"]:
-                seqs.append(new)
-        if out.finished:
-            self.drop(out.request_id)
-        if not seqs and not out.finished:
-            return None
-        return {"prompt_tokens": len(out.prompt_token_ids), "cached_tokens": out.num_cached_tokens,
-                "seqs": seqs, "finished": out.finished, "error": out.error}
-
-
 class _FailingDetokenizer:
     def __init__(self, inner: Any, fail_at: int = 3):
         self.inner, self.left = inner, fail_at
@@ -220,7 +167,6 @@ class EngineLoop:
         self.cmds = cmds
         self.events = events
         self.max_waiting = max_waiting
-        self.tracker = DeltaTracker()
 
     def run(self) -> None:
         while True:
@@ -233,20 +179,13 @@ class EngineLoop:
                     return
                 events.extend(self._handle(cmd))
             if self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    events.extend(self._output(out))
+                events += self.step_events()
             if events or cmds:
                 self.events.send(("batch", events, self.stats()))
 
-    def _output(self, out: Any) -> list[tuple]:
-        try:
-            update = self.tracker.delta(out)
-        except Exception as e:  # noqa: BLE001 - one request's output must not take the engine down
-            logging.getLogger("moeserve").exception("request %s: building its update failed", out.request_id)
-            self._abort(out.request_id)
-            update = {"prompt_tokens": len(out.prompt_token_ids), "seqs": [], "finished": True,
-                      "error": f"sending its output failed: {type(e).__name__}: {e}"}
-        return [] if update is None else [("output", out.request_id, update)]
+    def step_events(self) -> list[tuple]:
+        """One engine step, as the events that carry its deltas."""
+        return [("output", d.request_id, d.to_wire()) for d in self.engine.step_deltas()]
 
     def stats(self) -> dict:
         e = self.engine
@@ -268,7 +207,7 @@ class EngineLoop:
 
     def _handle(self, cmd: tuple) -> list[tuple]:
         if cmd[0] == "abort":
-            self._abort(cmd[1])
+            self.engine.abort_request(cmd[1])
             return []
         _, key, items = cmd
         refusal = self._overloaded(sum(int(kwargs.get("n", 1)) for _, _, kwargs in items))
@@ -281,7 +220,7 @@ class EngineLoop:
                 added.append(rid)
         except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
             for rid in added:
-                self._abort(rid)
+                self.engine.abort_request(rid)
             if isinstance(e, ValueError):
                 return [("error", key, 400, str(e))]
             return [("error", key, 500, f"{type(e).__name__}: {e}")]
@@ -301,12 +240,7 @@ class EngineLoop:
 
         params = SamplingParams(**kwargs)
         self.engine.add_request(prompt, params, rid)
-        self.tracker.add(rid, params.n, params.stop_list)
         marker = os.environ.get(FAILURE_ENV)
         if marker and marker in (prompt.get("prompt") or ""):
             for seq in self.engine.requests[rid].seqs:
                 seq.detok = _FailingDetokenizer(seq.detok)
-
-    def _abort(self, rid: str) -> None:
-        self.engine.abort_request(rid)
-        self.tracker.drop(rid)

@@ -19,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 from starlette.responses import StreamingResponse
 
+from moeserve.outputs import RequestDelta, SeqDelta
 from moeserve.server.defaults import DEFAULT_MAX_N
 from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
@@ -247,25 +248,25 @@ class SeqResult:
     stop_reason: int | str | None = None
     cached_tokens: int = 0  # of its prompt, found in the prefix cache
 
-    def add(self, seq: dict) -> None:
-        self.text += seq["text"]
-        self.token_ids += seq["token_ids"]
-        if seq["logprobs"]:
-            self.logprobs += seq["logprobs"]
-        if seq["finish_reason"]:
-            self.finish_reason, self.stop_reason = seq["finish_reason"], seq["stop_reason"]
+    def add(self, seq: SeqDelta) -> None:
+        self.text += seq.text
+        self.token_ids += seq.token_ids
+        if seq.logprobs:
+            self.logprobs += seq.logprobs
+        if seq.finish_reason:
+            self.finish_reason, self.stop_reason = seq.finish_reason, seq.stop_reason
 
 
 async def collect(group: RequestGroup, n: int) -> dict[tuple[int, int], SeqResult]:
     """Every completion of the group, keyed by (prompt index, completion index)."""
     results = {(p, i): SeqResult() for p in range(len(group.rids)) for i in range(n)}
-    async for rid, update in group.updates():
+    async for rid, delta in group.updates():
         p = prompt_index(rid)
-        for seq in update["seqs"]:
-            results[(p, seq["index"])].add(seq)
+        for seq in delta.seqs:
+            results[(p, seq.index)].add(seq)
         for i in range(n):
             r = results[(p, i)]
-            r.cached_tokens = max(r.cached_tokens, update.get("cached_tokens", 0))
+            r.cached_tokens = max(r.cached_tokens, delta.cached_tokens)
     return results
 
 
@@ -301,10 +302,10 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
             "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def cached_tokens(cached: dict[str, int], update: dict, rid: str) -> None:
+def cached_tokens(cached: dict[str, int], delta: RequestDelta, rid: str) -> None:
     """Note the prompt tokens of engine request ``rid`` found in the prefix cache (known once it
-    is admitted, so any update after its first token has it)."""
-    cached[rid] = max(cached.get(rid, 0), update.get("cached_tokens", 0))
+    is admitted, so any delta after its first token has it)."""
+    cached[rid] = max(cached.get(rid, 0), delta.cached_tokens)
 
 
 def top_logprobs(row: dict[int, float], n: int) -> list[tuple[int, float]]:
