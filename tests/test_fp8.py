@@ -303,3 +303,32 @@ def test_planner_counts_kv_b_in_the_activation_dtype():
         (cfg.q_lora_rank, cfg.hidden_size), (cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank),
         (cfg.kv_latent_dim, cfg.hidden_size), (cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim)])
     assert sizes["attention"].bytes == fp8 + scales + 2 * kv_b
+
+
+def test_fused_fp8_input_projections_equal_apart(tmp_path, monkeypatch):
+    """With q_lora_rank on the 128-row grid, q_a and kv_a run as one FP8 GEMM on the fast path
+    (one quantization of the hidden state, one weight read); the tokens and logprobs equal
+    the two projections run apart, to float32 summation order."""
+    pytest.importorskip("triton")
+    from fp8_checkpoints import make_fp8_checkpoint
+    from moeserve.layers.attention import MLAAttention
+
+    ckpt, _ = make_fp8_checkpoint(tmp_path, q_lora_rank=128, num_hidden_layers=1)
+    sp = SamplingParams(temperature=0, max_tokens=3, logprobs=2, ignore_eos=True)
+
+    def run(fuse: bool):
+        with monkeypatch.context() as patch:
+            if not fuse:
+                patch.setattr(MLAAttention, "_fusable", staticmethod(lambda projs: False))
+            with LLM(str(ckpt), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8,
+                     page_size=4) as llm:
+                attn = llm.engine.executor.runner.model.model.layers["0"].self_attn
+                assert attn.input_fused == fuse and (attn.fused_in_scale is not None) == fuse
+                out = llm.generate([{"prompt_token_ids": [5, 9, 3, 77, 12]}], sp)[0].outputs[0]
+        return out.token_ids, out.logprobs
+
+    (fused_ids, fused_lp), (apart_ids, apart_lp) = run(True), run(False)
+    assert fused_ids == apart_ids
+    for a, b in zip(fused_lp, apart_lp):
+        for tok, lp in a.items():
+            assert lp == pytest.approx(b[tok], abs=1e-4)

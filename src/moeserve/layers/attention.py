@@ -3,6 +3,8 @@ heads plus one shared rope key; the cache stores only the latent and the rope ke
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -58,6 +60,7 @@ class MLAAttention(nn.Module):
         # fuse_input_projections(): one [q (or q_a) | kv_a] weight for the two GEMVs on `hidden`
         self.register_buffer("fused_in_weight", None, persistent=False)
         self.register_buffer("fused_in_bias", None, persistent=False)
+        self.register_buffer("fused_in_scale", None, persistent=False)  # FP8: the block scales of both
 
     @property
     def input_fused(self) -> bool:
@@ -73,10 +76,15 @@ class MLAAttention(nn.Module):
         instead of two, with no extra copy of the weights. Call after the weights are loaded
         (a later load writes through the views) and after the last ``.to()``."""
         projs = self._input_projections()
-        if self.input_fused or any(p.method.quantized for p in projs):
-            return  # FP8 projections run apart (each its own FP8 GEMV / GEMM)
+        if self.input_fused or not self._fusable(projs):
+            return
         sizes = [p.weight.shape[0] for p in projs]
         weight = torch.cat([p.weight for p in projs])
+        if projs[0].method.quantized:  # FP8: whole 128-row blocks before kv_a, so one block grid
+            scales = torch.cat([p.weight_scale_inv for p in projs])
+            for p, part in zip(projs, scales.split([p.weight_scale_inv.shape[0] for p in projs])):
+                p.weight_scale_inv.data = part
+            self.fused_in_scale = scales
         bias = None
         if any(p.bias is not None for p in projs):  # q_proj has no bias even with attention_bias
             bias = torch.cat([p.bias if p.bias is not None else weight.new_zeros(n) for p, n in zip(projs, sizes)])
@@ -88,6 +96,23 @@ class MLAAttention(nn.Module):
                     p.bias.data = b
         self.fused_in_weight, self.fused_in_bias = weight, bias
 
+    @staticmethod
+    def _fusable(projs: tuple[nn.Module, nn.Module]) -> bool:
+        """Both plain, or both FP8 on the 128-row block grid with the first whole blocks of rows."""
+        names = {p.method.name for p in projs}
+        if names == {"fp8"}:
+            from moeserve.quant.fp8 import BLOCK
+
+            return (not any(p.fp8_layout.per_row or p.k_pad for p in projs)
+                    and projs[0].weight.shape[0] % BLOCK == 0)
+        return not any(p.method.quantized for p in projs)
+
+    def _fused_input_projection(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fused_in_scale is None:
+            return linear(hidden, self.fused_in_weight, self.fused_in_bias, self.small_gemv)
+        fused = _FusedFp8Weights(self.fused_in_weight, self.fused_in_scale)
+        return self._input_projections()[0].method.apply(fused, hidden, self.fused_in_bias)
+
     def mla_weights(self) -> MLAWeights:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return MLAWeights(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:], w_kv=w)
@@ -96,7 +121,7 @@ class MLAAttention(nn.Module):
         T = hidden.shape[0]
         if self.input_fused:
             kv_dim = self.kv_lora_rank + self.rope_dim
-            q_in, kv = linear(hidden, self.fused_in_weight, self.fused_in_bias, self.small_gemv).split(
+            q_in, kv = self._fused_input_projection(hidden).split(
                 [self.fused_in_weight.shape[0] - kv_dim, kv_dim], dim=-1)
         else:
             first, kv_a = self._input_projections()
@@ -118,3 +143,12 @@ class MLAAttention(nn.Module):
             self.pool.write(self.layer_id, ctx.slot_mapping, self.kv_a_layernorm(latent), k_pe)
         out = self.backend.forward(self.layer_id, q_nope, q_pe, self.mla_weights(), self.pool, ctx, self.scale)
         return self.o_proj(out.reshape(T, self.num_heads * self.v_dim))
+
+
+@dataclass
+class _FusedFp8Weights:
+    """What an FP8 linear method's ``apply`` reads of a layer, for the fused [q_a | kv_a] weight."""
+
+    weight: torch.Tensor
+    weight_scale_inv: torch.Tensor
+    k_pad: int = 0
