@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqDelta:
     """What one completion produced since its previous delta. ``text`` never takes anything
     back: text that a stop string could still cut is held back until it cannot."""
@@ -20,7 +20,7 @@ class SeqDelta:
     stop_reason: int | str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestDelta:
     """One request's changes in one engine step: the completions that changed, and whether
     the request is done (then every completion has sent its last delta)."""
@@ -33,16 +33,22 @@ class RequestDelta:
     cached_tokens: int  # prompt tokens found in the prefix cache (of its first sample)
 
     def to_wire(self) -> tuple:
-        """As plain tuples, for the pipe to the HTTP process: they pickle several times faster
-        than dataclasses, and this is sent for every running request every step."""
-        return (self.request_id, [(s.index, s.token_ids, s.text, s.logprobs, s.cumulative_logprob,
-                                   s.finish_reason, s.stop_reason) for s in self.seqs],
-                self.finished, self.error, self.prompt_tokens, self.cached_tokens)
+        """As one flat tuple, for the pipe to the HTTP process: the request's fields, then seven
+        per completion. It pickles several times faster than dataclasses, and one is sent for
+        every running request every step."""
+        wire: tuple = (self.request_id, self.finished, self.error, self.prompt_tokens, self.cached_tokens)
+        for s in self.seqs:
+            wire += (s.index, s.token_ids, s.text, s.logprobs, s.cumulative_logprob, s.finish_reason, s.stop_reason)
+        return wire
 
     @classmethod
-    def from_wire(cls, t: tuple) -> RequestDelta:
-        rid, seqs, finished, error, prompt_tokens, cached_tokens = t
-        return cls(rid, [SeqDelta(*s) for s in seqs], finished, error, prompt_tokens, cached_tokens)
+    def from_wire(cls, wire: tuple) -> RequestDelta:
+        rid, finished, error, prompt_tokens, cached_tokens = wire[:_HEAD]
+        seqs = [SeqDelta(*wire[i:i + _PER_SEQ]) for i in range(_HEAD, len(wire), _PER_SEQ)]
+        return cls(rid, seqs, finished, error, prompt_tokens, cached_tokens)
+
+
+_HEAD, _PER_SEQ = 5, 7  # RequestDelta.to_wire: the request's fields, then each completion's
 
 
 @dataclass

@@ -61,7 +61,10 @@ class Request:
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        for s in self.seqs:  # not all(): this runs for every request every step
+            if not s.finished:
+                return False
+        return True
 
 
 class LLMEngine:
@@ -159,6 +162,8 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
+        if not self.scheduler.waiting:  # the common case, and this is asked every server step
+            return 0
         return len({s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running})
 
     @property
@@ -277,7 +282,10 @@ class LLMEngine:
         changed = []
         for req in touched.values():
             finished = req.finished
-            seqs = [d for seq in req.seqs if (d := seq.take_delta()) is not None]
+            seqs = []
+            for seq in req.seqs:
+                if (d := seq.take_delta()) is not None:
+                    seqs.append(d)
             if seqs or finished:
                 changed.append((req, RequestDelta(req.request_id, seqs, finished, req.error,
                                                   len(req.prompt_token_ids), req.seqs[0].num_cached_tokens or 0)))

@@ -82,7 +82,7 @@ class Sequence:
         if self.last_delta_sent:
             return None
         done = self.finished
-        text = self.text.release(final=done)
+        text = self.text.release(done)
         if not (self.new_token_ids or text or done):
             return None
         delta = SeqDelta(self.index, self.new_token_ids, text,

@@ -21,10 +21,11 @@ class StreamedText:
     def add(self, text: str, check_stops: bool = False) -> str | None:
         """Append newly detokenized text; with ``check_stops``, look for a stop string ending in
         it (or in the text held back) and cut the text there. Returns the stop string found."""
+        if not (check_stops and self.stops):
+            self.pending += text
+            return None
         search_from = max(0, len(self.pending) - self.hold)
         self.pending += text
-        if not (check_stops and self.stops):
-            return None
         hits = [(i, s) for s in self.stops if (i := self.pending.find(s, search_from)) >= 0]
         if not hits:
             return None

@@ -250,9 +250,11 @@ class AsyncEngineClient:
     def _dispatch(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "batch":
-            _, events, stats = msg
+            _, events, deltas, stats = msg
             for event in events:
                 self._event(event)
+            for packed in deltas:
+                self._delta(packed)
             self.stats = stats
             if self.metrics is not None:
                 self.metrics.update_engine_stats(stats)
@@ -273,19 +275,20 @@ class AsyncEngineClient:
 
     def _event(self, event: tuple) -> None:
         kind, rid = event[0], event[1]
-        if kind in ("accepted", "error"):
-            fut = self._accepting.pop(rid, None)
-            if fut is None or fut.done():
-                return
-            if kind == "accepted":
-                fut.set_result(None)
-            else:
-                fut.set_exception(APIError(event[2], event[3], code="overloaded" if event[2] == 503 else None))
+        fut = self._accepting.pop(rid, None)
+        if fut is None or fut.done():
             return
+        if kind == "accepted":
+            fut.set_result(None)
+        else:
+            fut.set_exception(APIError(event[2], event[3], code="overloaded" if event[2] == 503 else None))
+
+    def _delta(self, packed: tuple) -> None:
+        rid = packed[0]
         tracked = self._requests.get(rid)
         if tracked is None:  # aborted already
             return
-        delta = RequestDelta.from_wire(event[2])
+        delta = RequestDelta.from_wire(packed)
         now = time.monotonic()
         tracked.prompt_tokens = delta.prompt_tokens
         new_tokens = sum(len(s.token_ids) for s in delta.seqs)

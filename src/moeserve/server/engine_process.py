@@ -7,12 +7,12 @@ requests of one HTTP request, admitted or refused together), ``("abort", rid)``,
 Messages out (``events``):
   ``("progress", text)`` while starting;
   ``("ready", info)`` after the warm-up generation went through every rank and stage;
-  ``("batch", events, stats)`` after each loop turn that changed something, where an event is
-  ``("accepted", key)``, ``("error", key, http_status, message)`` or ``("output", rid, delta)``;
+  ``("batch", events, deltas, stats)`` after each loop turn that changed something, where an event
+  is ``("accepted", key)`` or ``("error", key, http_status, message)``, and ``deltas`` are the
+  engine step's ``RequestDelta``s (what each request made since its previous one, text that a
+  stop string could still cut held back) as ``RequestDelta.to_wire`` packs them;
   ``("fatal", text)`` right before the process exits on an error.
-A delta is the engine's own ``RequestDelta`` (what is new since the previous one, text that a stop
-string could still cut held back) as ``RequestDelta.to_wire`` packs it; a request that failed
-during generation ends with a delta whose ``error`` says why.
+A request that failed during generation ends with a delta whose ``error`` says why.
 
 SIGTERM and SIGINT are ignored here: the server drains its requests first and then sends
 ``shutdown`` (or closes the pipe), so a signal sent to the whole process group does not cut
@@ -178,14 +178,16 @@ class EngineLoop:
                 if cmd[0] == "shutdown":
                     return
                 events.extend(self._handle(cmd))
-            if self.engine.has_unfinished_requests():
-                events += self.step_events()
-            if events or cmds:
-                self.events.send(("batch", events, self.stats()))
+            deltas = self.step() if self.engine.has_unfinished_requests() else []
+            if events or deltas or cmds:
+                self.events.send(self.message(events, deltas))
 
-    def step_events(self) -> list[tuple]:
-        """One engine step, as the events that carry its deltas."""
-        return [("output", d.request_id, d.to_wire()) for d in self.engine.step_deltas()]
+    def step(self) -> list[tuple]:
+        """One engine step's deltas, packed for the pipe."""
+        return [d.to_wire() for d in self.engine.step_deltas()]
+
+    def message(self, events: list[tuple], deltas: list[tuple]) -> tuple:
+        return ("batch", events, deltas, self.stats())
 
     def stats(self) -> dict:
         e = self.engine
