@@ -17,13 +17,13 @@ PARAMS = [
 ]
 
 
-def run(path, overlap: bool, params=PARAMS, **kw):
-    with LLM(str(path), device="cpu", dtype="float32", async_scheduling=overlap, **kw) as llm:
-        assert llm.engine.executor.max_in_flight == (2 if overlap else 1)
+def run(path, async_scheduling: bool, params=PARAMS, **kw):
+    with LLM(str(path), device="cpu", dtype="float32", async_scheduling=async_scheduling, **kw) as llm:
+        assert llm.engine.executor.settings.max_in_flight == (2 if async_scheduling else 1)
         submit, deferred = llm.engine.executor.submit, []
         llm.engine.executor.submit = lambda step: deferred.append(len(step.deferred)) or submit(step)
         outs = llm.generate(PROMPTS, params)
-        assert (sum(deferred) > 0) == overlap  # decode steps really took their input from the device
+        assert (sum(deferred) > 0) == async_scheduling  # decode steps really took their input from the device
         eng = llm.engine
         while eng.has_unfinished_requests():  # a step launched for a sequence that then stopped
             assert eng.step() == []
@@ -34,8 +34,8 @@ def run(path, overlap: bool, params=PARAMS, **kw):
 
 def test_same_outputs_as_synchronous(v3_checkpoint):
     sync, _ = run(v3_checkpoint, False)
-    overlapped, _ = run(v3_checkpoint, True)
-    assert overlapped == sync
+    asynchronous, _ = run(v3_checkpoint, True)
+    assert asynchronous == sync
 
 
 def test_stop_token_in_flight_drops_the_extra_token(v3_checkpoint):
@@ -45,18 +45,18 @@ def test_stop_token_in_flight_drops_the_extra_token(v3_checkpoint):
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
                              stop_token_ids=[seqs[0][0][3]]) for seqs in full]
     sync, _ = run(v3_checkpoint, False, params)
-    overlapped, _ = run(v3_checkpoint, True, params)
-    assert overlapped == sync
-    assert all(seqs[0][2] == "stop" and len(seqs[0][0]) <= 4 for seqs in overlapped)
+    asynchronous, _ = run(v3_checkpoint, True, params)
+    assert asynchronous == sync
+    assert all(seqs[0][2] == "stop" and len(seqs[0][0]) <= 4 for seqs in asynchronous)
 
 
 def test_preemption_and_chunked_prefill_with_overlap(v3_checkpoint):
     kw = dict(num_kv_pages=7, page_size=4, max_model_len=28, max_num_batched_tokens=8)
     params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5
     sync, _ = run(v3_checkpoint, False, params, **kw)
-    overlapped, preemptions = run(v3_checkpoint, True, params, **kw)
+    asynchronous, preemptions = run(v3_checkpoint, True, params, **kw)
     assert preemptions > 0
-    assert overlapped == sync
+    assert asynchronous == sync
 
 
 def test_abort_while_two_steps_are_in_flight(v3_checkpoint):
@@ -82,14 +82,14 @@ def test_abort_while_two_steps_are_in_flight(v3_checkpoint):
             eng.requests[gone]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("where", ["submit", "wait"])
-def test_a_failed_step_loses_nothing(v3_checkpoint, overlap, where):
+def test_a_failed_step_loses_nothing(v3_checkpoint, async_scheduling, where):
     """A step that raises (say, out of memory) propagates; the next steps finish every request
     with the tokens an undisturbed run gives."""
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     expected, _ = run(v3_checkpoint, False, [params] * 5)
-    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=overlap) as llm:
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=async_scheduling) as llm:
         eng, ex = llm.engine, llm.engine.executor
         real, calls = getattr(ex, where), []
 
@@ -129,7 +129,7 @@ def test_tensor_parallel_ranks_overlap_steps_too(v3_checkpoint, layout):
         expected = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
     with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True, **layout) as llm:
         ex = llm.engine.executor
-        assert ex.overlap and ex.max_in_flight == 2
+        assert ex.settings.async_scheduling and ex.settings.max_in_flight == 2
         submit, deferred = ex.submit, []
         ex.submit = lambda step: deferred.append(len(step.deferred)) or submit(step)
         got = [[(c.token_ids, c.finish_reason) for c in o.outputs] for o in llm.generate(prompts, params)]
@@ -140,4 +140,5 @@ def test_tensor_parallel_ranks_overlap_steps_too(v3_checkpoint, layout):
 def test_pipeline_stages_keep_micro_batches_instead(v3_checkpoint):
     with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True,
              pipeline_parallel_size=2) as llm:
-        assert not llm.engine.executor.overlap and llm.engine.executor.max_in_flight == 2
+        settings = llm.engine.executor.settings
+        assert not settings.async_scheduling and settings.max_in_flight == 2

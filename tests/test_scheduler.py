@@ -157,3 +157,19 @@ def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config():
     sc = SchedulerConfig.from_engine_config(config, max_model_len=4096)
     assert (sc.max_num_batched_tokens, sc.long_prefill_token_threshold, sc.max_model_len) == (2048, 512, 4096)
     assert engine_kwargs(p.parse_args([]))["long_prefill_token_threshold"] == 0
+
+
+def test_async_scheduling_lets_a_sequence_in_flight_join_with_a_deferred_token():
+    def in_flight_then_next(**kw):
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
+                      PagedAllocator(16, 4))
+        a = seq(0, 5)
+        s.add(a)
+        first = s.schedule(**kw)  # a's prompt, which samples; its result is not back yet
+        assert first.seqs == [a] and first.sampling == [True]
+        return s.schedule(**kw)
+
+    assert in_flight_then_next().seqs == [] and in_flight_then_next(async_scheduling=False).seqs == []
+    batch = in_flight_then_next(async_scheduling=True)
+    assert batch.num_new_tokens == [1] and batch.deferred == [True]
+    assert in_flight_then_next(overlap=True).deferred == [True]  # the old name, until the engine passes the new one

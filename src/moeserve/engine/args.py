@@ -1,53 +1,32 @@
-"""The engine's command-line flags (vLLM's names), shared by every command that builds an engine:
-``moeserve generate | bench | serve`` and worker nodes."""
+"""The engine's command-line flags, shared by every command that builds an engine
+(``moeserve generate | bench | serve`` and worker nodes), generated from ``EngineConfig``'s fields.
+
+A field ``foo_bar`` is the flag ``--foo-bar`` with the field's default and help (its metadata,
+``engine/config.py: setting``). By type: ``int`` / ``float`` are parsed as such; a ``bool`` off by
+default is a switch (``--enforce-eager``), one on by default has its ``--no-`` form
+(``--no-enable-prefix-caching``); ``bool | None`` is ``auto | on | off`` (``--async-scheduling``);
+a ``dict`` is a JSON object (``--hf-overrides``); ``list[int]`` is comma-separated
+(``--pp-layer-partition 7,8,8``). ``engine_kwargs`` turns the parsed flags back into
+``EngineConfig`` keyword arguments.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import types
+import typing
+from typing import Any
 
+from moeserve.engine.config import EngineConfig
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None,
-                   help="checkpoint directory (default: the built-in demo model)")
-    p.add_argument("--dtype", default="auto", help="auto | bfloat16 | float16 | float32")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from config.json alone (benchmarks)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="token budget of one step: its decodes first, then prefill chunks of what is left")
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="most prompt tokens one request prefills in a step (0: off; vLLM's flag)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
-                   help="reuse the KV pages of prompt prefixes computed before (default: on)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-pages", type=int, default=None, help="explicit KV cache size in pages")
-    p.add_argument("--backend", default="auto", help="auto | reference")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
-                   help="schedule the next step while one runs (one pipeline stage; auto: on for CUDA)")
-    p.add_argument("--trust-remote-code", action="store_true")
-    p.add_argument("--hf-overrides", type=json_object, default=None,
-                   help='JSON object of config.json fields to override (of text_config where there is one), '
-                        'e.g. \'{"num_hidden_layers": 8}\' for a short model of real shapes')
-    p.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--pp", "--pipeline-parallel-size", dest="pp", type=int, default=1)
-    p.add_argument("--ep", "--expert-parallel-size", dest="ep", type=int, default=1)
-    p.add_argument("--pp-layer-partition", default=None,
-                   help="layers per pipeline stage, e.g. 7,8,8,8,8,8,7,7")
-    p.add_argument("--nnodes", type=int, default=int(os.environ.get("NNODES", 1)),
-                   help="hosts the ranks are spread over (torchrun's name)")
-    p.add_argument("--node-rank", type=int, default=int(os.environ.get("NODE_RANK", 0)),
-                   help="this host's index; node 0 runs the engine, the others only their ranks")
-    p.add_argument("--master-addr", default=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                   help="node 0's address, reachable from every node")
-    p.add_argument("--master-port", type=int, default=int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in
-                   os.environ else None, help="rendezvous port on node 0 (the next port carries the steps)")
+# Not flags of every engine command: ``serve`` adds ``--tokenizer`` itself (``add_config_flag``).
+NOT_ENGINE_FLAGS = ("tokenizer",)
+# Flags that commands pass on their own (``LLM(args.model, ...)``), not in ``engine_kwargs``.
+NOT_ENGINE_KWARGS = ("model",)
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}
 
 
 def json_object(text: str) -> dict:
@@ -61,23 +40,84 @@ def json_object(text: str) -> dict:
     return value
 
 
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def _kind(tp: Any) -> Any:
+    """The field's type without ``| None`` (``bool | None`` stays: it is auto | on | off)."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if isinstance(tp, types.UnionType) and len(args) == 1 and args[0] is not bool:
+        return args[0]
+    return tp
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return "--" + f.name.replace("_", "-")
+
+
+def _dest(f: dataclasses.Field) -> str:
+    """The argparse attribute: named after the first option string (``--tp`` -> ``tp``)."""
+    return (f.metadata.get("aliases") or (_flag(f),))[0].lstrip("-").replace("-", "_")
+
+
+def _fields() -> list[tuple[dataclasses.Field, Any]]:
+    """Every ``EngineConfig`` field, in order, with its type as ``_kind`` says."""
+    hints = typing.get_type_hints(EngineConfig)
+    return [(f, _kind(hints[f.name])) for f in dataclasses.fields(EngineConfig)]
+
+
+def _add(p: argparse.ArgumentParser, f: dataclasses.Field, kind: Any) -> None:
+    meta = f.metadata
+    default = None if f.default is dataclasses.MISSING else f.default
+    options: dict[str, Any] = {"dest": _dest(f), "help": meta.get("help")}
+    if "choices" in meta:
+        options["choices"] = list(meta["choices"])
+    if kind is bool:
+        options["action"] = argparse.BooleanOptionalAction if default else "store_true"
+    elif kind == bool | None:
+        options["choices"], default = list(AUTO_ON_OFF), "auto"
+    elif kind in (int, float):
+        options["type"] = kind
+    elif kind is dict:
+        options["type"] = json_object
+    env = meta.get("env")
+    if env and env in os.environ:
+        default = options.get("type", str)(os.environ[env])
+    help_text = options["help"] or ""
+    if default not in (None, "auto") and not isinstance(default, bool) and "default" not in help_text:
+        options["help"] = f"{help_text} (default: %(default)s)".lstrip()  # "auto" is spelt out in the help
+    p.add_argument(*meta.get("aliases", ()), _flag(f), default=default, **options)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """One flag per ``EngineConfig`` field (but ``NOT_ENGINE_FLAGS``), in the fields' order."""
+    for f, kind in _fields():
+        if f.name not in NOT_ENGINE_FLAGS:
+            _add(p, f, kind)
+
+
+def add_config_flag(p: argparse.ArgumentParser, name: str) -> None:
+    """The flag of one ``EngineConfig`` field that not every command has (``--tokenizer``)."""
+    _add(p, *next((f, kind) for f, kind in _fields() if f.name == name))
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    partition = None
-    if args.pp_layer_partition:
-        try:
-            partition = [int(x) for x in args.pp_layer_partition.split(",")]
-        except ValueError:
-            raise SystemExit(f"--pp-layer-partition must be comma-separated integers, "
-                             f"got {args.pp_layer_partition!r}") from None
-    return dict(dtype=args.dtype, device=args.device, load_format=args.load_format, seed=args.seed,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens,
-                long_prefill_token_threshold=args.long_prefill_token_threshold, page_size=args.page_size,
-                enable_prefix_caching=args.enable_prefix_caching,
-                gpu_memory_utilization=args.gpu_memory_utilization, num_kv_pages=args.num_kv_pages,
-                backend=args.backend, trust_remote_code=args.trust_remote_code, hf_overrides=args.hf_overrides,
-                enforce_eager=args.enforce_eager,
-                async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-                tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
-                expert_parallel_size=args.ep, pp_layer_partition=partition, nnodes=args.nnodes,
-                node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port)
+    """``EngineConfig`` keyword arguments of the flags ``add_engine_arguments`` added (but
+    ``NOT_ENGINE_KWARGS``)."""
+    kwargs = {}
+    for f, kind in _fields():
+        if f.name in NOT_ENGINE_FLAGS + NOT_ENGINE_KWARGS:
+            continue
+        value = getattr(args, _dest(f))
+        if kind == bool | None:
+            value = AUTO_ON_OFF[value]
+        elif kind == list[int]:
+            value = _int_list(value, _flag(f))
+        kwargs[f.name] = value
+    return kwargs

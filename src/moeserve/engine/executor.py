@@ -7,7 +7,7 @@ import gc
 import torch
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig, resolve_max_model_len, uses_async_scheduling
+from moeserve.engine.config import EngineConfig, ResolvedSettings, resolve_settings
 from moeserve.engine.model_runner import ModelRunner, PendingStep
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
@@ -17,12 +17,19 @@ class LocalExecutor:
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.runner = ModelRunner(model_config, config)
         self.kv_capacity_pages = self.runner.num_pages
-        self.runner.capture_graphs(resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
-                                                         self.kv_capacity_pages * self.runner.page_size))
         self.page_size = self.runner.page_size
-        # Asynchronous scheduling: the engine schedules step n+1 while step n runs on the device.
-        self.overlap = uses_async_scheduling(config, pp=1)
-        self.max_in_flight = 2 if self.overlap else 1
+        self.settings: ResolvedSettings = resolve_settings(config, model_config.max_position_embeddings, pp=1,
+                                                           kv_capacity_tokens=self.kv_capacity_pages * self.page_size)
+        self.runner.capture_graphs(self.settings.max_model_len)
+
+    # The names the engine read before ``settings`` (engine/llm_engine.py, until it reads settings).
+    @property
+    def max_in_flight(self) -> int:
+        return self.settings.max_in_flight
+
+    @property
+    def overlap(self) -> bool:
+        return self.settings.async_scheduling
 
     def submit(self, step: StepInput) -> PendingStep:
         return self.runner.launch(step)

@@ -27,8 +27,6 @@ from moeserve.models import model_class
 log = logging.getLogger("moeserve")
 
 CPU_DEFAULT_KV_TOKENS = 1 << 16
-# Dense projections of <= 4 tokens through moeserve.kernels.gemv instead of cuBLAS on the fast path.
-SMALL_GEMV = True
 
 
 @dataclass
@@ -160,8 +158,8 @@ class ModelRunner:
                 m.use_kernel = use[type(m)]
             if isinstance(m, MLAAttention):
                 m.fuse_input_projections()
-            if isinstance(m, linears + (MLAAttention,)):
-                m.small_gemv = SMALL_GEMV and "gemv" in ok
+            if isinstance(m, linears + (MLAAttention,)):  # <= 4 tokens through kernels.gemv, not cuBLAS
+                m.small_gemv = "gemv" in ok
             if isinstance(m, linears):
                 m.method.use_kernels(ok)
         self.sample_kernel = "sampling" in ok
@@ -385,5 +383,6 @@ class ModelRunner:
         return pending.sample.result(pending.host)
 
     def execute(self, step: StepInput) -> SampleResult:
-        """Single-stage step: forward and sample."""
+        """Single-stage step: forward and sample (for scripts/prefill_profile.py; the engine
+        launches and collects)."""
         return self.collect(self.launch(step))

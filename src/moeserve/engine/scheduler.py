@@ -18,8 +18,8 @@ slice through the decode kernel. When pages run out the most recently admitted r
 sequence is preempted: its pages are freed and it goes back to the front of the queue to be
 recomputed later. Nothing is ever dropped.
 
-With ``overlap`` (asynchronous scheduling) the next step is scheduled while the previous one
-still runs on the device. A sequence whose in-flight step samples its next token is then
+With ``async_scheduling`` the next step is scheduled while the previous one still runs on
+the device. A sequence whose in-flight step samples its next token is then
 scheduled again for that token before its value is known: the batch marks it ``deferred``
 and the model runner takes the token from the previous step's output on the device. Should
 that token end the sequence, the extra step's token is dropped when its result comes back.
@@ -31,7 +31,7 @@ so that its last token is always computed (it needs logits), and computes the re
 chunk of its prompt would be. A page is offered to the index when the step that wrote its last
 token has *finished* (``finish_step``: the result came back, so every stage and TP rank has
 written its KV), never at schedule time: a reader is admitted in a later ``schedule`` call
-than that, so whatever the overlap (asynchronous scheduling, PP micro-batches) its step is
+than that, so whatever runs at once (asynchronous scheduling, PP micro-batches) its step is
 launched after the writer's finished, and a failed step (``LLMEngine._forget_in_flight``) can
 never have indexed KV it did not write. The price is that a page becomes shareable one step
 later than at launch. A page in a sequence's table keeps a reference, so eviction never takes
@@ -122,15 +122,19 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_seqs: int | None = None, overlap: bool = False) -> ScheduledBatch:
+    def schedule(self, max_seqs: int | None = None, async_scheduling: bool = False, *,
+                 overlap: bool | None = None) -> ScheduledBatch:
         """Pick the next batch (decodes, then prefill chunks, then admissions: see the module
         doc); ``max_seqs`` caps its size so that several pipeline micro-batches can share the
-        running sequences; ``overlap`` lets a sequence whose previous step is still in flight
-        join (see the module doc)."""
+        running sequences; ``async_scheduling`` lets a sequence whose previous step is still in
+        flight join (see the module doc). ``overlap``: its old name, until engine/llm_engine.py
+        passes ``async_scheduling``."""
+        if overlap is not None:
+            async_scheduling = overlap
         batch = ScheduledBatch()
         cap = max_seqs or self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens
-        wanted = [(seq, *w) for seq in self.running if (w := self._wanted(seq, overlap)) is not None]
+        wanted = [(seq, *w) for seq in self.running if (w := self._wanted(seq, async_scheduling)) is not None]
         decodes = [(seq, n, deferred) for seq, n, deferred in wanted if n == 1]
         prefills = [(seq, n, deferred) for seq, n, deferred in wanted if n > 1]
         for seq, remaining, deferred in decodes + prefills:
@@ -201,11 +205,11 @@ class Scheduler:
             self.allocator.cache(seq.pages[i], hashes[i - 1] if i else ROOT_HASH, seq.token_ids[i * ps:(i + 1) * ps])
         seq.num_cached_pages = full
 
-    def _wanted(self, seq: Sequence, overlap: bool) -> tuple[int, bool] | None:
+    def _wanted(self, seq: Sequence, async_scheduling: bool) -> tuple[int, bool] | None:
         """(tokens a running sequence has left to compute, whether its input token is deferred
         to the step in flight), or None when it cannot join this step."""
         if seq.in_flight:
-            if not overlap or seq.in_flight > 1:
+            if not async_scheduling or seq.in_flight > 1:
                 return None
             if seq.num_scheduled == seq.num_tokens:  # the step in flight samples its next token
                 if seq.at_length_limit(self.config.max_model_len, pending=1):

@@ -14,7 +14,7 @@ from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
 
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig, uses_async_scheduling
+from moeserve.engine.config import EngineConfig, ResolvedSettings
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 from moeserve.parallel.layout import Layout
@@ -46,10 +46,6 @@ class MultiProcessExecutor:
                                    config.pp_layer_partition)
         self.layout.check_model(model_config)
         self.page_size = config.page_size
-        # One micro-batch per stage keeps every stage busy; with one stage, asynchronous
-        # scheduling keeps the next step queued while the ranks run this one.
-        self.overlap = uses_async_scheduling(config, self.layout.pp)
-        self.max_in_flight = 2 if self.overlap else self.layout.pp
         world, nodes = self.layout.world_size, config.nnodes
         if world % nodes:
             raise ValueError(f"{world} ranks cannot be split evenly over {nodes} nodes")
@@ -84,8 +80,25 @@ class MultiProcessExecutor:
             self.shutdown()
             raise
         self.kv_capacity_pages = min(i.kv_pages for i in self.infos)
+        # Resolved by the ranks once they agreed on the KV cache's size (parallel/worker.py): one
+        # micro-batch per stage in flight, or two steps with asynchronous scheduling (one stage).
+        # Ranks of other nodes resolve them from their own flags, which must be the same.
+        self.settings: ResolvedSettings = self.infos[0].settings
+        if any(i.settings != self.settings for i in self.infos):
+            self.shutdown(force=True)
+            raise RankFailure(f"the ranks resolved different settings (does every node run the same flags?): "
+                              f"{[i.settings for i in self.infos]}")
         self._pending: deque[int] = deque()
         self._next_id = 0
+
+    # The names the engine read before ``settings`` (engine/llm_engine.py, until it reads settings).
+    @property
+    def max_in_flight(self) -> int:
+        return self.settings.max_in_flight
+
+    @property
+    def overlap(self) -> bool:
+        return self.settings.async_scheduling
 
     # ---- messages ----
     def _next_message(self, want_rank: int | None = None) -> tuple[int, tuple]:

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from moeserve.config import ModelConfig
+from moeserve.engine.config import EngineConfig, ResolvedSettings, resolve_settings
 from moeserve.engine.step_input import StepInput
-from moeserve.engine.config import EngineConfig, resolve_max_model_len, uses_async_scheduling
 from moeserve.parallel.comm import TPGroup, set_tp_group
 from moeserve.parallel.layout import Layout
 
@@ -35,6 +35,7 @@ class RankInfo:
     weight_bytes: int
     kv_pages: int
     experts: tuple[int, int] | None  # [first, end) routed experts on this rank
+    settings: ResolvedSettings  # as this rank resolved them (every rank the same: same inputs)
 
 
 def _maybe_fail(phase: str, rank: int, step: int = 0) -> None:
@@ -99,17 +100,18 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
     pages = torch.tensor([runner.num_pages], device=runner.device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN)
     runner.resize_kv(int(pages.item()))
-    runner.capture_graphs(resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
-                                                runner.num_pages * runner.page_size))
+    settings = resolve_settings(config, model_config.max_position_embeddings, layout.pp,
+                                runner.num_pages * runner.page_size)
+    runner.capture_graphs(settings.max_model_len)
     experts = None
     first_moe = next((m for m in runner.model.modules() if m.__class__.__name__ == "RoutedExperts"), None)
     if first_moe is not None:
         experts = (first_moe.first_expert, first_moe.first_expert + first_moe.num_local)
     conn.send(("ready", RankInfo(rank, stage, tp_rank, (runner.stage.start_layer, runner.stage.end_layer),
-                                 runner.weight_bytes, runner.num_pages, experts)))
+                                 runner.weight_bytes, runner.num_pages, experts, settings)))
 
-    if uses_async_scheduling(config, layout.pp):
-        _serve_overlapped(conn, runner, rank, tp_rank, stage_groups[0], layout.stage_ranks(0)[0])
+    if settings.async_scheduling:
+        _serve_async_scheduling(conn, runner, rank, tp_rank, stage_groups[0], layout.stage_ranks(0)[0])
     else:
         _serve_pipeline(conn, runner, rank, layout, tp_rank, is_first, is_last, model_config.hidden_size)
     dist.destroy_process_group()
@@ -124,7 +126,7 @@ def _steps(conn: Connection, rank: int) -> Iterator[StepInput]:
         yield msg[1]
 
 
-def _serve_overlapped(conn: Connection, runner, rank: int, tp_rank: int, group, sampling_rank: int) -> None:
+def _serve_async_scheduling(conn: Connection, runner, rank: int, tp_rank: int, group, sampling_rank: int) -> None:
     """One stage with asynchronous scheduling: step n+1 is launched before step n is read back.
     The sampling rank broadcasts each step's sampled ids to its TP peers, whose next step may
     take deferred input tokens from them."""

@@ -19,10 +19,10 @@ DEATH_GRACE_S = 2.0  # /health shows why the engine died for this long before th
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from moeserve.engine.args import add_engine_arguments
+    from moeserve.engine.args import add_config_flag, add_engine_arguments
 
     add_engine_arguments(p)
-    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
+    add_config_flag(p, "tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
