@@ -106,7 +106,7 @@ def wall_ms(runner: ModelRunner, step: StepInput, repeats: int) -> float:
     for _ in range(repeats):
         _sync(runner.device)
         t = time.perf_counter()
-        runner.execute(step)
+        runner.collect(runner.launch(step))
         _sync(runner.device)
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
@@ -127,7 +127,7 @@ def kernel_table(runner: ModelRunner, step: StepInput, iters: int) -> list[tuple
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
     with profile(activities=activities) as prof:
         for _ in range(iters):
-            runner.execute(step)
+            runner.collect(runner.launch(step))
         _sync(runner.device)
     rows: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     for e in prof.key_averages():
@@ -200,7 +200,7 @@ def main() -> None:
             step = profiled_step(length, args.prefix, args.decodes, args.decode_context, config.vocab_size, ps,
                                  seed=length)
             for _ in range(2):  # Triton compiles and autotunes for this shape outside the timings
-                runner.execute(step)
+                runner.collect(runner.launch(step))
             wall = wall_ms(runner, step, args.repeats)
             table = kernel_table(runner, step, args.iters)
             title = f"prompt of {length} tokens" + (f" after {args.prefix} cached" if args.prefix else "") \

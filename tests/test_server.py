@@ -452,3 +452,23 @@ def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path):
         assert all(m.usage.completion_tokens == 5 for m in many)
     finally:
         srv.stop()
+
+
+def test_systemd_unit_writes_negative_and_json_flags_as_serve_reads_them(capsys):
+    import argparse
+    import shlex
+
+    from moeserve.server.cli import add_systemd_unit_arguments, run_systemd_unit
+
+    p = argparse.ArgumentParser()
+    add_systemd_unit_arguments(p)
+    args = p.parse_args(["--model", "deepseek-v3", "--no-enable-prefix-caching",
+                         "--hf-overrides", '{"num_hidden_layers": 5}'])
+    assert run_systemd_unit(args) == 0
+    exec_start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ExecStart="))
+    words = shlex.split(exec_start.split(" serve ", 1)[1])
+    assert "--no-enable-prefix-caching" in words and "False" not in words
+    served = argparse.ArgumentParser()
+    add_systemd_unit_arguments(served)
+    again = served.parse_args(words)
+    assert again.enable_prefix_caching is False and again.hf_overrides == {"num_hidden_layers": 5}

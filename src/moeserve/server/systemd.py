@@ -4,6 +4,7 @@ once ``moeserve wait-ready`` says the server is ready (no hand-written curl loop
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Callable
 
@@ -34,10 +35,15 @@ def cli_words(args: argparse.Namespace, add_arguments: Callable[[argparse.Argume
         if value == action.default or value is None:
             continue
         flag = max(action.option_strings, key=len)
-        if isinstance(action, argparse._StoreTrueAction):
+        if isinstance(action, argparse.BooleanOptionalAction):  # --x / --no-x: the one that gives value
+            words.append(next(o for o in action.option_strings if o.startswith("--no-") != bool(value)))
+        elif isinstance(action, argparse._StoreTrueAction):
             words.append(flag)
+        elif isinstance(value, dict):  # a JSON flag (--hf-overrides)
+            words += [flag, json.dumps(value)]
         elif isinstance(value, (list, tuple)):
-            words += [flag, *map(str, value)]
+            words += ([flag, ",".join(map(str, value))] if action.nargs is None  # one comma-separated word
+                      else [flag, *map(str, value)])
         else:
             words += [flag, str(value)]
     return words
