@@ -381,8 +381,3 @@ class ModelRunner:
         if pending.done is not None:
             pending.done.synchronize()
         return pending.sample.result(pending.host)
-
-    def execute(self, step: StepInput) -> SampleResult:
-        """Single-stage step: forward and sample (for scripts/prefill_profile.py; the engine
-        launches and collects)."""
-        return self.collect(self.launch(step))
