@@ -7,11 +7,13 @@ Same contract as :func:`moeserve.kernels.moe_ref.moe_experts_ref` (wrapped here 
 
 Pipeline (all on the device, no host sync, no Python loop over experts):
 
-1. ``align_pairs_by_expert`` (torch ops): the T*K (token, slot) pairs are sorted by local
+1. ``align_pairs_by_expert`` (``kernels.moe_align``: three Triton launches, torch reference
+   ``align_pairs_by_expert_ref`` there): the T*K (token, slot) pairs are sorted by local
    expert and each expert's run is padded to a multiple of BLOCK_M, so every BLOCK_M-row block
    belongs to one expert. Output: ``sorted_pairs`` (pair id per row, ``T*K`` marks padding) and
    ``block_expert`` (expert per block, -1 for blocks past the end). The buffer is sized for
-   the worst case so its size never depends on the routing.
+   the worst case so its size never depends on the routing. The kernels below compute every
+   row on its own and write by pair id, so the order of pairs within a run does not matter.
 2. ``_moe_gate_up_kernel``: per (block, N-tile) program, gathers the block's token rows of x
    and multiplies them by the expert's gate and up rows at once (two accumulators, one A
    tile), then applies ``silu(gate) * up`` in the epilogue -> ``inter [rows, I]``.
@@ -38,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.moe_align import align_pairs_by_expert, align_pairs_by_expert_ref
 from moeserve.kernels.moe_gemv import GEMV_MAX_PAIRS, moe_gemv
 from moeserve.kernels.moe_ref import moe_experts_ref
 from moeserve.kernels.utils import dot_args, interpreting, mma
@@ -92,44 +95,6 @@ def moe_config(num_pairs: int, num_local_experts: int) -> dict:
     if interpreting():
         return dict(INTERPRETER_TILE)
     return gpu_tile_config(num_pairs / max(num_local_experts, 1))
-
-
-def align_pairs_by_expert(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Group the flattened (token, k) pairs by local expert in BLOCK_M-aligned runs.
-
-    Returns ``sorted_pairs [capacity]`` (flattened pair id ``t * K + k`` per row; padding rows
-    hold ``T * K``) and ``block_expert [capacity // block_m]`` (the local expert of each block,
-    -1 for unused blocks). ``capacity`` is the worst case ``T*K + min(T*K, E) * (block_m - 1)``,
-    rounded to whole blocks, so nothing here waits for the device.
-    """
-    E = num_local_experts
-    num_pairs = topk_ids.numel()
-    device = topk_ids.device
-    local = topk_ids.reshape(-1).to(torch.int64) - first_expert
-    local = torch.where((local >= 0) & (local < E), local, E)  # other ranks' experts -> bucket E (dropped)
-
-    # [E + 1] pairs per expert, the last bucket other ranks'. (Not torch.bincount: on CUDA it
-    # reads the max back to the host, which would stall the stream and break graph capture.)
-    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, local, torch.ones_like(local))
-    padded = (counts[:E] + block_m - 1) // block_m * block_m
-    pad_end = torch.cumsum(padded, 0)  # [E] end of each expert's padded run
-    pad_start = pad_end - padded
-    count_start = torch.cumsum(counts, 0) - counts  # [E + 1] start of each expert's pairs when sorted
-
-    order = torch.argsort(local, stable=True)  # pair ids, grouped by expert
-    sorted_local = local[order]
-    rank_in_expert = torch.arange(num_pairs, device=device) - count_start[sorted_local]
-
-    capacity = triton.cdiv(num_pairs + min(num_pairs, E) * (block_m - 1), block_m) * block_m
-    dest = torch.where(sorted_local < E, pad_start[sorted_local.clamp(max=E - 1)] + rank_in_expert, capacity)
-    sorted_pairs = torch.full((capacity + 1,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))  # row `capacity` collects dropped pairs
-
-    block_start = torch.arange(0, capacity, block_m, device=device)
-    block_expert = torch.searchsorted(pad_end, block_start, right=True)
-    block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
-    return sorted_pairs[:capacity], block_expert
 
 
 @triton.jit
@@ -267,4 +232,5 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     return pair_out.view(T, K, hidden).sum(dim=1)
 
 
-__all__ = ["fused_moe", "fused_moe_ref", "align_pairs_by_expert", "moe_config", "gpu_tile_config"]
+__all__ = ["fused_moe", "fused_moe_ref", "align_pairs_by_expert", "align_pairs_by_expert_ref", "moe_config",
+           "gpu_tile_config"]
