@@ -11,6 +11,10 @@ module                 kernel (wrapper)                            reference
 ``fused_moe``          routed experts: align pairs by expert, two  ``fused_moe_ref``
                        grouped GEMMs (SiLU*up and the top-k weight (= ``kernels.moe_ref.moe_experts_ref``)
                        fused), combine (``fused_moe``)
+``moe_align``          the (token, expert) pairs grouped by local  ``align_pairs_by_expert_ref``
+                       expert in BLOCK_M-aligned runs for the
+                       grouped GEMMs, three launches, no host sync
+                       (``align_pairs_by_expert``)
 ``moe_gemv``           routed + shared experts for <= 32 (token,   ``kernels.moe_ref.moe_experts_ref``
                        expert) pairs: two GEMV kernels, no         + the shared ``DenseMLP``
                        alignment, the sum inside (``moe_gemv``)
@@ -33,8 +37,8 @@ module                 kernel (wrapper)                            reference
 ``fp8_linear``         DeepSeek-V3 FP8 (128 x 128 block scales)    ``fp8_linear_ref``
                        linears: per-token, per-128-channel         (= ``quant.fp8`` dequantize
                        activation quantization + W8A8 GEMM on the  + ``F.linear``)
-                       fp8 tensor cores; an FP8-weight GEMV for
-                       <= 4 tokens (``fp8_linear``)
+                       fp8 tensor cores, split K at <= 16 tokens
+                       (``fp8_linear``)
 ``fp8_moe``            FP8 routed experts: the grouped W8A8 GEMMs  ``fp8_moe_ref``
                        of ``fused_moe`` (``fp8_fused_moe``) and    (= ``moe_experts_by_expert`` +
                        the GEMV pair of ``moe_gemv`` with FP8      ``quant.fp8`` dequantize)
