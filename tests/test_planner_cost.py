@@ -3,11 +3,12 @@
 import argparse
 import json
 import math
+from pathlib import Path
 
 import pytest
 
 from moeserve.config import load_model_config
-from moeserve.planner import collectives
+from moeserve.planner import collectives, shape
 from moeserve.planner.cli import add_plan_arguments, run_plan, workload_from_args
 from moeserve.planner.cost import Terms, decode_step, kernel_terms, layer_terms, step_overhead_s
 from moeserve.planner.explain import explain_rows
@@ -132,6 +133,98 @@ def test_kv_bytes_and_ep_imbalance(kimi):
     assert ep8 > tp8  # whole experts on 8 groups: the busiest rank reads ~2.3 experts, TP8 one expert's worth
 
 
+# ---- kernel shape: INT4 expert slices (shape.py, benchmarks/h200-2026-12-01b/moe_shape) ----
+
+SHAPE_RUN = Path(__file__).parent.parent / shape.SOURCE
+
+
+def test_shape_sweep_is_copied_right():
+    rows = json.loads(SHAPE_RUN.read_text())
+    assert len(rows) == len(shape.SWEEP)
+    for r, p in zip(rows, shape.SWEEP):
+        assert (r["case"], r["tokens"], r["inter"], r["touched"], r["bytes_per_expert"]) == (
+            p.case, p.tokens, p.inter, p.touched, p.bytes_per_expert)
+        assert p.us == pytest.approx(r["us"], abs=0.006)
+
+
+def test_shape_efficiency_arithmetic():
+    """Streaming efficiency = streamed bytes / ((measured us - the floors the model charges) x 4.08 TB/s),
+    interpolated in log slice bytes and log tokens, the nearest point held outside."""
+    tp8 = next(p for p in shape.SWEEP if p.case == "tp8" and p.tokens == 1)
+    assert shape.charged_floor_us(tp8) == pytest.approx(2 * 3.3)  # the two GEMV kernels' floors
+    assert shape.point_efficiency(tp8) == pytest.approx(8 * 3096576 / ((28.92 - 6.6) * 1e-6 * 4.8e12 * 0.85))
+    assert shape.point_efficiency(tp8) == pytest.approx(0.272, abs=5e-4)
+    tp8_16 = next(p for p in shape.SWEEP if p.case == "tp8" and p.tokens == 16)
+    assert shape.charged_floor_us(tp8_16) == pytest.approx(73 + 2 * 3.3 + 2 * 1.9)  # + alignment, act, top-k sum
+    assert shape.streamed_bytes(tp8_16) == 108 * 3096576  # grouped: each touched expert once
+    row = dict(shape.rows()[1])
+    s8, s4, s1 = row[3096576.0], row[6193152.0], row[24772608.0]
+    # halfway between two slices in log bytes: the mean; outside the measured slices: the nearest held
+    assert shape.row_efficiency(1, math.sqrt(3096576 * 6193152)) == pytest.approx((s8 + s4) / 2)
+    assert shape.row_efficiency(1, 1e6) == s8 and shape.row_efficiency(1, 1e9) == s1
+    assert shape.row_efficiency(1, 24772608, relative=True) == pytest.approx(1.0)
+    assert shape.row_efficiency(1, 3096576, relative=True) == pytest.approx(s8 / s1)
+    # between token rows: linear in log tokens (2 tokens: halfway between the 1- and 4-token rows)
+    s8_4 = dict(shape.rows()[4])[3096576.0]
+    assert shape.efficiency(3096576, 2, (1, 4)) == pytest.approx((s8 + s8_4) / 2)
+    assert shape.efficiency(3096576, 128, (1, 4, 16)) == pytest.approx(dict(shape.rows()[16])[3096576.0])
+
+
+def test_shape_by_engine():
+    """moeserve: the measured level, all tokens x top_k slots charged on its GEMV path (local or not);
+    other engines: the shape over the whole-expert value, local experts only."""
+    whole, tp8 = 24772608, 3096576
+    row = dict(shape.rows()[1])
+    assert shape.expert_efficiency(tp8, 1, 8, 8, "moeserve", True) == pytest.approx(row[tp8])
+    lone = shape.expert_efficiency(whole, 1, 1, 8, "moeserve", True)
+    assert lone == pytest.approx(row[whole] / 8)  # one local expert costs the time of eight
+    assert shape.expert_efficiency(whole, 1, 1, 8, "relative", True) == pytest.approx(1.0)
+    assert shape.expert_efficiency(tp8, 1, 8, 8, "relative", True) == pytest.approx(row[tp8] / row[whole])
+    grouped = dict(shape.rows()[16])[tp8]
+    assert shape.expert_efficiency(tp8, 32, 190, 8, "moeserve", False) == pytest.approx(grouped)
+    with pytest.raises(ValueError):
+        shape.expert_efficiency(tp8, 1, 8, 8, "other", True)
+
+
+def _routed_us(work, hw) -> float:
+    """The routed-expert part of a MoE layer's kernels: their routed bytes at the shape efficiency + floors."""
+    names = {"experts gate_up", "experts down", "experts act", "experts combine", "moe_align"}
+    ks = [k for k in work.kernels if k.name in names]
+    floors = sum(kernel_terms(hw, Kernel(k.name, k.kind)).launch for k in ks)
+    return (floors + sum(k.routed_equivalent_bytes for k in ks) / hw.hbm_bytes_per_s) * 1e6
+
+
+def test_moeserve_reproduces_the_shape_sweep_on_an_h200(kimi):
+    """With the priors on an H200, a Kimi layer's routed-expert kernels take what the sweep measured: exactly on
+    the GEMV path (1 and 4 tokens), within the planner's expected coverage (~110 experts at 16 tokens, 108-112
+    in the sweep) on the grouped one; EP8 ranks (1-3 local experts) within 15 % (charged as all 8 slots)."""
+    hw = resolve_hardware(8, gpu="h200")
+    for p in shape.SWEEP:
+        if p.tp_slice:
+            tp = 2048 // p.inter
+            work = layer_work(kimi, 5, tp, 1, p.tokens, 0.0)
+            if p.tokens == 1:  # the planner's slice is the sweep's (packed words + bf16 scales)
+                assert work.routed_bytes == pytest.approx(8 * p.bytes_per_expert)
+            rel = 1e-9 if p.gemv else 0.025
+            assert _routed_us(work, hw) == pytest.approx(p.us, rel=rel), p
+        else:
+            eff = shape.expert_efficiency(p.bytes_per_expert, p.tokens, p.touched, 8, "moeserve", p.gemv)
+            us = shape.charged_floor_us(p) + p.touched * p.bytes_per_expert / (hw.hbm_bytes_per_s * eff) * 1e6
+            assert us == pytest.approx(p.us, rel=0.15), p
+
+
+def test_shape_applies_to_int4_experts_only(kimi, dsv3, moonlight):
+    for cfg, layer in ((dsv3, 3), (moonlight, 1)):
+        for engine in ("moeserve", "vllm"):
+            work = layer_work(cfg, layer, 8 if cfg is dsv3 else 1, 1, 1, 0.0, engine=engine)
+            assert all(k.routed_efficiency == 1.0 for k in work.kernels)
+    vllm = layer_work(kimi, 5, 8, 1, 1, 0.0, engine="vllm")
+    row = dict(shape.rows()[1])
+    assert [k.routed_efficiency for k in vllm.kernels if k.routed_bytes] == pytest.approx([row[3096576] / row[24772608]] * 2)
+    ep8 = layer_work(kimi, 5, 8, 8, 1, 0.0, engine="vllm")
+    assert [k.routed_efficiency for k in ep8.kernels if k.routed_bytes] == pytest.approx([1.0, 1.0])  # whole experts
+
+
 # ---- kernel time and step terms ----
 
 
@@ -143,6 +236,8 @@ def test_kernel_time_is_floor_plus_bytes_or_flops():
     assert t.weights == pytest.approx(40e6 / (4.8e12 * 0.85))
     big = Kernel("y", KernelKind.GEMV, weight_bytes=1e6, flops=1e12)
     assert kernel_terms(hw, big).compute == pytest.approx(1e12 / (989e12 * 0.5)) and kernel_terms(hw, big).weights == 0
+    routed = kernel_terms(hw, Kernel("r", KernelKind.MOE, weight_bytes=40e6, routed_bytes=30e6, routed_efficiency=0.5))
+    assert routed.weights == pytest.approx((10e6 + 30e6 / 0.5) / (4.8e12 * 0.85))  # shared part at the prior
     fp8 = Kernel("z", KernelKind.GEMV, weight_bytes=1e6, flops=1e12, fp8=True)
     assert kernel_terms(hw, fp8).compute == pytest.approx(1e12 / (1979e12 * 0.5))
     eager = kernel_terms(hw, Kernel("e", KernelKind.ELEMENTWISE), eager=True)

@@ -6,8 +6,9 @@ Every kernel of the step (``kernels.py``) costs its latency floor plus its strea
                + max(weight_bytes / (HBM x hbm_efficiency) + kv_bytes / (HBM x attention_efficiency),
                      FLOPs / (peak x flops_efficiency))
 
-(``peak`` is the FP8 tensor-core peak for FP8 weights). Collectives cost latency + bytes per
-algorithm (``collectives.py``): per layer with tp > 1 one all-reduce after attention and one
+(``peak`` is the FP8 tensor-core peak for FP8 weights), where INT4 routed-expert bytes stream at
+``hbm_efficiency x`` the kernel-shape efficiency of the slice a rank holds (``shape.py``, measured).
+Collectives cost latency + bytes per algorithm (``collectives.py``): per layer with tp > 1 one all-reduce after attention and one
 after the MLP / MoE block, the embedding's all-reduce on stage 0, the logits all-gather on the
 last stage. Stages hand over hidden + residual (bf16) point to point.
 
@@ -94,7 +95,8 @@ def kernel_terms(hw: Hardware, k: Kernel, eager: bool = False) -> Terms:
     """One kernel: its latency floor plus its bytes or FLOPs. Launched eagerly, a kernel costs at least the
     host's launch time (the GPU waits for the host)."""
     floor = kernel_floor_s(hw, k.kind)
-    weights = k.weight_bytes / hw.hbm_bytes_per_s
+    # routed-expert slices stream at the kernel-shape efficiency (shape.py), the rest at the prior's
+    weights = (k.weight_bytes - k.routed_bytes + k.routed_equivalent_bytes) / hw.hbm_bytes_per_s
     kv = k.kv_bytes / hw.attention_bytes_per_s
     compute = k.flops / hw.matmul_flops_per_s(k.fp8) if k.flops else 0.0
     if eager:

@@ -2,8 +2,9 @@
 
 For one request and for the planned concurrency: the cycle split into its terms (weights,
 KV, compute, kernel latency floors, collectives, pipeline sends, host overhead; they add up to
-the cycle) and, for each, what it is made of on one GPU: bytes streamed, kernels launched,
-collectives with the algorithm and time of one call.
+the cycle) and, for each, what it is made of on one GPU: bytes streamed (with the INT4 routed
+experts' kernel-shape efficiency, ``shape.py``), kernels launched, collectives with the
+algorithm and time of one call.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ class StageInventory:
     layers: int
     kernels: int
     weight_bytes: float
+    routed_bytes: float  # of weight_bytes: routed-expert slices
+    routed_equivalent_bytes: float  # what the prior efficiency streams in their time (kernel shape)
     kv_bytes: float
     flops: float
     collectives: dict[str, tuple[int, float, str]]  # name -> (calls, seconds per call, algorithm)
@@ -54,6 +57,8 @@ def stage_inventory(plan: Plan, lp: LayoutPlan, micro_batch: int) -> list[StageI
             layers=b - a,
             kernels=sum(len(w.kernels) for w in works),
             weight_bytes=sum(w.weight_bytes for w in works),
+            routed_bytes=sum(w.routed_bytes for w in works),
+            routed_equivalent_bytes=sum(w.routed_equivalent_bytes for w in works),
             kv_bytes=sum(w.kv_bytes for w in works),
             flops=sum(w.flops for w in works),
             collectives=calls,
@@ -75,6 +80,12 @@ def explain_rows(plan: Plan, lp: LayoutPlan, step: StepTime) -> list[tuple[str, 
     stages = stage_inventory(plan, lp, step.micro_batch_size)
     path, times = _critical(step, stages)
     weights = sum(s.weight_bytes for s in path) * times
+    routed = sum(s.routed_bytes for s in path) * times
+    routed_equivalent = sum(s.routed_equivalent_bytes for s in path) * times
+    shape_note = ""
+    if routed and abs(routed_equivalent / routed - 1) > 1e-9:
+        shape_note = (f"; {routed / 1e9:.2f} GB of it routed experts at x {routed / routed_equivalent:.2f} "
+                      f"for their kernels' shape (INT4, shape.py)")
     kv = sum(s.kv_bytes for s in path) * times
     kernels = sum(s.kernels for s in path) * times
     gpu = "a GPU of each stage" if len(path) > 1 else "one GPU"
@@ -87,7 +98,8 @@ def explain_rows(plan: Plan, lp: LayoutPlan, step: StepTime) -> list[tuple[str, 
     comm = "; ".join(f"{n} x {name} {sec * 1e6:.1f} us ({alg})" for name, (n, sec, alg) in calls.items()) or "none"
     floors = ", ".join(f"{k.value} {v:g}" for k, v in _floors(hw).items())
     detail = {
-        "weights": f"{weights / 1e9:.2f} GB on {gpu} at {hw.hbm_tbps:g} TB/s x {hw.constants.hbm_efficiency:.2f}",
+        "weights": f"{weights / 1e9:.2f} GB on {gpu} at {hw.hbm_tbps:g} TB/s x {hw.constants.hbm_efficiency:.2f}"
+                   + shape_note,
         "kv": f"{kv / 1e9:.2f} GB of MLA latents ({plan.workload.kv_len:.0f} tokens x {step.batch} seqs, "
               f"{lp.settings.kv_dtype_bytes} B/value) at {hw.hbm_tbps:g} TB/s x {hw.constants.attention_efficiency:.2f}",
         "compute": f"kernels whose FLOPs outlast their bytes, at {hw.constants.flops_efficiency:.2f} of peak",

@@ -93,6 +93,14 @@ def hit_rate(predictions: list[Prediction]) -> float:
     return sum(p.within for p in predictions) / len(predictions)
 
 
+def by_source(predictions: list[Prediction]) -> dict[str, tuple[int, int, float]]:
+    """source -> (points within, points, mean error)."""
+    groups: dict[str, list[Prediction]] = {}
+    for p in predictions:
+        groups.setdefault(p.point.source, []).append(p)
+    return {s: (sum(p.within for p in ps), len(ps), sum(p.error for p in ps) / len(ps)) for s, ps in groups.items()}
+
+
 @dataclass(frozen=True)
 class RankingResult:
     claim: RankingClaim
@@ -154,10 +162,16 @@ def report() -> str:
     lines = ["| source | layout | cell | metric | measured | predicted | error |", "|---|---|---|---|---:|---:|---:|"]
     for p in preds:
         unit = "ms" if p.point.metric == "tpot_ms" else "tok/s"
-        lines.append(f"| {p.point.source} | {p.point.layout} | {p.point.label} | {p.point.metric} | "
-                     f"{p.point.measured:,.2f} {unit} | {p.predicted:,.2f} {unit} | {p.error * 100:+.1f} % |")
+        metric = "TPOT" if p.point.metric == "tpot_ms" else "decode tok/s"
+        miss = "" if p.within else " **x**"
+        lines.append(f"| {p.point.source} | {p.point.layout} | {p.point.label} | {metric} | "
+                     f"{p.point.measured:,.2f} {unit} | {p.predicted:,.2f} {unit} | {p.error * 100:+.1f} %{miss} |")
     lines.append("")
-    lines.append(f"within +-{TOLERANCE:.0%}: {sum(p.within for p in preds)} of {len(preds)} ({hit_rate(preds):.0%})")
+    lines.append(f"**{sum(p.within for p in preds)} of {len(preds)} points ({hit_rate(preds):.0%}) within "
+                 f"±{TOLERANCE * 100:.0f} %** (target: 80 %).")
+    lines.append("")
+    lines.append("By source: " + "; ".join(f"{src} {n} of {m} within (mean {mean * 100:+.1f} %)"
+                                           for src, (n, m, mean) in by_source(preds).items()) + ".")
     lines.append("")
     lines.append("| finding (source) | planner's prediction | winner ranked first or within 5 %? |")
     lines.append("|---|---|---|")

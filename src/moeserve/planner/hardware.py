@@ -74,7 +74,8 @@ class CostConstants:
     step_overhead_ms 0.3: host time a step does not hide under the GPU (async scheduling).
     """
 
-    hbm_efficiency: float = 0.85  # of spec bandwidth, for weights streamed by GEMV / grouped GEMM
+    hbm_efficiency: float = 0.85  # of spec bandwidth, for weights streamed by GEMV / grouped GEMM (INT4 routed
+    # experts: x their kernel-shape efficiency, shape.py)
     attention_efficiency: float = 0.50  # of spec bandwidth, for the MLA decode kernel's KV reads
     flops_efficiency: float = 0.50  # of dense peak (FP8 peak for FP8 weights)
     link_efficiency: float = 0.65  # of link bandwidth, for collectives' bytes

@@ -25,7 +25,8 @@ router                router      gate GEMV + top-k
 shared gate_up/down   gemv (+act) the shared experts, TP split
 moe_align             moe_align   grouped-GEMM path only: sort the (token, expert) pairs by expert
 experts gate_up/down  moe (+act)  the experts the step touches (routing.py), TP/EP split;
-                                  FLOPs padded to whole 16-row MMA tiles per expert
+                                  FLOPs padded to whole 16-row MMA tiles per expert; INT4
+                                  experts at their kernel-shape efficiency (shape.py)
 experts combine       elementwise top-k weighted sum; then an all-reduce
 ====================  ==========  ==================================================================
 
@@ -49,6 +50,7 @@ from enum import Enum
 from functools import lru_cache
 
 from moeserve.config import ModelConfig
+from moeserve.planner import shape
 from moeserve.planner.memory import global_sizes, tensor_sizes
 from moeserve.planner.quant import weight_format
 from moeserve.planner.routing import busiest_group
@@ -95,6 +97,9 @@ class EngineProfile:
     eager_launch_us: float = 10.0  # host time to launch one kernel eagerly: an eager kernel costs at least this
     pipeline_async: bool = True  # pp > 1 still overlaps the host's step work with the GPU
     host_step_ms: tuple[float, float] = (0.6, 0.0196)  # host work of a step: fixed + per sequence (ms)
+    # INT4 routed experts' kernel-shape term (shape.py): "moeserve" (the measured kernels: their level and
+    # shape, the GEMV's lone-expert floor) or "relative" (only the shape, over the prior efficiency)
+    moe_shape: str = "relative"
 
 
 ENGINES: dict[str, EngineProfile] = {
@@ -110,6 +115,7 @@ ENGINES: dict[str, EngineProfile] = {
         gemv_path_fuses_shared=True,
         pipeline_cuda_graphs=False,
         pipeline_async=False,
+        moe_shape="moeserve",
     ),
     "vllm": EngineProfile(
         "vllm", 0, KERNEL_FLOOR_US[KernelKind.MOE_ALIGN], "custom",
@@ -127,6 +133,13 @@ class Kernel:
     kv_bytes: float = 0.0
     flops: float = 0.0
     fp8: bool = False  # a matmul on FP8 weights (FP8 tensor-core peak)
+    routed_bytes: float = 0.0  # of weight_bytes: routed-expert slices, streamed at routed_efficiency
+    routed_efficiency: float = 1.0  # kernel-shape multiplier on hbm_efficiency for them (shape.py)
+
+    @property
+    def routed_equivalent_bytes(self) -> float:
+        """The routed bytes as many as the prior efficiency would stream in their time."""
+        return self.routed_bytes / self.routed_efficiency if self.routed_bytes else 0.0
 
 
 @dataclass(frozen=True)
@@ -155,6 +168,14 @@ class Work:
     def flops(self) -> float:
         return sum(k.flops for k in self.kernels)
 
+    @property
+    def routed_bytes(self) -> float:
+        return sum(k.routed_bytes for k in self.kernels)
+
+    @property
+    def routed_equivalent_bytes(self) -> float:
+        return sum(k.routed_equivalent_bytes for k in self.kernels)
+
 
 def _padded(rows: float) -> float:
     """Token rows a matmul computes: whole MMA tiles."""
@@ -181,6 +202,11 @@ class _Layer:
     def fp8(self, suffix: str) -> bool:
         names = self._names(suffix)
         return bool(names) and weight_format(self.cfg, self.specs[names[0]]).block is not None
+
+    def int4(self, suffix: str) -> bool:
+        names = self._names(suffix)
+        fmt = weight_format(self.cfg, self.specs[names[0]]) if names else None
+        return fmt is not None and fmt.bits == 4 and fmt.group_size is not None
 
 
 def _gemv(layer: _Layer, name: str, tokens: int, *suffixes: str, fraction: float = 1.0) -> list[Kernel]:
@@ -231,15 +257,23 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
     touched = cov.touched / cov.local_experts
     padded = cov.touched * _padded(cov.tokens_per_expert) / cov.local_experts  # whole tiles per expert
     fp8 = layer.fp8("experts.{e}.gate_proj.weight")
-    for part, suffixes in (("gate_up", (".gate_proj.weight", ".up_proj.weight")), ("down", (".down_proj.weight",))):
+    parts = (("gate_up", (".gate_proj.weight", ".up_proj.weight")), ("down", (".down_proj.weight",)))
+    efficiency = 1.0
+    if layer.int4("experts.{e}.gate_proj.weight"):  # the kernel-shape term: measured for INT4 experts only
+        slice_bytes = layer.bytes(*(f"experts.{{e}}{s}" for _, ss in parts for s in ss)) / cov.local_experts
+        efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cfg.num_experts_per_tok,
+                                             engine.moe_shape, gemv_path)
+    for part, suffixes in parts:
         names = [f"experts.{{e}}{s}" for s in suffixes]
-        weights, flops = layer.bytes(*names) * touched, 2 * layer.numel(*names) * padded
+        routed, flops = layer.bytes(*names) * touched, 2 * layer.numel(*names) * padded
+        weights = routed
         if fused and shared:  # the shared experts ride as extra slots of the same kernel
             weights += layer.bytes(*shared[part])
             flops += 2 * batch * layer.numel(*shared[part])
         if fp8:
             ks.append(Kernel(f"experts {part} fp8 quant", KernelKind.ELEMENTWISE))
-        ks.append(Kernel(f"experts {part}", KernelKind.MOE, weights, flops=flops, fp8=fp8))
+        ks.append(Kernel(f"experts {part}", KernelKind.MOE, weights, flops=flops, fp8=fp8, routed_bytes=routed,
+                         routed_efficiency=efficiency))
         if part == "gate_up" and not fused:
             ks.append(Kernel("experts act", KernelKind.ELEMENTWISE))
     if not fused:

@@ -20,8 +20,9 @@ def not_modelled(cfg: ModelConfig, hw: Hardware) -> list[str]:
             "replicated MLA cache, and all-to-all dispatch is not counted"
         )
         notes.append(
-            "GEMV efficiency by shape is not modelled: whole experts (EP) and 1/tp slices stream at the same "
-            "bandwidth efficiency; routing is uniform (routing.py)"
+            "kernel shape is measured for INT4 routed experts only (moeserve's kernels on one H200, shape.py): "
+            "FP8 and bf16 experts stream at one efficiency whatever the slice; other engines' INT4 kernels are "
+            "given our kernels' shape, not their level; routing is uniform (routing.py)"
         )
     if hw.gpus > 1:
         notes.append("decode context parallelism (vLLM --decode-context-parallel-size) is not modelled")

@@ -257,7 +257,8 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
     console.print(
         f"[dim]cost model per kernel: latency floor x {c.kernel_latency_scale:.2f} + max(weights / ({hw.hbm_tbps:g} TB/s x "
         f"{c.hbm_efficiency:.2f}) + KV / ({hw.hbm_tbps:g} TB/s x {c.attention_efficiency:.2f}), FLOPs / (peak x "
-        f"{c.flops_efficiency:.2f})); NCCL all-reduce {hw.link_gbps:g} GB/s x {c.link_efficiency:.2f}, "
+        f"{c.flops_efficiency:.2f})), INT4 routed experts at x their kernel-shape efficiency; "
+        f"NCCL all-reduce {hw.link_gbps:g} GB/s x {c.link_efficiency:.2f}, "
         f"{c.link_latency_us:.2f} us per ring step ({hw.allreduce}); + {c.step_overhead_ms:.2f} ms per step. "
         f"--explain LAYOUT shows the terms; --calibrate bench.json fits them.[/]"
     )
