@@ -44,6 +44,8 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from moeserve.planner.engines import ENGINES, KERNEL_FLOOR_US, KernelKind
+
 SOURCE = "benchmarks/h200-2026-12-01b/moe_shape/moe_shape.json"
 SCRIPT = "scripts/moe_shape_sweep.py (commit 40386e0)"
 SWEEP_TOP_K = 8
@@ -102,8 +104,6 @@ def charged_floor_us(p: SweepPoint) -> float:
     """The latency floors the cost model charges moeserve's routed-expert kernels of this case: the two
     GEMV kernels on the GEMV path; the alignment, the two grouped GEMMs, the activation and the top-k sum
     on the grouped path (kernels.py)."""
-    from moeserve.planner.kernels import ENGINES, KERNEL_FLOOR_US, KernelKind
-
     moe, elem = KERNEL_FLOOR_US[KernelKind.MOE], KERNEL_FLOOR_US[KernelKind.ELEMENTWISE]
     if p.gemv:
         return 2 * moe
