@@ -197,8 +197,9 @@ class LLMEngine:
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """``step_deltas`` folded into vLLM's cumulative outputs: the requests the step changed
-        (only those that finished, with ``finished_only``), each one's output so far. A request's
-        steps go through one of the two: the deltas that ``step_deltas`` returns are not folded."""
+        (only those that finished, with ``finished_only``), each one's output so far (one object
+        per request, updated in place). A request's steps go through one of the two: the deltas
+        that ``step_deltas`` returns are not folded."""
         outputs = []
         for req, delta in self._run_step():
             if req.output is None:

@@ -19,8 +19,8 @@ class StreamedText:
         self.pending = ""  # detokenized, not yet released
 
     def add(self, text: str, check_stops: bool = False) -> str | None:
-        """Append newly detokenized text; with ``check_stops``, look for a stop string ending in
-        it (or in the text held back) and cut the text there. Returns the stop string found."""
+        """Append newly detokenized text; with ``check_stops``, look for a stop string in the
+        text held back and the new text, and cut the text there. Returns the stop string found."""
         if not (check_stops and self.stops):
             self.pending += text
             return None
