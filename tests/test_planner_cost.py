@@ -13,7 +13,8 @@ from moeserve.planner.cli import add_plan_arguments, run_plan, workload_from_arg
 from moeserve.planner.cost import Terms, decode_step, kernel_terms, layer_terms, step_overhead_s
 from moeserve.planner.explain import explain_rows
 from moeserve.planner.hardware import CostConstants, resolve_hardware
-from moeserve.planner.kernels import KERNEL_FLOOR_US, Kernel, KernelKind, layer_work
+from moeserve.planner.engines import KERNEL_FLOOR_US, KernelKind
+from moeserve.planner.kernels import Kernel, layer_work
 from moeserve.planner.layouts import Layout
 from moeserve.planner.memory import kv_budget_bytes, layer_sizes, rank_weight_sizes, runtime_reserve
 from moeserve.planner.plan import evaluate_layout, plan_layouts

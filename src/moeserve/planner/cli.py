@@ -16,7 +16,7 @@ from moeserve.planner.calibrate import calibrate_from_files
 from moeserve.planner.collectives import ALLREDUCE_IMPLS
 from moeserve.planner.explain import explain_json, render_explain
 from moeserve.planner.hardware import GPU_PRESETS, INTERCONNECTS, resolve_hardware
-from moeserve.planner.kernels import ENGINES
+from moeserve.planner.engines import ENGINES
 from moeserve.planner.layouts import parse_layout
 from moeserve.planner.plan import plan_layouts
 from moeserve.planner.report import plan_json, render_plan

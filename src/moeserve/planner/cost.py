@@ -32,12 +32,10 @@ from moeserve.config import ModelConfig
 from moeserve.parallel.partition import stage_layer_ranges
 from moeserve.planner import collectives
 from moeserve.planner.hardware import Hardware
+from moeserve.planner.engines import ENGINES, KERNEL_FLOOR_US, KernelKind
 from moeserve.planner.kernels import (
     ACT_BYTES,
-    ENGINES,
-    KERNEL_FLOOR_US,
     Kernel,
-    KernelKind,
     Work,
     layer_work,
     representative_layer,

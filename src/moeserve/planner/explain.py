@@ -18,7 +18,8 @@ from rich.table import Table
 
 from moeserve.parallel.partition import stage_layer_ranges
 from moeserve.planner.cost import TERM_LABELS, StepTime, collective_s, p2p_s
-from moeserve.planner.kernels import ACT_BYTES, KernelKind, layer_work, stage_extras_work
+from moeserve.planner.engines import KernelKind
+from moeserve.planner.kernels import ACT_BYTES, layer_work, stage_extras_work
 from moeserve.planner.plan import LayoutPlan, Plan
 
 
@@ -115,7 +116,7 @@ def explain_rows(plan: Plan, lp: LayoutPlan, step: StepTime) -> list[tuple[str, 
 
 
 def _floors(hw) -> dict[KernelKind, float]:
-    from moeserve.planner.kernels import KERNEL_FLOOR_US
+    from moeserve.planner.engines import KERNEL_FLOOR_US
 
     from moeserve.planner.cost import kernel_floor_s
 

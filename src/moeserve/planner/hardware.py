@@ -187,7 +187,7 @@ def resolve_hardware(
             notes.append(note)
     if interconnect is None:
         interconnect = "nvlink" if preset.nvlink_gbps else "pcie"
-    from moeserve.planner.kernels import ENGINES
+    from moeserve.planner.engines import ENGINES
 
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")

@@ -50,7 +50,7 @@ from functools import lru_cache
 
 from moeserve.config import ModelConfig
 from moeserve.planner import shape
-from moeserve.planner.engines import ENGINES, KERNEL_FLOOR_US, EngineProfile, KernelKind  # noqa: F401 - re-exported
+from moeserve.planner.engines import ENGINES, EngineProfile, KernelKind
 from moeserve.planner.memory import global_sizes, tensor_sizes
 from moeserve.planner.quant import weight_format
 from moeserve.planner.routing import busiest_group
