@@ -3,19 +3,23 @@ detokenization, the per-request deltas) with a stub executor that returns instan
 demo model, in the two ways the engine is driven:
 
 * offline: ``LLM.generate``'s loop, each step's deltas folded into the full outputs;
-* server: the engine process's loop, each step's deltas packed into the events of one
-  message and pickled as the pipe to the HTTP process sends them.
+* server: the engine process's loop, each step's deltas packed into one message with the
+  engine's stats and pickled, as the pipe to the HTTP process sends them.
 
-The time is the thread's CPU time (what a busy machine's other processes do not add to),
-the best of ``--repeats`` runs, interleaved; the wall time of the same runs is shown beside it.
+Shown: the median of every timed step's CPU time (the thread's, which a busy machine's other
+processes add less to than to wall time; the runs of the two modes are interleaved), and the
+wall time per step of the best run of each. Steps cost the same at any output length, so the
+median stands for all of them.
 
-    python scripts/engine_loop_bench.py [--batch-sizes 1,64,128,200] [--steps 50] [--repeats 5]
+    python scripts/engine_loop_bench.py [--batch-sizes 1,64,128,200] [--steps 50] [--repeats 10]
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
+from collections.abc import Callable
 from multiprocessing.reduction import ForkingPickler
 
 from moeserve import LLM, RequestOutput, SamplingParams
@@ -39,37 +43,48 @@ class InstantExecutor:
         return handle
 
 
-def offline_steps(eng, rids: list[str], steps: int) -> None:
+def offline_mode(eng, rids: list[str]) -> Callable[[], None]:
     outputs = {rid: RequestOutput.empty(rid, None, PROMPT, 1, False) for rid in rids}
-    for _ in range(steps):
+
+    def step() -> None:
         for delta in eng.step_deltas():
             outputs[delta.request_id].add(delta)
+    return step
 
 
-def server_steps(eng, rids: list[str], steps: int) -> None:
+def server_mode(eng, rids: list[str]) -> Callable[[], None]:
     loop = EngineLoop(eng, None, None, None)
-    for _ in range(steps):
-        ForkingPickler.dumps(loop.message([], loop.step()))
+
+    def step() -> None:
+        ForkingPickler.dumps(loop.message([], loop.step()))  # what Connection.send does first
+    return step
 
 
-def ms_per_step(eng, mode: str, batch: int, steps: int) -> tuple[float, float]:
-    """(CPU, wall) milliseconds per decode step."""
+MODES = {"offline": offline_mode, "server": server_mode}
+
+
+def step_times(eng, mode: str, batch: int, steps: int) -> tuple[list[float], float]:
+    """The CPU milliseconds of each decode step, and the wall milliseconds per step."""
     rids = [eng.add_request({"prompt_token_ids": PROMPT}, PARAMS) for _ in range(batch)]
-    run = offline_steps if mode == "offline" else server_steps
-    run(eng, rids, 1)  # the prefill
-    cpu, wall = time.thread_time(), time.perf_counter()
-    run(eng, rids, steps)
-    cpu, wall = time.thread_time() - cpu, time.perf_counter() - wall
+    step = MODES[mode](eng, rids)
+    step()  # the prefill
+    cpu = []
+    wall = time.perf_counter()
+    for _ in range(steps):
+        t = time.thread_time()
+        step()
+        cpu.append((time.thread_time() - t) * 1e3)
+    wall = (time.perf_counter() - wall) / steps * 1e3
     for rid in rids:
         eng.abort_request(rid)
-    return cpu / steps * 1e3, wall / steps * 1e3
+    return cpu, wall
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", default="1,64,128,200")
-    ap.add_argument("--steps", type=int, default=50, help="decode steps timed (max_tokens is 100)")
-    ap.add_argument("--repeats", type=int, default=5, help="the best of this many runs is shown")
+    ap.add_argument("--steps", type=int, default=50, help="decode steps per run (max_tokens is 100)")
+    ap.add_argument("--repeats", type=int, default=10, help="runs of each mode, interleaved")
     args = ap.parse_args()
     with LLM(device="cpu") as llm:
         eng = llm.engine
@@ -77,13 +92,17 @@ def main() -> None:
         eng.executor = InstantExecutor(real.kv_capacity_pages, real.page_size)
         try:
             for b in [int(x) for x in args.batch_sizes.split(",")]:
-                runs: dict[str, list[tuple[float, float]]] = {"offline": [], "server": []}
+                cpu: dict[str, list[float]] = {m: [] for m in MODES}
+                wall: dict[str, list[float]] = {m: [] for m in MODES}
                 for _ in range(args.repeats):  # interleaved, so that a busy moment hits both
-                    for mode, times in runs.items():
-                        times.append(ms_per_step(eng, mode, b, args.steps))
-                (off, off_wall), (srv, srv_wall) = (min(runs[m]) for m in ("offline", "server"))
+                    for mode in MODES:
+                        times, w = step_times(eng, mode, b, args.steps)
+                        cpu[mode] += times
+                        wall[mode].append(w)
+                off, srv = (statistics.median(cpu[m]) for m in ("offline", "server"))
                 print(f"batch {b}: offline {off:.3f} ms per step, server {srv:.3f} ms per step "
-                      f"({srv / off - 1:+.1%}) [wall {off_wall:.3f} / {srv_wall:.3f} ms]")
+                      f"({srv / off - 1:+.1%}) [wall, best run: {min(wall['offline']):.3f} / "
+                      f"{min(wall['server']):.3f} ms]")
         finally:
             eng.executor = real
 

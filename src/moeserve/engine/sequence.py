@@ -81,7 +81,7 @@ class Sequence:
         told, nothing more)."""
         if self.last_delta_sent:
             return None
-        done = self.finished
+        done = self.status is SeqStatus.FINISHED
         text = self.text.release(done)
         if not (self.new_token_ids or text or done):
             return None

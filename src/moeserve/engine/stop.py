@@ -35,9 +35,11 @@ class StreamedText:
 
     def release(self, final: bool) -> str:
         """The text no stop string can cut any more: all of it once the sequence is done."""
-        keep = 0 if final else min(self.hold, len(self.pending))
-        if keep == 0:
+        keep = 0 if final else self.hold
+        if not keep:
             out, self.pending = self.pending, ""
-        else:
-            out, self.pending = self.pending[:-keep], self.pending[-keep:]
+            return out
+        if len(self.pending) <= keep:
+            return ""
+        out, self.pending = self.pending[:-keep], self.pending[-keep:]
         return out
