@@ -32,8 +32,7 @@ PARAMS = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
 
 class InstantExecutor:
     def __init__(self, pages: int, page_size: int):
-        self.kv_capacity_pages, self.page_size, self.max_in_flight = pages, page_size, 1
-        self.overlap = False
+        self.kv_capacity_pages, self.page_size = pages, page_size
 
     def submit(self, step):
         n = len(step.sample_seq_ids)

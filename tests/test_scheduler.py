@@ -172,4 +172,3 @@ def test_async_scheduling_lets_a_sequence_in_flight_join_with_a_deferred_token()
     assert in_flight_then_next().seqs == [] and in_flight_then_next(async_scheduling=False).seqs == []
     batch = in_flight_then_next(async_scheduling=True)
     assert batch.num_new_tokens == [1] and batch.deferred == [True]
-    assert in_flight_then_next(overlap=True).deferred == [True]  # the old name, until the engine passes the new one

@@ -22,15 +22,6 @@ class LocalExecutor:
                                                            kv_capacity_tokens=self.kv_capacity_pages * self.page_size)
         self.runner.capture_graphs(self.settings.max_model_len)
 
-    # The names the engine read before ``settings`` (engine/llm_engine.py, until it reads settings).
-    @property
-    def max_in_flight(self) -> int:
-        return self.settings.max_in_flight
-
-    @property
-    def overlap(self) -> bool:
-        return self.settings.async_scheduling
-
     def submit(self, step: StepInput) -> PendingStep:
         return self.runner.launch(step)
 

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from moeserve.cache.allocator import PagedAllocator
 from moeserve.config import ModelConfig
-from moeserve.engine.config import EngineConfig, resolve_max_model_len
+from moeserve.engine.config import EngineConfig, ResolvedSettings
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -30,12 +30,11 @@ PromptType = str | list[int] | dict[str, Any]
 
 class Executor(Protocol):
     """Runs steps on the model ranks. ``submit`` may return before the step is done (pipeline
-    parallelism keeps up to ``max_in_flight`` steps going); ``wait`` returns results in order."""
+    parallelism keeps up to ``settings.max_in_flight`` steps going); ``wait`` returns results in order."""
 
     kv_capacity_pages: int
     page_size: int
-    max_in_flight: int
-    overlap: bool  # asynchronous scheduling: steps may take input tokens from the step in flight
+    settings: ResolvedSettings  # max_model_len, async_scheduling, max_in_flight: resolved once, by the executor
 
     def submit(self, step: StepInput) -> object: ...
 
@@ -74,12 +73,11 @@ class LLMEngine:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
-        max_len = resolve_max_model_len(config.max_model_len, model_config.max_position_embeddings,
-                                        executor.kv_capacity_pages * executor.page_size)
-        self.max_model_len = max_len
+        self.settings = executor.settings
+        self.max_model_len = self.settings.max_model_len
         self.allocator = PagedAllocator(executor.kv_capacity_pages, executor.page_size)
         self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config, max_len), self.allocator)
+            SchedulerConfig.from_engine_config(config, self.max_model_len), self.allocator)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -211,14 +209,14 @@ class LLMEngine:
         return outputs
 
     def _run_step(self) -> list[tuple[Request, RequestDelta]]:
-        """Keep up to ``max_in_flight`` batches submitted, then complete the oldest one."""
-        depth = self.executor.max_in_flight
-        overlap = self.executor.overlap
+        """Keep up to ``settings.max_in_flight`` batches submitted, then complete the oldest one."""
+        depth = self.settings.max_in_flight
+        async_scheduling = self.settings.async_scheduling
         while len(self._in_flight) < depth:
             cap = None
-            if depth > 1 and not overlap:  # share the sequences out so every pipeline stage has work
+            if depth > 1 and not async_scheduling:  # share the sequences out so every pipeline stage has work
                 cap = max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))
-            batch = self.scheduler.schedule(max_seqs=cap, overlap=overlap)
+            batch = self.scheduler.schedule(max_seqs=cap, async_scheduling=async_scheduling)
             if not batch.seqs:
                 break
             step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)

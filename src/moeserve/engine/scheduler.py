@@ -122,15 +122,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, max_seqs: int | None = None, async_scheduling: bool = False, *,
-                 overlap: bool | None = None) -> ScheduledBatch:
+    def schedule(self, max_seqs: int | None = None, async_scheduling: bool = False) -> ScheduledBatch:
         """Pick the next batch (decodes, then prefill chunks, then admissions: see the module
         doc); ``max_seqs`` caps its size so that several pipeline micro-batches can share the
         running sequences; ``async_scheduling`` lets a sequence whose previous step is still in
-        flight join (see the module doc). ``overlap``: its old name, until engine/llm_engine.py
-        passes ``async_scheduling``."""
-        if overlap is not None:
-            async_scheduling = overlap
+        flight join (see the module doc)."""
         batch = ScheduledBatch()
         cap = max_seqs or self.config.max_num_seqs
         budget = self.config.max_num_batched_tokens

@@ -91,15 +91,6 @@ class MultiProcessExecutor:
         self._pending: deque[int] = deque()
         self._next_id = 0
 
-    # The names the engine read before ``settings`` (engine/llm_engine.py, until it reads settings).
-    @property
-    def max_in_flight(self) -> int:
-        return self.settings.max_in_flight
-
-    @property
-    def overlap(self) -> bool:
-        return self.settings.async_scheduling
-
     # ---- messages ----
     def _next_message(self, want_rank: int | None = None) -> tuple[int, tuple]:
         """The next message from any rank (or from ``want_rank``); fails fast on an error
@@ -159,7 +150,7 @@ class MultiProcessExecutor:
     def describe(self) -> list[str]:
         L = self.layout
         lines = [f"layout {L.name}: tp={L.tp} pp={L.pp} ep={L.ep}, {L.world_size} ranks, "
-                 f"{self.max_in_flight} micro-batch(es) in flight"]
+                 f"{self.settings.max_in_flight} micro-batch(es) in flight"]
         for s in range(L.pp):
             lines.append("  " + L.describe_stage(s))
         for i in self.infos:
