@@ -14,7 +14,7 @@ step v3_b1 100 python3 scripts/gpu_check.py --model deepseek-v3 --hf-overrides '
   --out "$work/v3" --batch-sizes 1 --input-len 1024 --output-len 128 --profile 1 --skip-checks
 step moon 150 python3 scripts/gpu_check.py --out "$work/moon" --batch-sizes 1,256 --input-len 1024 \
   --output-len 256 --profile '' --check-prompt-lens 7,300,1000
-step moon_fp32 70 python3 scripts/gpu_check.py --out "$work/moonfp32" --skip-bench --dtype float32 \
+step moon_fp32 150 python3 scripts/gpu_check.py --out "$work/moonfp32" --skip-bench --dtype float32 \
   --check-prompt-lens 7,300,1000
 MODEL=(--model moonlight-16b-a3b --load-format dummy --dtype bfloat16 --max-model-len 2048)
 BENCH=(--input-len 1024 --output-len 128 --vocab 100000)
