@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.planner.layouts import parse_layout
+from moeserve.planner.layout_names import parse_layout
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpu_check import compare  # noqa: E402

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from moeserve.bench.serving import run_serving
+from moeserve.bench.online import run_serving
 from moeserve.bench.sweep import run_sweep
 from moeserve.cli import main
 from moeserve.demo import ensure_demo_model
@@ -43,7 +43,7 @@ def test_bench_against_live_server(server, tmp_path):
 
 
 def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp_path):
-    from moeserve.bench.serving import conversations, random_prompts
+    from moeserve.bench.online import conversations, random_prompts
 
     prompts = random_prompts(3, 4, 256, 0, shared_prefix_len=5)
     assert all(p[:5] == prompts[0][:5] and len(p) == 9 for p in prompts) and prompts[0][5:] != prompts[1][5:]

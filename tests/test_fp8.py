@@ -14,7 +14,7 @@ from moeserve import LLM, SamplingParams
 from moeserve.config import load_model_config
 from moeserve.loader import load_model_weights
 from moeserve.models.deepseek import DeepseekForCausalLM
-from moeserve.parallel.comm import TPGroup, set_tp_group
+from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
 from moeserve.quant.fp8 import FP8_DTYPE, dequantize_fp8_block, quantize_fp8_block
 
 from checkpoints import hf_greedy, load_hf

@@ -120,7 +120,7 @@ def test_packed_tensor_that_disagrees_with_its_shape_is_named():
 
 def test_split_that_cuts_a_group_is_refused_at_start_up(ckpts):
     cfg = load_model_config(ckpts["k2.6"])
-    from moeserve.parallel.comm import TPGroup, set_tp_group
+    from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
 
     set_tp_group(TPGroup(size=4, rank=0, ep_size=1))  # 64 / 4 = 16 columns: half a group
     try:

@@ -6,9 +6,9 @@ import pytest
 
 from moeserve.config import load_model_config, parse_model_config
 from moeserve.demo import DEMO_CONFIG
-from moeserve.parallel.comm import TPGroup, set_tp_group
-from moeserve.parallel.layout import Layout, split_problems
-from moeserve.planner import layouts as planner_layouts
+from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
+from moeserve.distributed.layout import Layout, split_problems
+from moeserve.planner import layout_names as planner_layouts
 from moeserve.planner.memory import structural_problems
 
 MODELS = ("kimi-k2.6", "deepseek-v3", "deepseek-v2-lite", "moonlight-16b-a3b")

@@ -4,7 +4,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.parallel.executor import RankFailure
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 
 from checkpoints import make_checkpoint
 

@@ -1,6 +1,6 @@
 import pytest
 
-from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
+from moeserve.distributed.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 
 
 @pytest.mark.parametrize(

@@ -6,10 +6,10 @@ import pytest
 
 from moeserve.config import load_model_config, parse_model_config
 from moeserve.planner.calibrate import Measurement, calibrate_from_files, predict_cycle_ms, read_bench_results
-from moeserve.planner.cli import add_plan_arguments, run_plan
+from moeserve.planner.plan_command import add_plan_arguments, run_plan
 from moeserve.planner.cost import layer_load, stage_extras_s
 from moeserve.planner.hardware import CostConstants, resolve_hardware
-from moeserve.planner.layouts import Layout, enumerate_layouts, parse_layout
+from moeserve.planner.layout_names import Layout, enumerate_layouts, parse_layout
 from moeserve.planner.memory import (
     expected_rank_weight_bytes,
     global_sizes,
@@ -478,7 +478,7 @@ def test_bench_reader_is_tolerant(tmp_path):
 
 def test_layout_names_match_the_engine():
     """Bench results name layouts the engine's way; the planner must read and write the same names."""
-    from moeserve.parallel.layout import Layout as EngineLayout
+    from moeserve.distributed.layout import Layout as EngineLayout
 
     for layout in enumerate_layouts(8, 61):
         assert EngineLayout.build(61, layout.tp, layout.pp, layout.ep).name == layout.name

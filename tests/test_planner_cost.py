@@ -9,17 +9,17 @@ import pytest
 
 from moeserve.config import load_model_config
 from moeserve.planner import collectives, shape
-from moeserve.planner.cli import add_plan_arguments, run_plan, workload_from_args
+from moeserve.planner.plan_command import add_plan_arguments, run_plan, workload_from_args
 from moeserve.planner.cost import Terms, decode_step, kernel_terms, layer_terms, step_overhead_s
 from moeserve.planner.explain import explain_rows
 from moeserve.planner.hardware import CostConstants, resolve_hardware
 from moeserve.planner.engines import KERNEL_FLOOR_US, KernelKind
 from moeserve.planner.kernels import Kernel, layer_work
-from moeserve.planner.layouts import Layout
+from moeserve.planner.layout_names import Layout
 from moeserve.planner.memory import kv_budget_bytes, layer_sizes, rank_weight_sizes, runtime_reserve
 from moeserve.planner.plan import evaluate_layout, plan_layouts
 from moeserve.planner.routing import busiest_group, experts_touched, pick_probabilities
-from moeserve.planner.serving import prefill_time_s, serving_tpot_ms
+from moeserve.planner.bench_prediction import prefill_time_s, serving_tpot_ms
 from moeserve.planner.weights import ROUTED_EXPERTS
 from moeserve.planner.workload import EngineSettings, Workload
 

@@ -119,7 +119,7 @@ def test_held_out_calibration_on_older_engines():
 def _args(*argv):
     import argparse
 
-    from moeserve.planner.cli import add_plan_arguments
+    from moeserve.planner.plan_command import add_plan_arguments
 
     parser = argparse.ArgumentParser()
     add_plan_arguments(parser)
@@ -127,7 +127,7 @@ def _args(*argv):
 
 
 def test_cli_holdout_prints_the_unseen_runs(tmp_path, capsys):
-    from moeserve.planner.cli import run_plan
+    from moeserve.planner.plan_command import run_plan
 
     fit, test = tmp_path / "fit.json", tmp_path / "test.json"
     runs = SESSIONS[0].decode_tok_s

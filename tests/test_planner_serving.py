@@ -12,8 +12,8 @@ from moeserve.config import load_model_config
 from moeserve.planner.calibrate import calibrate_from_files
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import resolve_hardware
-from moeserve.planner.layouts import Layout
-from moeserve.planner.serving import predict_bench
+from moeserve.planner.layout_names import Layout
+from moeserve.planner.bench_prediction import predict_bench
 
 H200_RUN = Path(__file__).parent.parent / "benchmarks" / "h200-2026-11-29b"
 

@@ -5,8 +5,8 @@ import pytest
 from moeserve.config import load_model_config
 from moeserve.loader import load_model_weights
 from moeserve.models.deepseek import DeepseekForCausalLM
-from moeserve.parallel.comm import TPGroup, set_tp_group
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
+from moeserve.distributed.layout import Layout
 from moeserve.planner.memory import expected_rank_weight_bytes
 
 from checkpoints import make_checkpoint

@@ -395,7 +395,7 @@ def test_engine_death_fails_requests_health_and_the_server(guarded):
 def test_systemd_unit_runs_serve_and_waits_for_ready(capsys):
     import argparse
 
-    from moeserve.server.cli import add_systemd_unit_arguments, run_systemd_unit
+    from moeserve.server.commands import add_systemd_unit_arguments, run_systemd_unit
 
     p = argparse.ArgumentParser()
     add_systemd_unit_arguments(p)
@@ -417,7 +417,7 @@ def test_chat_without_a_template_is_a_clear_400(demo_dir):
     from moeserve.server.errors import APIError
     from moeserve.server.protocol import ChatCompletionRequest
     from moeserve.server.chat import chat_prompt
-    from moeserve.server.serving import ServerContext
+    from moeserve.server.openai_shared import ServerContext
 
     tok = AutoTokenizer.from_pretrained(demo_dir, local_files_only=True)
     client = SimpleNamespace(info={"max_model_len": MAX_LEN})
@@ -458,7 +458,7 @@ def test_systemd_unit_writes_negative_and_json_flags_as_serve_reads_them(capsys)
     import argparse
     import shlex
 
-    from moeserve.server.cli import add_systemd_unit_arguments, run_systemd_unit
+    from moeserve.server.commands import add_systemd_unit_arguments, run_systemd_unit
 
     p = argparse.ArgumentParser()
     add_systemd_unit_arguments(p)

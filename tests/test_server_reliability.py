@@ -310,7 +310,7 @@ def test_logprobs_of_tokens_with_the_same_text_stay_apart(tokenizer, demo_dir):
     each token apart; chat's list keeps every token, each with its own bytes."""
     from moeserve.server.chat import _logprobs_content
     from moeserve.server.completions import _Logprobs
-    from moeserve.server.serving import ServerContext
+    from moeserve.server.openai_shared import ServerContext
 
     ctx = ServerContext(SimpleNamespace(info={"max_model_len": MAX_LEN}), tokenizer, ["demo"], demo_dir, None)
     row = {0xC3: -0.5, 0xA9: -1.5, 65: -2.0}  # two halves of "é", and "A"
@@ -345,7 +345,7 @@ def test_return_tokens_as_token_ids_over_http(client):
 def test_an_empty_api_key_is_refused(rel, monkeypatch):
     import argparse
 
-    from moeserve.server.cli import add_serve_arguments, run_serve
+    from moeserve.server.commands import add_serve_arguments, run_serve
 
     for argv, env in [(["--api-key", ""], "secret"), ([], " ")]:  # an empty flag beats a set variable
         monkeypatch.setenv("MOESERVE_API_KEY", env)

@@ -8,8 +8,8 @@ import sys
 
 from moeserve.bench.sweep import add_sweep_arguments, run_sweep_cli
 from moeserve.engine.args import add_engine_arguments, engine_kwargs
-from moeserve.planner.cli import add_plan_arguments, run_plan
-from moeserve.server.cli import (add_serve_arguments, add_systemd_unit_arguments, add_wait_ready_arguments,
+from moeserve.planner.plan_command import add_plan_arguments, run_plan
+from moeserve.server.commands import (add_serve_arguments, add_systemd_unit_arguments, add_wait_ready_arguments,
                                  run_serve, run_systemd_unit, run_wait_ready)
 
 
@@ -50,7 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args))
         return 0
-    from moeserve.bench.serving import run_serving_cli
+    from moeserve.bench.online import run_serving_cli
 
     return run_serving_cli(args)
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from moeserve.bench.report import markdown_table, plot_levels
-from moeserve.bench.serving import run_serving
+from moeserve.bench.online import run_serving
 
 
 @dataclass
@@ -46,9 +46,9 @@ def predict(model: str, tp: int, pp: int, ep: int, concurrencies: list[int], num
     from moeserve.config import load_model_config
     from moeserve.planner.calibrate import calibrate_from_files
     from moeserve.planner.hardware import resolve_hardware
-    from moeserve.planner.layouts import Layout
+    from moeserve.planner.layout_names import Layout
     from moeserve.planner.plan import Workload, evaluate_layout
-    from moeserve.planner.serving import predict_bench
+    from moeserve.planner.bench_prediction import predict_bench
 
     cfg = load_model_config(model)
     hw = resolve_hardware(tp * pp, gpu=gpu, memory_gb=gpu_memory_gb, interconnect=interconnect)
@@ -111,7 +111,7 @@ def run_sweep(model: str, layouts: list[str], concurrencies: list[int], result_d
               num_prompts: int = 32, input_len: int = 128, output_len: int = 64, ready_timeout: float = 900,
               vocab: int = 256, gpu: str | None = "h200", gpu_memory_gb: float | None = None,
               interconnect: str | None = None, calibrate: list[str] | None = None) -> list[LayoutRun]:
-    from moeserve.planner.layouts import parse_layout
+    from moeserve.planner.layout_names import parse_layout
 
     out = Path(result_dir)
     out.mkdir(parents=True, exist_ok=True)

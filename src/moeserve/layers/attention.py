@@ -15,8 +15,8 @@ from moeserve.engine.context import get_context
 from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
-from moeserve.parallel.comm import tp_group
-from moeserve.parallel.layout import check_split
+from moeserve.distributed.tp_collectives import tp_group
+from moeserve.distributed.layout import check_split
 from moeserve.quant.linear import linear_method
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moeserve.layers.linear import copy_checked
-from moeserve.parallel.comm import tp_all_gather_last_dim, tp_all_reduce, tp_group
+from moeserve.distributed.tp_collectives import tp_all_gather_last_dim, tp_all_reduce, tp_group
 
 
 class _VocabShard(nn.Module):

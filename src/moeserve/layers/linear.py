@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moeserve.parallel.comm import tp_all_reduce, tp_group
+from moeserve.distributed.tp_collectives import tp_all_reduce, tp_group
 from moeserve.quant.linear import LinearMethod, LinearShard, UnquantizedLinear, linear  # noqa: F401 - linear re-exported
 
 

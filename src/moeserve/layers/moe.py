@@ -11,8 +11,8 @@ from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: F401 - re-exported
 from moeserve.layers.linear import ColumnParallelLinear, RowParallelLinear, replicated_loader
 from moeserve.quant.experts import UnquantizedExperts, expert_shard, experts_method
 from moeserve.quant.linear import linear_method
-from moeserve.parallel.comm import tp_all_reduce, tp_group
-from moeserve.parallel.layout import check_split
+from moeserve.distributed.tp_collectives import tp_all_reduce, tp_group
+from moeserve.distributed.layout import check_split
 
 
 class DenseMLP(nn.Module):

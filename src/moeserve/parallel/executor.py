@@ -17,7 +17,7 @@ from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 from moeserve.parallel.nodes import accept_remote_ranks, spawn_rank, stop_processes
 from moeserve.parallel.step_link import node_authkey
 from moeserve.parallel.worker import RankInfo

@@ -15,7 +15,7 @@ from multiprocessing.connection import Listener
 
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 from moeserve.parallel.worker import worker_main
 
 log = logging.getLogger("moeserve")

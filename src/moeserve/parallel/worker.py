@@ -20,8 +20,8 @@ import torch.distributed as dist
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings, resolve_settings
 from moeserve.engine.step_input import StepInput
-from moeserve.parallel.comm import TPGroup, set_tp_group
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
+from moeserve.distributed.layout import Layout
 
 FAILURE_ENV = "MOESERVE_INJECT_FAILURE"  # "load:RANK" or "step:RANK:N" (tests of the dead-rank path)
 

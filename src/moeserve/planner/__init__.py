@@ -3,9 +3,9 @@
 Needs only the model's config.json; no weights are loaded.
 """
 
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 from moeserve.planner.hardware import GPU_PRESETS, CostConstants, Hardware, resolve_hardware
-from moeserve.planner.layouts import parse_layout
+from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.memory import expected_rank_weight_bytes, rank_weight_sizes, structural_problems
 from moeserve.planner.plan import LayoutPlan, Plan, evaluate_layout, plan_layouts
 from moeserve.planner.weights import ParameterCounts, parameter_counts

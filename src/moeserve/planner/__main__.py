@@ -3,7 +3,7 @@
 import argparse
 import sys
 
-from moeserve.planner.cli import add_plan_arguments, run_plan
+from moeserve.planner.plan_command import add_plan_arguments, run_plan
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 
 from moeserve.config import ModelConfig, load_model_config
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import FITTED_CONSTANTS, GPU_PRESETS, CostConstants, Hardware
-from moeserve.planner.layouts import parse_layout
+from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.memory import resolve_partition
 
 # A prefill shorter than one full default step (max_num_batched_tokens) is dominated by fixed
@@ -243,7 +243,7 @@ def predict_cycle_ms(cfg: ModelConfig, hw: Hardware, m: Measurement, default_kv_
 
 
 def predict_prefill_s(cfg: ModelConfig, hw: Hardware, m: Measurement) -> float:
-    """Prompt FLOPs over the compute of all the layout's GPUs (as ``planner.serving`` predicts)."""
+    """Prompt FLOPs over the compute of all the layout's GPUs (as ``planner.bench_prediction`` predicts)."""
     from moeserve.bench.bounds import prefill_flops
 
     return prefill_flops(cfg, m.prefill_seqs, m.input_len) / (m.tp * m.pp * hw.flops_per_s)

@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from functools import lru_cache
 
 from moeserve.config import ModelConfig
-from moeserve.parallel.partition import stage_layer_ranges
+from moeserve.distributed.partition import stage_layer_ranges
 from moeserve.planner import collectives
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.engines import ENGINES, KERNEL_FLOOR_US, KernelKind

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from moeserve.parallel.partition import stage_layer_ranges
+from moeserve.distributed.partition import stage_layer_ranges
 from moeserve.planner.cost import TERM_LABELS, StepTime, collective_s, p2p_s
 from moeserve.planner.engines import KernelKind
 from moeserve.planner.kernels import ACT_BYTES, layer_work, stage_extras_work

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moeserve.config import ModelConfig, load_model_config
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import Hardware, resolve_hardware
-from moeserve.planner.layouts import parse_layout
+from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.memory import resolve_partition
 from moeserve.planner.plan import evaluate_layout
 from moeserve.planner.published import KV_CAPACITIES, POINTS, RANKINGS, SOURCES, KvCapacity, Point, RankingClaim
-from moeserve.planner.serving import serving_tpot_ms
+from moeserve.planner.bench_prediction import serving_tpot_ms
 from moeserve.planner.workload import EngineSettings, Workload
 
 TOLERANCE = 0.25  # the target: predictions within +-25 % of the measured rate

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moeserve.config import ModelConfig
-from moeserve.parallel.layout import split_problems
-from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
+from moeserve.distributed.layout import split_problems
+from moeserve.distributed.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 from moeserve.planner.quant import shard_bytes, weight_format
 from moeserve.models.deepseek_weights import (
     COMPONENTS,
@@ -157,8 +157,8 @@ def structural_problems(
     cfg: ModelConfig, tp: int, pp: int, ep: int, partition: list[int] | None = None, quantized: bool = True
 ) -> list[str]:
     """Why the engine could not run this layout at all (empty when it can): the engine's own rules,
-    in the planner's words: ep divides tp, the partition (``parallel.partition``), and the split
-    of the model over tp / ep (``parallel.layout.split_problems``; ``quantized``: with the
+    in the planner's words: ep divides tp, the partition (``distributed.partition``), and the split
+    of the model over tp / ep (``distributed.layout.split_problems``; ``quantized``: with the
     rule of the experts' weight format, INT4 groups kept whole)."""
     if min(tp, pp, ep) < 1:
         return [f"tp, pp and ep must be positive integers (got tp={tp}, pp={pp}, ep={ep})"]

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from moeserve.config import ModelConfig
-from moeserve.parallel.layout import Layout
-from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges
+from moeserve.distributed.layout import Layout
+from moeserve.distributed.partition import default_layer_partition, stage_layer_ranges
 from moeserve.planner.balance import best_partition
 from moeserve.planner.cost import StepTime, decode_step
 from moeserve.planner.hardware import Hardware
-from moeserve.planner.layouts import enumerate_layouts
+from moeserve.planner.layout_names import enumerate_layouts
 from moeserve.planner.limits import not_modelled
 from moeserve.planner.memory import (
     RuntimeReserve,

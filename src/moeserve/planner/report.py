@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from moeserve.parallel.partition import stage_layer_ranges
+from moeserve.distributed.partition import stage_layer_ranges
 from moeserve.planner.calibrate import Calibration, CalibrationRow
 from moeserve.planner.memory import kv_bytes_per_token_per_layer, rank_weight_sizes
 from moeserve.planner.plan import LayoutPlan, Plan

@@ -37,7 +37,7 @@ def expert_shard(config: ModelConfig, tp: int, ep: int, tp_rank: int) -> ExpertS
     """Rank ``tp_rank``'s slice of a stage of ``tp`` ranks with experts over ``ep`` of them:
     ``n_routed / ep`` whole experts (expert group ``tp_rank // (tp / ep)``), each cut ``tp / ep``
     ways over its intermediate size (slice ``tp_rank % (tp / ep)``). The split must be even
-    (``parallel.layout.split_problems``)."""
+    (``distributed.layout.split_problems``)."""
     inner = tp // ep
     num_local, i_local = config.n_routed_experts // ep, config.moe_intermediate_size // inner
     return ExpertShard(num_local, tp_rank // inner * num_local, i_local, tp_rank % inner * i_local,
@@ -70,7 +70,7 @@ class ExpertsMethod:
 
     def split_problems(self, shard: ExpertShard) -> list[str]:
         """Why this format cannot store ``shard`` (a layout's slice of the experts); empty when
-        it can. Part of the layout rule (``parallel.layout.split_problems``)."""
+        it can. Part of the layout rule (``distributed.layout.split_problems``)."""
         return []
 
     def create_weights(self, layer: nn.Module, shard: ExpertShard) -> None:

@@ -22,7 +22,7 @@ from moeserve.server.errors import APIError, install_error_handlers
 from moeserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
-from moeserve.server.serving import ServerContext
+from moeserve.server.openai_shared import ServerContext
 
 log = logging.getLogger("moeserve.server")
 

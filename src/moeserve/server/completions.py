@@ -9,7 +9,7 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import CompletionRequest
-from moeserve.server.serving import (SSEResponse, ServerContext, cached_tokens, collect_while_connected,
+from moeserve.server.openai_shared import (SSEResponse, ServerContext, cached_tokens, collect_while_connected,
                                      new_id, now, prompt_index, reject_unsupported, sampling_kwargs, sse_events, submit,
                                      top_logprobs, usage)
 

@@ -3,7 +3,7 @@
 A layout is tp × pp ranks: each pipeline stage a group of tp ranks over a contiguous range of
 layers, the routed experts of a stage split over ep of its tp ranks. The engine builds one from
 its flags (``Layout.build``: checked, partition resolved); the planner enumerates and parses them
-(``planner.layouts``), with the partition left to the default or chosen by its balancing search.
+(``planner.layout_names``), with the partition left to the default or chosen by its balancing search.
 
 ``split_problems`` is the one rule of whether a tp / ep split fits a model (heads, experts,
 intermediate sizes, a weight format's groups): the engine checks it before any rank starts
@@ -18,7 +18,7 @@ from functools import lru_cache
 
 from moeserve.cache.kv_pool import StageRange
 from moeserve.config import ModelConfig
-from moeserve.parallel.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
+from moeserve.distributed.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
 from moeserve.quant.experts import expert_shard, experts_method
 
 BALANCED_SUFFIX = "-balanced"  # the planner's mark of a partition chosen by its balancing search

@@ -1,6 +1,6 @@
 """Layouts of a GPU count: parsing and enumeration of names.
 
-The layout itself is the engine's ``parallel.layout.Layout`` (re-exported here), named as the
+The layout itself is the engine's ``distributed.layout.Layout`` (re-exported here), named as the
 engine names it: ``tp8``, ``pp8``, ``ep8`` (tp=8 with experts over all 8), ``tp8ep4`` (tp=8,
 experts over 4 groups of 2), ``tp4xpp2``, ``ep4xpp2``, ``tp1`` (one GPU). A ``-balanced`` suffix
 marks the best uneven pipeline partition (``Layout.balanced``). The parser also takes
@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from moeserve.parallel.layout import BALANCED_SUFFIX, Layout
+from moeserve.distributed.layout import BALANCED_SUFFIX, Layout
 
 __all__ = ["BALANCED_SUFFIX", "Layout", "divisors", "enumerate_layouts", "parse_layout"]
 

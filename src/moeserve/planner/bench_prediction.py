@@ -30,7 +30,7 @@ from moeserve.bench.bounds import prefill_attention_flops, prefill_flops
 from moeserve.config import ModelConfig
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import Hardware
-from moeserve.parallel.layout import Layout
+from moeserve.distributed.layout import Layout
 from moeserve.planner.memory import resolve_partition
 
 

@@ -9,15 +9,15 @@ import sys
 from moeserve.console import wide_console
 
 from moeserve.config import load_model_config
-from moeserve.parallel.layout import Layout
-from moeserve.parallel.partition import validate_layer_partition
+from moeserve.distributed.layout import Layout
+from moeserve.distributed.partition import validate_layer_partition
 from moeserve.planner.balance import best_partition
 from moeserve.planner.calibrate import calibrate_from_files
 from moeserve.planner.collectives import ALLREDUCE_IMPLS
 from moeserve.planner.explain import explain_json, render_explain
 from moeserve.planner.hardware import GPU_PRESETS, INTERCONNECTS, resolve_hardware
 from moeserve.planner.engines import ENGINES
-from moeserve.planner.layouts import parse_layout
+from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.plan import plan_layouts
 from moeserve.planner.report import plan_json, render_plan
 from moeserve.planner.workload import KV_CACHE_DTYPES, EngineSettings, Workload
