@@ -35,8 +35,9 @@ def t_us(fn) -> float:
 
 
 def gemv_configs(down: bool):
-    for bn, bk, w in itertools.product((2, 4, 8, 16, 32) if down else (8, 16, 32),
-                                       (128, 256, 512, 1024) if down else (128, 256, 512), (4, 8)):
+    for bn, bk, w in itertools.product(
+        (2, 4, 8, 16, 32) if down else (8, 16, 32), (128, 256, 512, 1024) if down else (128, 256, 512), (4, 8)
+    ):
         if 512 <= bn * bk <= 16384:
             yield {"BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w}
 
@@ -56,8 +57,7 @@ def sweep_moe(bw: float, rows: list) -> None:
         x = torch.randn(T, H, device=DEV, dtype=BF16)
         ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(T)])
         wts = torch.rand(T, K, device=DEV)
-        ref = moe_experts_ref(x.float(), w13.float(), w2.float(), wts, ids, 0) + shared_mlp(x.float(), sw13.float(),
-                                                                                             sw2.float())
+        ref = moe_experts_ref(x.float(), w13.float(), w2.float(), wts, ids, 0) + shared_mlp(x.float(), sw13.float(), sw2.float())
 
         def run(gu=None, dn=None):
             return moe_gemv(x, w13, w2, wts, ids, 0, sw13, sw2, gate_up_config=gu, down_config=dn)
@@ -70,8 +70,7 @@ def sweep_moe(bw: float, rows: list) -> None:
         best_dn = min(gemv_configs(True), key=lambda c: t_us(lambda: run(gu=best_gu, dn=c)))
         best = t_us(lambda: run(best_gu, best_dn))
         assert (run(best_gu, best_dn).float() - ref).abs().max() < 2e-2 * ref.abs().max()
-        rows.append((f"moe_gemv+shared T{T} (old layout {old:.1f} us)", base, best, bytes_ / bw * 1e6,
-                     f"gate_up {best_gu} down {best_dn}"))
+        rows.append((f"moe_gemv+shared T{T} (old layout {old:.1f} us)", base, best, bytes_ / bw * 1e6, f"gate_up {best_gu} down {best_dn}"))
         print(rows[-1], flush=True)
     print(f"defaults: gate_up {GATE_UP_CONFIG} down {DOWN_CONFIGS}, beyond {DOWN_CONFIG_MORE}")
 
@@ -80,7 +79,7 @@ def sweep_dense(bw: float, rows: list) -> None:
     """cuBLAS against kernels.gemv at one token: fused q/kv_a, o_proj, dense MLP, V3 q_a+kv_a."""
     for N, K in ((3648, 2048), (2048, 2048), (22528, 2048), (2048, 11264), (2112, 7168)):
         x = torch.randn(1, K, device=DEV, dtype=BF16)
-        w = torch.randn(N, K, device=DEV, dtype=BF16) * K ** -0.5
+        w = torch.randn(N, K, device=DEV, dtype=BF16) * K**-0.5
         ref = F.linear(x.float(), w.float())
         assert (gemv(x, w).float() - ref).abs().max() < 2e-2 * ref.abs().max()
         cublas = t_us(lambda: F.linear(x, w))
@@ -109,16 +108,22 @@ def sweep_mla(bw: float, rows: list) -> None:
         default_splits = default_num_kv_splits(B, 1, ctx, q_lat.device)
         base = t_us(lambda: mla_decode(*args, num_kv_splits=default_splits))
         best, best_cfg = base, "default"
-        for sp, bn, w, st in itertools.product(sorted({4, 8, 16, 32, default_splits, ctx // 64}),
-                                               (32, 64), (4, 8), (1, 2)):
+        for sp, bn, w, st in itertools.product(sorted({4, 8, 16, 32, default_splits, ctx // 64}), (32, 64), (4, 8), (1, 2)):
             cfg = dict(BLOCK_H=16, BLOCK_N=bn, num_warps=w, num_stages=st)
             t = t_us(lambda: mla_decode(*args, num_kv_splits=sp, config=cfg))
             if t < best:
                 out = mla_decode(*args, num_kv_splits=sp, config=cfg)
                 if (out.float() - ref.float()).abs().max() < 2e-2 * ref.float().abs().max() + 1e-3:
                     best, best_cfg = t, f"splits {sp} {cfg}"
-        rows.append((f"mla_decode B{B} ctx{ctx} (default splits {default_splits}, {decode_config(H, Lk, B)})",
-                     base, best, B * ctx * (Lk + R) * 2 / bw * 1e6, best_cfg))
+        rows.append(
+            (
+                f"mla_decode B{B} ctx{ctx} (default splits {default_splits}, {decode_config(H, Lk, B)})",
+                base,
+                best,
+                B * ctx * (Lk + R) * 2 / bw * 1e6,
+                best_cfg,
+            )
+        )
         print(rows[-1], flush=True)
 
 

@@ -48,6 +48,7 @@ def offline_mode(eng, rids: list[str]) -> Callable[[], None]:
     def step() -> None:
         for delta in eng.step_deltas():
             outputs[delta.request_id].add(delta)
+
     return step
 
 
@@ -56,6 +57,7 @@ def server_mode(eng, rids: list[str]) -> Callable[[], None]:
 
     def step() -> None:
         ForkingPickler.dumps(loop.message([], loop.step()))  # what Connection.send does first
+
     return step
 
 
@@ -99,9 +101,11 @@ def main() -> None:
                         cpu[mode] += times
                         wall[mode].append(w)
                 off, srv = (statistics.median(cpu[m]) for m in ("offline", "server"))
-                print(f"batch {b}: offline {off:.3f} ms per step, server {srv:.3f} ms per step "
-                      f"({srv / off - 1:+.1%}) [wall, best run: {min(wall['offline']):.3f} / "
-                      f"{min(wall['server']):.3f} ms]")
+                print(
+                    f"batch {b}: offline {off:.3f} ms per step, server {srv:.3f} ms per step "
+                    f"({srv / off - 1:+.1%}) [wall, best run: {min(wall['offline']):.3f} / "
+                    f"{min(wall['server']):.3f} ms]"
+                )
         finally:
             eng.executor = real
 

@@ -29,17 +29,24 @@ from moeserve.kernels.fp8_linear import fp8_block_gemm, fp8_linear_ref, per_toke
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
 from moeserve.quant.fp8 import BLOCK, FP8_DTYPE
 
-LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "q_b": (24576, 1536), "o_proj": (7168, 16384),
-           "dense_gate_up": (36864, 7168), "dense_down": (7168, 18432)}
-GEMM_GRID = [dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
-             for n, w, st, sk in itertools.product((32, 64, 128), (4,), (4,), (1, 2, 4, 8, 16))]
+LINEARS = {
+    "q_a": (1536, 7168),
+    "kv_a": (576, 7168),
+    "q_b": (24576, 1536),
+    "o_proj": (7168, 16384),
+    "dense_gate_up": (36864, 7168),
+    "dense_down": (7168, 18432),
+}
+GEMM_GRID = [
+    dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
+    for n, w, st, sk in itertools.product((32, 64, 128), (4,), (4,), (1, 2, 4, 8, 16))
+]
 
 
 def fp8_weight(*shape, seed: int):
     g = torch.Generator(device="cuda").manual_seed(seed)
     w = torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16).to(FP8_DTYPE)
-    s = (torch.rand(*shape[:-2], -(-shape[-2] // BLOCK), -(-shape[-1] // BLOCK), generator=g, device="cuda")
-         + 0.5) * shape[-1] ** -0.5
+    s = (torch.rand(*shape[:-2], -(-shape[-2] // BLOCK), -(-shape[-1] // BLOCK), generator=g, device="cuda") + 0.5) * shape[-1] ** -0.5
     return w, s
 
 
@@ -57,6 +64,7 @@ def sweep_linears(tokens: list[int], bandwidth: float, rows: list[dict]) -> None
 
         def weight():
             return copies[next(turn) % len(copies)]
+
         x = torch.randn(T, K, device="cuda", dtype=torch.bfloat16)
         ref = fp8_linear_ref(x.float(), w0, s0)
         bound = (N * K + s0.numel() * 4) / bandwidth * 1e6
@@ -64,6 +72,7 @@ def sweep_linears(tokens: list[int], bandwidth: float, rows: list[dict]) -> None
         def w8a8(cfg):
             xq, xs = per_token_group_quant_fp8(x)
             return fp8_block_gemm(xq, xs, *weight(), torch.bfloat16, cfg)
+
         variants = [("default", {}, lambda: w8a8(None))]
         variants += [("w8a8", cfg, lambda cfg=cfg: w8a8(cfg)) for cfg in GEMM_GRID]
         for way, cfg, fn in variants:
@@ -74,8 +83,7 @@ def sweep_linears(tokens: list[int], bandwidth: float, rows: list[dict]) -> None
                 print(name, T, way, cfg, "failed:", type(e).__name__, str(e)[:120], flush=True)
                 continue
             rows.append(dict(kind="linear", name=name, tokens=T, way=way, cfg=cfg, us=us, bound_us=bound, rel_err=err))
-            print(f"{name:14s} T={T} {way:5s} {json.dumps(cfg):110s} {us:8.1f} us ({100 * bound / us:3.0f}%) "
-                  f"err {err:.1e}", flush=True)
+            print(f"{name:14s} T={T} {way:5s} {json.dumps(cfg):110s} {us:8.1f} us ({100 * bound / us:3.0f}%) err {err:.1e}", flush=True)
         copies.clear()
         torch.cuda.empty_cache()
 
@@ -92,11 +100,9 @@ def sweep_moe(tokens: list[int], bandwidth: float, rows: list[dict]) -> None:
         args = (x, w13, s13, w2, s2, wts, ids, 0)
         ref = fp8_moe_ref(x.float(), *args[1:])
         n = ids.unique().numel()
-        bound = n * 3 * I * H * (1 + 4 / BLOCK ** 2) / bandwidth * 1e6
-        down_grid = [dict(BLOCK_N=b, BLOCK_K=k, num_warps=wp) for b, k, wp in
-                     itertools.product((4, 8, 16), (512, 1024), (4, 8))]
-        gu_grid = [dict(BLOCK_N=b, BLOCK_K=k, num_warps=wp) for b, k, wp in
-                   itertools.product((8, 16, 32), (256, 512), (4, 8))]
+        bound = n * 3 * I * H * (1 + 4 / BLOCK**2) / bandwidth * 1e6
+        down_grid = [dict(BLOCK_N=b, BLOCK_K=k, num_warps=wp) for b, k, wp in itertools.product((4, 8, 16), (512, 1024), (4, 8))]
+        gu_grid = [dict(BLOCK_N=b, BLOCK_K=k, num_warps=wp) for b, k, wp in itertools.product((8, 16, 32), (256, 512), (4, 8))]
         variants = [("gemv", {"down": d}, lambda d=d: fp8_moe_gemv(*args, down_config=d)) for d in down_grid]
         variants += [("gemv", {"gate_up": c}, lambda c=c: fp8_moe_gemv(*args, gate_up_config=c)) for c in gu_grid]
         variants += [("w8a8", {}, lambda: fp8_fused_moe(*args, small_batch_gemv=False))]
@@ -111,8 +117,7 @@ def sweep_moe(tokens: list[int], bandwidth: float, rows: list[dict]) -> None:
                 print("moe", T, way, cfg, "failed:", type(e).__name__, str(e)[:120], flush=True)
                 continue
             rows.append(dict(kind="moe", name="moe", tokens=T, way=way, cfg=cfg, us=us, bound_us=bound, rel_err=err))
-            print(f"moe T={T} {way:5s} {json.dumps(cfg):90s} {us:8.1f} us ({100 * bound / us:3.0f}%) err {err:.1e}",
-                  flush=True)
+            print(f"moe T={T} {way:5s} {json.dumps(cfg):90s} {us:8.1f} us ({100 * bound / us:3.0f}%) err {err:.1e}", flush=True)
 
 
 def main() -> int:
@@ -136,8 +141,7 @@ def main() -> int:
             rs = [r for r in rows if (r["name"], r["tokens"], r["way"]) == (name, T, way) and r["rel_err"] < 5e-2]
             if rs:
                 b = min(rs, key=lambda r: r["us"])
-                print(f"{name:14} {T:>2} {way:5} {json.dumps(b['cfg']):100} {b['us']:>8.1f} "
-                      f"{100 * b['bound_us'] / b['us']:>7.0f}")
+                print(f"{name:14} {T:>2} {way:5} {json.dumps(b['cfg']):100} {b['us']:>8.1f} {100 * b['bound_us'] / b['us']:>7.0f}")
     return 0
 
 

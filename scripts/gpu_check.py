@@ -31,8 +31,9 @@ from gpu_profile import profile_decode
 
 
 def greedy(llm: LLM, prompts, n: int):
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(temperature=0, max_tokens=n, logprobs=5, ignore_eos=True))
+    outs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n, logprobs=5, ignore_eos=True)
+    )
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -56,8 +57,10 @@ def compare(a, b) -> dict:
 def print_table(summary: dict) -> None:
     print(f"{'batch':>6} {'prefill tok/s':>14} {'% peak':>7} {'decode tok/s':>13} {'bound':>9} {'% bound':>8}")
     for r in summary.get("offline", []):
-        print(f"{r['batch_size']:>6} {r['prefill_tok_s']:>14,.0f} {100 * r['prefill_frac_of_peak']:>7.1f} "
-              f"{r['decode_tok_s']:>13,.1f} {r['decode_bound_tok_s']:>9,.0f} {100 * r['decode_frac_of_bound']:>8.1f}")
+        print(
+            f"{r['batch_size']:>6} {r['prefill_tok_s']:>14,.0f} {100 * r['prefill_frac_of_peak']:>7.1f} "
+            f"{r['decode_tok_s']:>13,.1f} {r['decode_bound_tok_s']:>9,.0f} {100 * r['decode_frac_of_bound']:>8.1f}"
+        )
 
 
 def main() -> int:
@@ -71,14 +74,22 @@ def main() -> int:
     ap.add_argument("--skip-checks", action="store_true", help="only the benchmark")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--profile", default="1,64", help="batch sizes to profile ('' for none)")
-    ap.add_argument("--hf-overrides", type=json.loads, default=None,
-                    help='config.json overrides, e.g. \'{"num_hidden_layers": 8}\' (K2.6 shapes on one GPU)')
+    ap.add_argument(
+        "--hf-overrides",
+        type=json.loads,
+        default=None,
+        help="config.json overrides, e.g. '{\"num_hidden_layers\": 8}' (K2.6 shapes on one GPU)",
+    )
     ap.add_argument("--check-prompt-lens", default="7,300,1000", help="prompt lengths of the correctness checks")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary: dict = {"model": args.model, "hf_overrides": args.hf_overrides, "gpu": torch.cuda.get_device_name(0),
-                     "torch": torch.__version__}
+    summary: dict = {
+        "model": args.model,
+        "hf_overrides": args.hf_overrides,
+        "gpu": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+    }
 
     def save() -> None:
         (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -86,13 +97,21 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 1000, (n,), generator=g).tolist() for n in map(int, args.check_prompt_lens.split(","))]
     sizes = [int(x) for x in args.batch_sizes.split(",")]
-    common = dict(load_format="dummy", dtype=args.dtype, device="cuda", seed=0, gpu_memory_utilization=0.85,
-                  max_model_len=args.input_len + args.output_len + 64, max_num_seqs=max(sizes),
-                  max_num_batched_tokens=16384, hf_overrides=args.hf_overrides,
-                  # The checks run the same prompts twice in one engine (graphs, then eager): with
-                  # the prefix cache the second run would prefill only their last pages, another
-                  # computation than the first's, and compare that instead.
-                  enable_prefix_caching=False)
+    common = dict(
+        load_format="dummy",
+        dtype=args.dtype,
+        device="cuda",
+        seed=0,
+        gpu_memory_utilization=0.85,
+        max_model_len=args.input_len + args.output_len + 64,
+        max_num_seqs=max(sizes),
+        max_num_batched_tokens=16384,
+        hf_overrides=args.hf_overrides,
+        # The checks run the same prompts twice in one engine (graphs, then eager): with
+        # the prefix cache the second run would prefill only their last pages, another
+        # computation than the first's, and compare that instead.
+        enable_prefix_caching=False,
+    )
     t = time.time()
     peaks = measure_peaks("cuda")
     summary["peaks"] = asdict(peaks)
@@ -101,12 +120,15 @@ def main() -> int:
         summary["layout"] = llm.engine.executor.describe()
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         summary["offline"] = []
-        for b in ([] if args.skip_bench else sizes):
+        for b in [] if args.skip_bench else sizes:
             r = run_batch(llm, b, args.input_len, args.output_len, peaks)
             summary["offline"].append(asdict(r))
-            print(f"batch {b}: prefill {r.prefill_tok_s:,.0f} tok/s ({100 * r.prefill_frac_of_peak:.1f}% of peak), "
-                  f"decode {r.decode_tok_s:,.1f} tok/s (bound {r.decode_bound_tok_s:,.0f}, "
-                  f"{100 * r.decode_frac_of_bound:.1f}%), {r.step_ms:.2f} ms/step", flush=True)
+            print(
+                f"batch {b}: prefill {r.prefill_tok_s:,.0f} tok/s ({100 * r.prefill_frac_of_peak:.1f}% of peak), "
+                f"decode {r.decode_tok_s:,.1f} tok/s (bound {r.decode_bound_tok_s:,.0f}, "
+                f"{100 * r.decode_frac_of_bound:.1f}%), {r.step_ms:.2f} ms/step",
+                flush=True,
+            )
             save()
         summary["profile"] = []
         for b in [int(x) for x in args.profile.split(",") if x] if not args.skip_bench else []:

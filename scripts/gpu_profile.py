@@ -22,6 +22,7 @@ def _timed(acc: dict, name: str, fn):
             return fn(*a, **k)
         finally:
             acc[name] += time.perf_counter() - t
+
     return wrapper
 
 
@@ -71,6 +72,7 @@ def profile_decode(llm: LLM, batch: int, input_len: int, steps: int, out_dir) ->
     patch(runner, "collect", "collect (wait for sample)")
     patch(eng, "process_result", "process result")
     import moeserve.engine.llm_engine as le
+
     orig_build = le.build_step_input
     le.build_step_input = _timed(acc, "build step input", orig_build)
     t0 = time.perf_counter()
@@ -84,6 +86,7 @@ def profile_decode(llm: LLM, batch: int, input_len: int, steps: int, out_dir) ->
 
     # Kernel table over a few more steps.
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(5):
             eng.step(finished_only=True)
@@ -100,9 +103,16 @@ def profile_decode(llm: LLM, batch: int, input_len: int, steps: int, out_dir) ->
         eng.step(finished_only=True)
 
     per_step = {k: 1000 * v / steps for k, v in acc.items()}
-    res = {"batch": batch, "steps": steps, "wall_ms_per_step": 1000 * wall / steps,
-           "gpu_forward_ms_per_step": sum(gpu_ms) / len(gpu_ms), "host_phases_ms_per_step": per_step}
-    print(f"profile batch {batch}: {res['wall_ms_per_step']:.2f} ms/step wall, "
-          f"{res['gpu_forward_ms_per_step']:.2f} ms GPU forward; host: "
-          + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()), flush=True)
+    res = {
+        "batch": batch,
+        "steps": steps,
+        "wall_ms_per_step": 1000 * wall / steps,
+        "gpu_forward_ms_per_step": sum(gpu_ms) / len(gpu_ms),
+        "host_phases_ms_per_step": per_step,
+    }
+    print(
+        f"profile batch {batch}: {res['wall_ms_per_step']:.2f} ms/step wall, "
+        f"{res['gpu_forward_ms_per_step']:.2f} ms GPU forward; host: " + ", ".join(f"{k} {v:.3f}" for k, v in per_step.items()),
+        flush=True,
+    )
     return res

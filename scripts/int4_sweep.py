@@ -34,8 +34,8 @@ def make(T: int, gen: torch.Generator):
 
     w13p, w13s = packed(E, 2 * I, H // 8)
     w2p, w2s = packed(E, H, I // 8)
-    sw13 = (torch.randn(2 * I, H, generator=gen) * H ** -0.5).to(dev, torch.bfloat16)
-    sw2 = (torch.randn(H, I, generator=gen) * I ** -0.5).to(dev, torch.bfloat16)
+    sw13 = (torch.randn(2 * I, H, generator=gen) * H**-0.5).to(dev, torch.bfloat16)
+    sw2 = (torch.randn(H, I, generator=gen) * I**-0.5).to(dev, torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(dev)
     w = (torch.rand(T, K, generator=gen) + 0.1).to(dev)
     return x, w13p, w13s, w2p, w2s, w, ids, sw13, sw2
@@ -59,11 +59,11 @@ def main() -> int:
         x, w13p, w13s, w2p, w2s, w, ids, sw13, sw2 = make(T, gen)
         ref = int4_moe_ref(x.float(), w13p, w13s, w2p, w2s, w, ids, 0)
         ref = ref + torch.nn.functional.linear(
-            torch.nn.functional.silu(x.float() @ sw13[:I].float().T) * (x.float() @ sw13[I:].float().T), sw2.float())
+            torch.nn.functional.silu(x.float() @ sw13[:I].float().T) * (x.float() @ sw13[I:].float().T), sw2.float()
+        )
         bound = bound_us(T, ids, args.bandwidth)
         gu0, dn0 = _gemv_configs(T, None, None)
-        grid = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=wp) for n, k, wp in
-                itertools.product((4, 8, 16, 32, 64), (256, 512, 1024), (4, 8))]
+        grid = [dict(BLOCK_N=n, BLOCK_K=k, num_warps=wp) for n, k, wp in itertools.product((4, 8, 16, 32, 64), (256, 512, 1024), (4, 8))]
         for which in ("gate_up", "down"):
             for cfg in grid:
                 if which == "gate_up" and cfg["BLOCK_N"] < 8:
@@ -78,8 +78,7 @@ def main() -> int:
                     print(T, which, cfg, "failed:", type(e).__name__, str(e)[:100], flush=True)
                     continue
                 rows.append(dict(tokens=T, which=which, cfg=cfg, us=us, bound_us=bound, rel_err=err))
-                print(f"T={T} {which:8s} {cfg} {us:8.1f} us  (bound {bound:.1f}, {100 * bound / us:.0f}%)  "
-                      f"err {err:.1e}", flush=True)
+                print(f"T={T} {which:8s} {cfg} {us:8.1f} us  (bound {bound:.1f}, {100 * bound / us:.0f}%)  err {err:.1e}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
@@ -92,8 +91,10 @@ def main() -> int:
             best = min(rs, key=lambda r: r["us"])
             d = _gemv_configs(T, None, None)[0 if which == "gate_up" else 1]
             default = next((r["us"] for r in rs if r["cfg"] == d), float("nan"))
-            print(f"{T:>2} {which:8} {json.dumps(best['cfg']):45} {best['us']:>8.1f} {default:>10.1f} "
-                  f"{100 * best['bound_us'] / best['us']:>8.0f}")
+            print(
+                f"{T:>2} {which:8} {json.dumps(best['cfg']):45} {best['us']:>8.1f} {default:>10.1f} "
+                f"{100 * best['bound_us'] / best['us']:>8.0f}"
+            )
     return 0
 
 

@@ -30,8 +30,9 @@ def greedy(model: str, engine: dict, prompts, n: int):
     t = time.time()
     with LLM(model, **engine) as llm:
         start = time.time() - t
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(temperature=0, max_tokens=n, logprobs=5, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=n, logprobs=5, ignore_eos=True)
+        )
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], start
 
 
@@ -49,15 +50,27 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in (7, 300, 1000)]
-    engine = dict(load_format="dummy", dtype=args.dtype, device=args.device, seed=0, max_model_len=1100,
-                  max_num_seqs=8, max_num_batched_tokens=2048, gpu_memory_utilization=0.85)
+    engine = dict(
+        load_format="dummy",
+        dtype=args.dtype,
+        device=args.device,
+        seed=0,
+        max_model_len=1100,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        gpu_memory_utilization=0.85,
+    )
     base, base_start = greedy(args.model, engine, prompts, args.tokens)
     rows = [{"layout": "tp1", "start_s": base_start, "exact": len(prompts), "near_tie": 0, "mismatch": 0}]
     for name in args.layouts.split(","):
         tp, pp, ep = parse_layout(name)
         try:
-            res, start = greedy(args.model, {**engine, "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
-                                            "expert_parallel_size": ep}, prompts, args.tokens)
+            res, start = greedy(
+                args.model,
+                {**engine, "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep},
+                prompts,
+                args.tokens,
+            )
             rows.append({"layout": name, "start_s": start, **compare(res, base)})
         except Exception as e:  # noqa: BLE001 - a failing layout is a result too
             rows.append({"layout": name, "error": f"{type(e).__name__}: {e}"})
@@ -72,8 +85,9 @@ def main() -> int:
             continue
         good = r["mismatch"] == 0 and (r["near_tie"] == 0 or not exact_needed)
         ok &= good
-        print(f"{r['layout']:<10} {r['start_s']:>8.1f} {r['exact']:>6} {r['near_tie']:>9} {r['mismatch']:>9}  "
-              f"{'ok' if good else 'MISMATCH'}")
+        print(
+            f"{r['layout']:<10} {r['start_s']:>8.1f} {r['exact']:>6} {r['near_tie']:>9} {r['mismatch']:>9}  {'ok' if good else 'MISMATCH'}"
+        )
     return 0 if ok else 1
 
 

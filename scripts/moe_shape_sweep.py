@@ -25,8 +25,7 @@ GROUP = 32
 
 
 def packed(E: int, rows: int, cols: int, gen: torch.Generator):
-    words = torch.randint(-(1 << 31), 1 << 31, (E, rows, cols // 8), generator=gen, device="cuda",
-                          dtype=torch.int64).to(torch.int32)
+    words = torch.randint(-(1 << 31), 1 << 31, (E, rows, cols // 8), generator=gen, device="cuda", dtype=torch.int64).to(torch.int32)
     scales = ((torch.rand(E, rows, cols // GROUP, generator=gen, device="cuda") + 0.5) * 0.004).to(torch.bfloat16)
     return words, scales
 
@@ -40,8 +39,10 @@ def routing(T: int, E_local: int, first: int, local_per_token: int | None, gen: 
             rows.append(torch.randperm(E_FULL, generator=gen)[:TOPK])
             continue
         mine = first + torch.randperm(E_local, generator=gen)[:local_per_token]
-        others = torch.tensor([e for e in torch.randperm(E_FULL, generator=gen).tolist()
-                               if not first <= e < first + E_local][:TOPK - local_per_token], dtype=torch.int64)
+        others = torch.tensor(
+            [e for e in torch.randperm(E_FULL, generator=gen).tolist() if not first <= e < first + E_local][: TOPK - local_per_token],
+            dtype=torch.int64,
+        )
         rows.append(torch.cat([mine, others]))
     return torch.stack(rows).cuda()
 
@@ -71,10 +72,14 @@ def main() -> int:
             us = triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
             moved = touched * per_expert
             eff = moved / (us * 1e-6) / args.bandwidth
-            rows.append(dict(case=name, tokens=T, local_experts=E, inter=inter, touched=touched,
-                             bytes_per_expert=per_expert, us=us, efficiency=eff))
-            print(f"{name:12s} T={T:<3d} inter {inter:5d} touched {touched:3d} "
-                  f"{per_expert / 1e6:6.2f} MB/expert {us:8.1f} us  {100 * eff:5.1f} % of bandwidth", flush=True)
+            rows.append(
+                dict(case=name, tokens=T, local_experts=E, inter=inter, touched=touched, bytes_per_expert=per_expert, us=us, efficiency=eff)
+            )
+            print(
+                f"{name:12s} T={T:<3d} inter {inter:5d} touched {touched:3d} "
+                f"{per_expert / 1e6:6.2f} MB/expert {us:8.1f} us  {100 * eff:5.1f} % of bandwidth",
+                flush=True,
+            )
         torch.cuda.empty_cache()
     if args.out:
         with open(args.out, "w") as f:

@@ -59,8 +59,7 @@ def prefill_matmul_flops(config: ModelConfig, length: int, prefix: int = 0) -> f
     p = param_counts(config)
     H, L = config.num_attention_heads, config.num_hidden_layers
     over_prefix = 2 * L * H * (config.qk_head_dim + config.v_head_dim) * length * prefix
-    return 2 * length * (p.active_per_token(config) - p.lm_head) + 2 * p.lm_head \
-        + prefill_attention_flops(config, 1, length) + over_prefix
+    return 2 * length * (p.active_per_token(config) - p.lm_head) + 2 * p.lm_head + prefill_attention_flops(config, 1, length) + over_prefix
 
 
 def step_flops(config: ModelConfig, length: int, prefix: int, decodes: int, decode_context: int) -> float:
@@ -70,8 +69,7 @@ def step_flops(config: ModelConfig, length: int, prefix: int, decodes: int, deco
     return flops
 
 
-def profiled_step(length: int, prefix: int, decodes: int, decode_context: int, vocab: int, page_size: int,
-                  seed: int) -> StepInput:
+def profiled_step(length: int, prefix: int, decodes: int, decode_context: int, vocab: int, page_size: int, seed: int) -> StepInput:
     """One step as the scheduler orders it: ``decodes`` sequences adding their token at position
     ``decode_context`` first, then a prompt chunk of ``length`` tokens after ``prefix`` cached
     ones; every sequence samples. Each sequence owns its own pages (the cached KV is whatever
@@ -89,11 +87,19 @@ def profiled_step(length: int, prefix: int, decodes: int, decode_context: int, v
         context_lens.append(start + n)
         tables.append(pages)
     B = decodes + 1
-    logits = [sum(query_lens[:i + 1]) - 1 for i in range(B)]
-    return StepInput(input_ids=ids, positions=positions, slot_mapping=slots, query_lens=query_lens,
-                     context_lens=context_lens, page_tables=tables, logits_indices=logits,
-                     sample_seq_ids=list(range(B)), sample_params=[SamplingParams(temperature=0)] * B,
-                     sample_seed_offsets=[0] * B)
+    logits = [sum(query_lens[: i + 1]) - 1 for i in range(B)]
+    return StepInput(
+        input_ids=ids,
+        positions=positions,
+        slot_mapping=slots,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        page_tables=tables,
+        logits_indices=logits,
+        sample_seq_ids=list(range(B)),
+        sample_params=[SamplingParams(temperature=0)] * B,
+        sample_seed_offsets=[0] * B,
+    )
 
 
 def _sync(device: torch.device) -> None:
@@ -143,14 +149,15 @@ def kernel_table(runner: ModelRunner, step: StepInput, iters: int) -> list[tuple
     return sorted(((k, t, n) for k, (t, n) in rows.items()), key=lambda r: -r[1])
 
 
-def report(title: str, flops: float, wall: float, table: list[tuple[str, float, float]], tflops: float,
-           top: int, on_gpu: bool) -> None:
+def report(title: str, flops: float, wall: float, table: list[tuple[str, float, float]], tflops: float, top: int, on_gpu: bool) -> None:
     total_us = sum(t for _, t, _ in table)
     bound_ms = flops / (tflops * 1e12) * 1e3
     what = "kernels" if on_gpu else "CPU ops (self time)"
-    print(f"\n## {title}: step {wall:.2f} ms wall; {what} {total_us / 1e3:.2f} ms; "
-          f"{flops / 1e9:.1f} GFLOP -> bound {bound_ms:.3f} ms at {tflops:.0f} TFLOP/s "
-          f"= {100 * bound_ms / wall:.1f} % of peak ({flops / wall / 1e9:.2f} TFLOP/s achieved)")
+    print(
+        f"\n## {title}: step {wall:.2f} ms wall; {what} {total_us / 1e3:.2f} ms; "
+        f"{flops / 1e9:.1f} GFLOP -> bound {bound_ms:.3f} ms at {tflops:.0f} TFLOP/s "
+        f"= {100 * bound_ms / wall:.1f} % of peak ({flops / wall / 1e9:.2f} TFLOP/s achieved)"
+    )
     print(f"{'us':>10} {'count':>7} {'share':>6}  {what}")
     for name, us, count in table[:top]:
         print(f"{us:10.1f} {count:7.0f} {100 * us / max(total_us, 1e-9):5.1f}%  {name[:110]}")
@@ -170,9 +177,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backend", default="auto", help="auto (triton on CUDA) | triton | reference")
-    ap.add_argument("--prefix", type=int, default=0,
-                    help="cached tokens before the prompt chunk (a later chunk of a long prompt); time the "
-                         "two ways of attending to them with MOESERVE_MLA_PREFIX=chunked|absorbed")
+    ap.add_argument(
+        "--prefix",
+        type=int,
+        default=0,
+        help="cached tokens before the prompt chunk (a later chunk of a long prompt); time the "
+        "two ways of attending to them with MOESERVE_MLA_PREFIX=chunked|absorbed",
+    )
     ap.add_argument("--decodes", type=int, default=0, help="decoding sequences in the same step (a mixed step)")
     ap.add_argument("--decode-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     ap.add_argument("--page-size", type=int, default=16)
@@ -187,24 +198,37 @@ def main() -> None:
     longest = max(lengths)
     ps = args.page_size
     pages = -(-(args.prefix + longest) // ps) + args.decodes * -(-(args.decode_context + 1) // ps)
-    engine = EngineConfig(model=None, dtype=args.dtype, device=args.device, load_format="dummy",
-                          backend=args.backend, page_size=ps, enforce_eager=True, max_num_seqs=args.decodes + 1,
-                          max_num_batched_tokens=longest + args.decodes,
-                          max_model_len=max(args.prefix + longest, args.decode_context + 1) + 1, num_kv_pages=pages)
+    engine = EngineConfig(
+        model=None,
+        dtype=args.dtype,
+        device=args.device,
+        load_format="dummy",
+        backend=args.backend,
+        page_size=ps,
+        enforce_eager=True,
+        max_num_seqs=args.decodes + 1,
+        max_num_batched_tokens=longest + args.decodes,
+        max_model_len=max(args.prefix + longest, args.decode_context + 1) + 1,
+        num_kv_pages=pages,
+    )
     runner = ModelRunner(config, engine)
-    print(f"{args.model}: {config.num_hidden_layers} layers, {runner.weight_bytes / 1e9:.2f} GB of {runner.dtype} "
-          f"weights on {runner.device}, attention backend {runner.backend.name} "
-          f"(prefix mode {getattr(runner.backend, 'prefix_mode', '-')})")
+    print(
+        f"{args.model}: {config.num_hidden_layers} layers, {runner.weight_bytes / 1e9:.2f} GB of {runner.dtype} "
+        f"weights on {runner.device}, attention backend {runner.backend.name} "
+        f"(prefix mode {getattr(runner.backend, 'prefix_mode', '-')})"
+    )
     with torch.inference_mode():
         for length in lengths:
-            step = profiled_step(length, args.prefix, args.decodes, args.decode_context, config.vocab_size, ps,
-                                 seed=length)
+            step = profiled_step(length, args.prefix, args.decodes, args.decode_context, config.vocab_size, ps, seed=length)
             for _ in range(2):  # Triton compiles and autotunes for this shape outside the timings
                 runner.collect(runner.launch(step))
             wall = wall_ms(runner, step, args.repeats)
             table = kernel_table(runner, step, args.iters)
-            title = f"prompt of {length} tokens" + (f" after {args.prefix} cached" if args.prefix else "") \
+            title = (
+                f"prompt of {length} tokens"
+                + (f" after {args.prefix} cached" if args.prefix else "")
                 + (f", beside {args.decodes} decodes of {args.decode_context}" if args.decodes else "")
+            )
             flops = step_flops(config, length, args.prefix, args.decodes, args.decode_context)
             report(title, flops, wall, table, args.tflops, args.top, runner.device.type == "cuda")
 

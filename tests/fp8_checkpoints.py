@@ -20,14 +20,30 @@ from safetensors.torch import load_file, save_file
 from checkpoints import make_checkpoint
 from int4_checkpoints import _save_sharded
 
-FP8_SHAPES = dict(hidden_size=192, intermediate_size=256, moe_intermediate_size=192, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=2, q_lora_rank=96, kv_lora_rank=160,
-                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=4,
-                  num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1)
-QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                       "weight_block_size": [128, 128]}
-FP8_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
-                        r"|mlp\.((shared_experts|experts\.\d+)\.)?(gate|up|down)_proj)\.weight$")
+FP8_SHAPES = dict(
+    hidden_size=192,
+    intermediate_size=256,
+    moe_intermediate_size=192,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    q_lora_rank=96,
+    kv_lora_rank=160,
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    n_shared_experts=1,
+)
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+FP8_LINEAR = re.compile(
+    r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.((shared_experts|experts\.\d+)\.)?(gate|up|down)_proj)\.weight$"
+)
 
 
 def dequantize_by_index(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -37,8 +53,9 @@ def dequantize_by_index(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return q.float() * s[rows][:, cols]
 
 
-def make_fp8_checkpoint(root: Path, variant: str = "v3_qlora_grouped_yarn", shards: int = 2, seed: int = 0,
-                        std: float = 0.08, **overrides) -> tuple[Path, Path]:
+def make_fp8_checkpoint(
+    root: Path, variant: str = "v3_qlora_grouped_yarn", shards: int = 2, seed: int = 0, std: float = 0.08, **overrides
+) -> tuple[Path, Path]:
     """-> (FP8 checkpoint dir, dequantized plain checkpoint dir for transformers)."""
     from moeserve.quant.fp8 import quantize_fp8_block
 

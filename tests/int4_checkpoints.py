@@ -16,26 +16,46 @@ from checkpoints import make_checkpoint
 GROUP = 32
 # Routed experts need whole groups of 32 in every TP slice: I = 64 splits into 2 x 32.
 INT4_SHAPES = dict(hidden_size=64, moe_intermediate_size=64, intermediate_size=96)
-KIMI_IGNORE = ["re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
-               "re:.*lm_head.*", "re:vision_tower.*", "re:mm_projector.*"]
+KIMI_IGNORE = [
+    "re:.*self_attn.*",
+    "re:.*shared_experts.*",
+    r"re:.*mlp\.(gate|up|gate_up|down)_proj.*",
+    "re:.*lm_head.*",
+    "re:vision_tower.*",
+    "re:mm_projector.*",
+]
 _EXPERT = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 
 
 def quantization_config(**weights_overrides) -> dict:
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
-               "actorder": None, "dynamic": False, "observer": "minmax", "block_structure": None,
-               **weights_overrides}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
-                                          "input_activations": None, "output_activations": None}},
-            "ignore": list(KIMI_IGNORE), "kv_cache_scheme": None}
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": True,
+        "strategy": "group",
+        "group_size": GROUP,
+        "actorder": None,
+        "dynamic": False,
+        "observer": "minmax",
+        "block_structure": None,
+        **weights_overrides,
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None, "output_activations": None}},
+        "ignore": list(KIMI_IGNORE),
+        "kv_cache_scheme": None,
+    }
 
 
 def _scheme():
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    return QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
-        num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP))
+    return QuantizationScheme(
+        targets=["Linear"], weights=QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=GROUP)
+    )
 
 
 def pack_expert(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -53,8 +73,7 @@ def unpack_expert(parts: dict[str, torch.Tensor]) -> torch.Tensor:
     """compressed-tensors' own dequantization, in float32 (the oracle's weights)."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
 
-    state = {"weight_packed": parts["weight_packed"], "weight_scale": parts["weight_scale"].float(),
-             "weight_shape": parts["weight_shape"]}
+    state = {"weight_packed": parts["weight_packed"], "weight_scale": parts["weight_scale"].float(), "weight_shape": parts["weight_shape"]}
     return PackedQuantizationCompressor.decompress(state, _scheme())["weight"].float()
 
 
@@ -69,8 +88,9 @@ def _save_sharded(tensors: dict[str, torch.Tensor], path: Path, shards: int) -> 
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-def make_int4_checkpoint(root: Path, variant: str = "v3_qlora_grouped_yarn", layout: str = "k2-thinking",
-                         shards: int = 2, seed: int = 0, **overrides) -> tuple[Path, Path]:
+def make_int4_checkpoint(
+    root: Path, variant: str = "v3_qlora_grouped_yarn", layout: str = "k2-thinking", shards: int = 2, seed: int = 0, **overrides
+) -> tuple[Path, Path]:
     """-> (INT4 checkpoint dir, dequantized plain checkpoint dir for transformers).
 
     ``layout``: ``k2-thinking`` (``DeepseekV3ForCausalLM``, top-level ``quantization_config``,
@@ -95,9 +115,14 @@ def make_int4_checkpoint(root: Path, variant: str = "v3_qlora_grouped_yarn", lay
         config["quantization_config"] = quantization_config()
     elif layout == "k2.6":
         text = {**config, "quantization_config": quantization_config()}
-        config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-                  "text_config": text, "vision_config": {"hidden_size": 8},
-                  "bos_token_id": text.get("bos_token_id"), "eos_token_id": text.get("eos_token_id")}
+        config = {
+            "architectures": ["KimiK25ForConditionalGeneration"],
+            "model_type": "kimi_k25",
+            "text_config": text,
+            "vision_config": {"hidden_size": 8},
+            "bos_token_id": text.get("bos_token_id"),
+            "eos_token_id": text.get("eos_token_id"),
+        }
         quantized = {f"language_model.{n}": t for n, t in quantized.items()}
         g = torch.Generator().manual_seed(seed)
         quantized["vision_tower.blocks.0.weight"] = torch.randn(8, 8, generator=g)

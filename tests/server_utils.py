@@ -31,16 +31,35 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.cmd = [sys.executable, "-m", "moeserve.server", "serve", "--model", model, "--host", "127.0.0.1",
-                    "--port", str(self.port), "--device", "cpu", "--no-access-log", *extra]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "moeserve.server",
+            "serve",
+            "--model",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            "cpu",
+            "--no-access-log",
+            *extra,
+        ]
         self.proc: subprocess.Popen | None = None
         self.startup: WaitResult | None = None
 
     def start(self) -> "ServerProcess":
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     start_new_session=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1",
-                                          **self.env})
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", **self.env},
+        )
         return self
 
     def wait(self, timeout: float = 120.0, interval: float = 0.1) -> WaitResult:
@@ -109,7 +128,7 @@ def sse_data(lines) -> Iterator[str]:
     """The ``data:`` payloads of server-sent event lines."""
     for line in lines:
         if line.startswith("data: "):
-            yield line[len("data: "):]
+            yield line[len("data: ") :]
 
 
 def rss_bytes(pid: int) -> int:

@@ -28,8 +28,7 @@ def run(path, async_scheduling: bool, params=PARAMS, **kw):
         while eng.has_unfinished_requests():  # a step launched for a sequence that then stopped
             assert eng.step() == []
         assert eng.allocator.num_free == eng.allocator.num_pages
-        return [[(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs], \
-            eng.scheduler.num_preemptions
+        return [[(c.token_ids, c.logprobs, c.finish_reason, c.stop_reason) for c in o.outputs] for o in outs], eng.scheduler.num_preemptions
 
 
 def test_same_outputs_as_synchronous(v3_checkpoint):
@@ -42,8 +41,7 @@ def test_stop_token_in_flight_drops_the_extra_token(v3_checkpoint):
     """A stop token sampled at step n: step n+1 already runs for that sequence; its token
     must not appear and the sequence must end exactly at the stop."""
     full, _ = run(v3_checkpoint, False, [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 5)
-    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
-                             stop_token_ids=[seqs[0][0][3]]) for seqs in full]
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[seqs[0][0][3]]) for seqs in full]
     sync, _ = run(v3_checkpoint, False, params)
     asynchronous, _ = run(v3_checkpoint, True, params)
     assert asynchronous == sync
@@ -113,13 +111,11 @@ def test_a_failed_step_loses_nothing(v3_checkpoint, async_scheduling, where):
             if not eng.has_unfinished_requests():
                 break
         got = [done[str(i)].outputs[0] for i in range(len(PROMPTS))]
-        assert [(o.token_ids, o.logprobs, o.finish_reason, o.stop_reason) for o in got] == \
-            [seqs[0] for seqs in expected]
+        assert [(o.token_ids, o.logprobs, o.finish_reason, o.stop_reason) for o in got] == [seqs[0] for seqs in expected]
         assert eng.allocator.num_free == eng.allocator.num_pages
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(tensor_parallel_size=2, expert_parallel_size=2)], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)], ids=["tp2", "ep2"])
 def test_tensor_parallel_ranks_overlap_steps_too(v3_checkpoint, layout):
     """Several ranks of one stage (gloo): the sampling rank broadcasts each step's ids so that
     every rank fills the next step's deferred tokens; same outputs as one synchronous rank."""
@@ -138,7 +134,6 @@ def test_tensor_parallel_ranks_overlap_steps_too(v3_checkpoint, layout):
 
 
 def test_pipeline_stages_keep_micro_batches_instead(v3_checkpoint):
-    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True,
-             pipeline_parallel_size=2) as llm:
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=True, pipeline_parallel_size=2) as llm:
         settings = llm.engine.executor.settings
         assert not settings.async_scheduling and settings.max_in_flight == 2

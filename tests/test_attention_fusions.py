@@ -38,10 +38,16 @@ def _attention(q_lora: int | None, bias: bool, seed: int) -> MLAAttention:
 def _forward(attn: MLAAttention, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One prefill of 6 tokens over two non-adjacent pages: (output, the layer's cache)."""
     T = hidden.shape[0]
-    ctx = StepContext(positions=torch.arange(T, device=DEV), slot_mapping=torch.tensor([8, 9, 10, 11, 0, 1], device=DEV),
-                      query_lens=[T], context_lens=[T], page_tables=torch.tensor([[2, 0]], device=DEV),
-                      cu_query_lens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
-                      logits_indices=torch.tensor([T - 1], device=DEV), page_size=4)
+    ctx = StepContext(
+        positions=torch.arange(T, device=DEV),
+        slot_mapping=torch.tensor([8, 9, 10, 11, 0, 1], device=DEV),
+        query_lens=[T],
+        context_lens=[T],
+        page_tables=torch.tensor([[2, 0]], device=DEV),
+        cu_query_lens=torch.tensor([0, T], dtype=torch.int32, device=DEV),
+        logits_indices=torch.tensor([T - 1], device=DEV),
+        page_size=4,
+    )
     attn.pool.buffer.zero_()
     attn.rotary.new_forward()
     with torch.inference_mode(), step_context(ctx):
@@ -83,8 +89,8 @@ def test_fused_parameters_are_views_of_the_fused_weight(q_lora):
     w = attn.fused_in_weight
     assert w.shape == (first.weight.shape[0] + kv_a.weight.shape[0], kv_a.weight.shape[1])
     assert first.weight.data_ptr() == w.data_ptr()
-    assert kv_a.weight.data_ptr() == w[first.weight.shape[0]:].data_ptr()
-    assert kv_a.bias.data_ptr() == attn.fused_in_bias[-kv_a.bias.shape[0]:].data_ptr()
+    assert kv_a.weight.data_ptr() == w[first.weight.shape[0] :].data_ptr()
+    assert kv_a.bias.data_ptr() == attn.fused_in_bias[-kv_a.bias.shape[0] :].data_ptr()
     if q_lora:
         assert first.bias.data_ptr() == attn.fused_in_bias.data_ptr()
     else:  # q_proj has no bias: zeros stand in for it
@@ -95,7 +101,7 @@ def test_fused_parameters_are_views_of_the_fused_weight(q_lora):
     # The loader writes through the views into the fused weight.
     new = torch.randn(kv_a.weight.shape)
     kv_a.weight.weight_loader(kv_a.weight, new)
-    assert torch.equal(w[first.weight.shape[0]:].cpu(), new)
+    assert torch.equal(w[first.weight.shape[0] :].cpu(), new)
 
 
 def _rope_norm_case(Lk: int, dtype: torch.dtype):
@@ -111,13 +117,11 @@ def _rope_norm_case(Lk: int, dtype: torch.dtype):
     latent, k_pe = proj[:, extra:].split([Lk, R], dim=-1)
     positions = torch.tensor([0, 3, 4, 9, 100], device=DEV)
     slots = torch.tensor([17, 2, 30, 5, 8], device=DEV)
-    pools = [StageKVPool(config, StageRange(0, 2), num_pages=8, page_size=4, dtype=dtype, device=DEV)
-             for _ in range(2)]
+    pools = [StageKVPool(config, StageRange(0, 2), num_pages=8, page_size=4, dtype=dtype, device=DEV) for _ in range(2)]
     ref_q, ref_k = rotary(positions, q[..., 16:], k_pe)
     pools[0].write(1, slots, norm(latent), ref_k)
     cos, sin = rotary.cos_sin(positions, dtype)
-    got_q = rope_and_cache(q[..., 16:], k_pe, latent, cos, sin, pools[1].layer(1), slots, True,
-                           norm_weight=norm.weight, eps=norm.eps)
+    got_q = rope_and_cache(q[..., 16:], k_pe, latent, cos, sin, pools[1].layer(1), slots, True, norm_weight=norm.weight, eps=norm.eps)
     tol = {"atol": 1e-6, "rtol": 1e-6} if dtype == torch.float32 else BF16_TOL
     torch.testing.assert_close(got_q.float().cpu(), ref_q.float().cpu(), **tol)
     torch.testing.assert_close(pools[1].buffer.float().cpu(), pools[0].buffer.float().cpu(), **tol)
@@ -148,8 +152,7 @@ def test_fast_path_with_bias_fuses_and_equals_reference(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=4, logprobs=1, ignore_eos=True)
     results = {}
     for backend in ("reference", "triton"):
-        with LLM(str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8,
-                 page_size=4) as llm:
+        with LLM(str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8, page_size=4) as llm:
             attn = [m for m in llm.engine.executor.runner.model.modules() if isinstance(m, MLAAttention)]
             assert attn and all(a.input_fused == (backend == "triton") for a in attn)
             assert all(a.use_kernel == (backend == "triton") for a in attn)

@@ -12,9 +12,23 @@ from moeserve.demo import ensure_demo_model
 
 from server_utils import ServerProcess
 
-KEYS = {"concurrency", "completed", "failed", "request_throughput", "output_throughput", "total_token_throughput",
-        "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-        "mean_itl_ms", "median_itl_ms", "p99_itl_ms"}
+KEYS = {
+    "concurrency",
+    "completed",
+    "failed",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p99_ttft_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "p99_tpot_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,15 +42,13 @@ def server(tmp_path_factory):
 
 
 def test_bench_against_live_server(server, tmp_path):
-    results = run_serving(server.url, [1, 4], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path),
-                          quiet=True)
+    results = run_serving(server.url, [1, 4], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path), quiet=True)
     for r in results:
         assert KEYS <= set(r)
         assert r["completed"] == 6 and r["failed"] == 0
         assert r["total_output_tokens"] == 6 * 5  # ignore_eos: exact output lengths
         assert r["output_throughput"] > 0 and r["mean_ttft_ms"] > 0
-    for name in ("concurrency_1.json", "concurrency_4.json", "results.json", "report.md", "throughput.png",
-                 "tpot.png"):
+    for name in ("concurrency_1.json", "concurrency_4.json", "results.json", "report.md", "throughput.png", "tpot.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert json.loads((tmp_path / "concurrency_4.json").read_text())["concurrency"] == 4
     assert "| 4 |" in (tmp_path / "report.md").read_text()
@@ -49,8 +61,9 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp
     assert all(p[:5] == prompts[0][:5] and len(p) == 9 for p in prompts) and prompts[0][5:] != prompts[1][5:]
     convs = conversations(random_prompts(5, 4, 256, 0), 2, 4, 256, 0)
     assert [len(c) for c in convs] == [2, 2, 1] and len(convs[0][1]) == 4
-    (r,) = run_serving(server.url, [2], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path),
-                       quiet=True, shared_prefix_len=32, multi_turn=3)
+    (r,) = run_serving(
+        server.url, [2], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path), quiet=True, shared_prefix_len=32, multi_turn=3
+    )
     assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 30
     # two conversations: turns of 44, 44 + 5 + 12 and 61 + 5 + 12 prompt tokens
     assert r["total_input_tokens"] == 2 * (44 + 61 + 78)
@@ -62,16 +75,47 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp
 
 def test_bench_cli_reports_failures_against_a_dead_url(tmp_path):
     # A port nobody listens on: every request fails and the exit code says so.
-    code = main(["bench", "--url", "http://127.0.0.1:9", "--served-model", "x", "--concurrency", "1",
-                 "--num-prompts", "2", "--input-len", "4", "--output-len", "2", "--result-dir", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "--url",
+            "http://127.0.0.1:9",
+            "--served-model",
+            "x",
+            "--concurrency",
+            "1",
+            "--num-prompts",
+            "2",
+            "--input-len",
+            "4",
+            "--output-len",
+            "2",
+            "--result-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 1
     r = json.loads((tmp_path / "concurrency_1.json").read_text())
     assert r["failed"] == 2 and r["errors"]
 
 
 def test_offline_bench_on_cpu(tmp_path):
-    code = main(["bench", "--offline", "--device", "cpu", "--batch-sizes", "1,3", "--input-len", "8",
-                 "--output-len", "4", "--result-dir", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "--offline",
+            "--device",
+            "cpu",
+            "--batch-sizes",
+            "1,3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--result-dir",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     doc = json.loads((tmp_path / "offline.json").read_text())
     rows = doc["results"]
@@ -89,8 +133,17 @@ def test_offline_bench_on_cpu(tmp_path):
 
 
 def test_sweep_two_layouts_and_a_failing_one(tmp_path):
-    runs = run_sweep(str(ensure_demo_model()), ["tp1", "pp2", "tp3"], [1, 2], str(tmp_path), ["--device", "cpu"],
-                     num_prompts=3, input_len=8, output_len=4, ready_timeout=120)
+    runs = run_sweep(
+        str(ensure_demo_model()),
+        ["tp1", "pp2", "tp3"],
+        [1, 2],
+        str(tmp_path),
+        ["--device", "cpu"],
+        num_prompts=3,
+        input_len=8,
+        output_len=4,
+        ready_timeout=120,
+    )
     by_name = {r.name: r for r in runs}
     assert by_name["tp1"].ok and by_name["pp2"].ok
     assert by_name["tp1"].time_to_ready_s > 0

@@ -41,8 +41,7 @@ def test_loader_and_planner_list_the_same_modules(model):
     assert len({n for n, _ in shapes}) == len(shapes)
     assert {_module(n) for n, _ in shapes} == _planned_modules(cfg)
     plain = replace(cfg, quantization=None)
-    assert dict(checkpoint_tensor_shapes(plain)) == {
-        s.name.format(e=e): s.shape for s in model_tensors(plain) for e in range(s.copies)}
+    assert dict(checkpoint_tensor_shapes(plain)) == {s.name.format(e=e): s.shape for s in model_tensors(plain) for e in range(s.copies)}
 
 
 def test_router_bias_exists_when_the_router_uses_it():

@@ -15,8 +15,7 @@ PIECE = 5  # prefix tokens expanded at once: a chunk over a 32-token prefix take
 
 
 def _generate(path, backend: str, max_num_batched_tokens: int, **backend_settings):
-    with LLM(str(path), device="cpu", dtype="float32", backend=backend, page_size=4,
-             max_num_batched_tokens=max_num_batched_tokens) as llm:
+    with LLM(str(path), device="cpu", dtype="float32", backend=backend, page_size=4, max_num_batched_tokens=max_num_batched_tokens) as llm:
         attention = llm.engine.executor.runner.backend
         for name, value in backend_settings.items():
             setattr(attention, name, value)
@@ -34,11 +33,14 @@ def one_shot(v3_checkpoint):
     return tokens, logprobs
 
 
-@pytest.mark.parametrize("backend,settings", [
-    pytest.param("reference", {}, id="reference"),
-    pytest.param("triton", dict(prefix_chunk_tokens=PIECE), id="triton-pieces"),
-    pytest.param("triton", dict(prefix_mode="absorbed"), id="triton-absorbed"),
-])
+@pytest.mark.parametrize(
+    "backend,settings",
+    [
+        pytest.param("reference", {}, id="reference"),
+        pytest.param("triton", dict(prefix_chunk_tokens=PIECE), id="triton-pieces"),
+        pytest.param("triton", dict(prefix_mode="absorbed"), id="triton-absorbed"),
+    ],
+)
 def test_chunked_prefill_over_a_long_prefix_equals_one_shot(v3_checkpoint, one_shot, backend, settings):
     tokens, logprobs, expanded = _generate(v3_checkpoint, backend, 8, **settings)  # 41 tokens: 6 chunks
     ref_tokens, ref_logprobs = one_shot

@@ -10,8 +10,7 @@ from moeserve.layers.rotary import rope_inv_freq
 from checkpoints import hf_config
 
 
-@pytest.mark.parametrize("name", ["kimi-k2.6", "kimi-k2-instruct", "deepseek-v3", "deepseek-v2-lite",
-                                  "moonlight-16b-a3b"])
+@pytest.mark.parametrize("name", ["kimi-k2.6", "kimi-k2-instruct", "deepseek-v3", "deepseek-v2-lite", "moonlight-16b-a3b"])
 def test_shipped_configs_parse(name):
     assert name in builtin_model_names()
     c = load_model_config(name)
@@ -46,8 +45,11 @@ def test_both_rope_spellings_give_the_same_config(tmp_path):
     saved = dict(published)
     saved.pop("rope_scaling")
     saved.pop("rope_theta")
-    saved["rope_parameters"] = {**{k: v for k, v in published["rope_scaling"].items() if k != "type"},
-                                "rope_type": "yarn", "rope_theta": published["rope_theta"]}
+    saved["rope_parameters"] = {
+        **{k: v for k, v in published["rope_scaling"].items() if k != "type"},
+        "rope_type": "yarn",
+        "rope_theta": published["rope_theta"],
+    }
     c2 = parse_model_config(saved)
     assert c1.rope == c2.rope and c1.softmax_scale == c2.softmax_scale
 
@@ -70,5 +72,13 @@ def test_unsupported_architecture_and_unknown_model():
     with pytest.raises(FileNotFoundError, match="unknown model 'no-such-model'"):
         load_model_config("no-such-model")
     with pytest.raises(ValueError, match="missing required field 'kv_lora_rank'"):
-        parse_model_config({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 8, "hidden_size": 8,
-                            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1})
+        parse_model_config(
+            {
+                "architectures": ["DeepseekV3ForCausalLM"],
+                "vocab_size": 8,
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+            }
+        )

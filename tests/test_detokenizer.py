@@ -18,8 +18,11 @@ def tokenizer():
 def test_incremental_text_equals_full_decode(tokenizer, kind):
     prompt = tokenizer.encode("Grüße: ")
     output = tokenizer.encode("naïve café — 東京 🙂 ok") + [257, 300]  # eos and a reserved special token
-    detok = (StreamDetokenizer(tokenizer, tokenizer.backend_tokenizer, prompt, True) if kind is StreamDetokenizer
-             else WindowDetokenizer(tokenizer, prompt, True))
+    detok = (
+        StreamDetokenizer(tokenizer, tokenizer.backend_tokenizer, prompt, True)
+        if kind is StreamDetokenizer
+        else WindowDetokenizer(tokenizer, prompt, True)
+    )
     text = ""
     partial = []
     for t in output:

@@ -1,6 +1,5 @@
 """Engine behaviour end to end on tiny checkpoints: preemption, bad input, sampling options."""
 
-
 import pytest
 import torch
 
@@ -24,8 +23,7 @@ def tokens(outs):
 def test_preemption_finishes_everything_with_the_same_tokens(v3_checkpoint, llm):
     expected = tokens(llm.generate(PROMPTS, GREEDY))
     # 7 pages of 4 tokens cannot hold five sequences of up to 25 tokens at once.
-    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=7, page_size=4,
-             max_model_len=28) as small:
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=7, page_size=4, max_model_len=28) as small:
         outs = small.generate(PROMPTS, GREEDY)
         assert small.engine.scheduler.num_preemptions > 0
         assert small.engine.allocator.num_free == 7  # every page came back
@@ -39,13 +37,16 @@ def test_batch_equals_one_by_one(llm):
     assert together == alone
 
 
-@pytest.mark.parametrize("prompt, params, match", [
-    ([], GREEDY, "prompt is empty"),
-    ([1, 2, 96], GREEDY, r"token id 96 is out of range.*\[0, 96\)"),
-    ([1, 2, -1], GREEDY, "token id -1 is out of range"),
-    (list(range(10)) * 60, GREEDY, r"prompt has 600 tokens.*max_model_len=512"),
-    ("text", GREEDY, "no tokenizer"),
-])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ([], GREEDY, "prompt is empty"),
+        ([1, 2, 96], GREEDY, r"token id 96 is out of range.*\[0, 96\)"),
+        ([1, 2, -1], GREEDY, "token id -1 is out of range"),
+        (list(range(10)) * 60, GREEDY, r"prompt has 600 tokens.*max_model_len=512"),
+        ("text", GREEDY, "no tokenizer"),
+    ],
+)
 def test_bad_prompts_raise_and_leave_the_engine_working(llm, prompt, params, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[1, 2, 3], prompt], params)
@@ -53,14 +54,17 @@ def test_bad_prompts_raise_and_leave_the_engine_working(llm, prompt, params, mat
     assert len(tokens(llm.generate([[1, 2, 3]], GREEDY))[0]) == 12
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(max_tokens=0), "max_tokens must be at least 1"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
-    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
-    (dict(n=0), "n must be at least 1"),
-    (dict(top_k=-3), "top_k"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+        (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+        (dict(n=0), "n must be at least 1"),
+        (dict(top_k=-3), "top_k"),
+    ],
+)
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -101,17 +105,14 @@ def test_seeded_sampling_is_reproducible_and_n_gives_n(llm):
 
 def test_top_k_one_is_greedy_and_min_p_one_is_greedy(llm):
     greedy = tokens(llm.generate(PROMPTS[:2], GREEDY))
-    assert tokens(llm.generate(PROMPTS[:2], SamplingParams(temperature=1.3, top_k=1, max_tokens=12,
-                                                           ignore_eos=True))) == greedy
-    assert tokens(llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, min_p=1.0, max_tokens=12,
-                                                           ignore_eos=True, seed=3))) == greedy
+    assert tokens(llm.generate(PROMPTS[:2], SamplingParams(temperature=1.3, top_k=1, max_tokens=12, ignore_eos=True))) == greedy
+    assert tokens(llm.generate(PROMPTS[:2], SamplingParams(temperature=0.7, min_p=1.0, max_tokens=12, ignore_eos=True, seed=3))) == greedy
 
 
 def test_stop_token_ids_and_max_tokens(llm):
     full = tokens(llm.generate([PROMPTS[0]], GREEDY))[0]
     stop_at = full[4]
-    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at],
-                                                    ignore_eos=True))[0].outputs[0]
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[stop_at], ignore_eos=True))[0].outputs[0]
     first = full.index(stop_at)
     assert out.token_ids == full[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_at
@@ -120,8 +121,7 @@ def test_stop_token_ids_and_max_tokens(llm):
 
 
 def test_logprobs_are_log_probabilities(llm):
-    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=5,
-                                                    ignore_eos=True))[0].outputs[0]
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True))[0].outputs[0]
     for tok, lp in zip(out.token_ids, out.logprobs):
         assert len(lp) == 5 and tok in lp
         assert max(lp.values()) == lp[tok] <= 0
@@ -131,14 +131,12 @@ def test_logprobs_are_log_probabilities(llm):
 def test_demo_model_with_tokenizer_stop_strings_and_streaming_text():
     path = ensure_demo_model()
     with LLM(str(path), device="cpu") as llm:
-        base = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24,
-                                                                  ignore_eos=True))[0].outputs[0]
+        base = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
         assert base.text == llm.tokenizer.decode(base.token_ids, skip_special_tokens=True)
         visible = base.text.replace("\ufffd", "")
         assert len(visible) >= 4
         stop = visible[2:4]
-        cut = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24, stop=[stop],
-                                                                 ignore_eos=True))[0].outputs[0]
+        cut = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24, stop=[stop], ignore_eos=True))[0].outputs[0]
         assert cut.finish_reason == "stop" and cut.stop_reason == stop
         assert stop not in cut.text and base.text.startswith(cut.text)
         assert len(cut.token_ids) < len(base.token_ids)
@@ -159,8 +157,9 @@ def test_resize_kv_lets_go_of_the_old_pool(v3_checkpoint, monkeypatch):
     from moeserve.config import load_model_config
     from moeserve.engine.config import EngineConfig
 
-    runner = mr.ModelRunner(load_model_config(str(v3_checkpoint)),
-                            EngineConfig(model=str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=9))
+    runner = mr.ModelRunner(
+        load_model_config(str(v3_checkpoint)), EngineConfig(model=str(v3_checkpoint), device="cpu", dtype="float32", num_kv_pages=9)
+    )
     old = weakref.ref(runner.pool.buffer)
     old_alive_at_new_pool = []
     make_pool = mr.StageKVPool

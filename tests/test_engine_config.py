@@ -29,9 +29,26 @@ def test_every_field_is_a_flag_with_the_fields_default(monkeypatch):
 
 def test_the_flags_that_differ_from_their_field():
     p = parser()
-    kw = engine_kwargs(p.parse_args(["--tp", "2", "--pipeline-parallel-size", "3", "--ep", "2",
-                                     "--async-scheduling", "off", "--no-enable-prefix-caching", "--enforce-eager",
-                                     "--hf-overrides", '{"num_hidden_layers": 2}', "--pp-layer-partition", "1,2,3"]))
+    kw = engine_kwargs(
+        p.parse_args(
+            [
+                "--tp",
+                "2",
+                "--pipeline-parallel-size",
+                "3",
+                "--ep",
+                "2",
+                "--async-scheduling",
+                "off",
+                "--no-enable-prefix-caching",
+                "--enforce-eager",
+                "--hf-overrides",
+                '{"num_hidden_layers": 2}',
+                "--pp-layer-partition",
+                "1,2,3",
+            ]
+        )
+    )
     assert (kw["tensor_parallel_size"], kw["pipeline_parallel_size"], kw["expert_parallel_size"]) == (2, 3, 2)
     assert kw["async_scheduling"] is False and kw["enable_prefix_caching"] is False and kw["enforce_eager"] is True
     assert kw["hf_overrides"] == {"num_hidden_layers": 2} and kw["pp_layer_partition"] == [1, 2, 3]
@@ -58,13 +75,16 @@ def test_serve_adds_the_tokenizer_flag_of_the_same_field():
     assert p.parse_args(["--tokenizer", "t"]).tokenizer == "t" and p.parse_args([]).tokenizer is None
 
 
-@pytest.mark.parametrize("asked, device, pp, expected", [
-    (None, "cpu", 1, ResolvedSettings(64, False, 1)),
-    (None, "cuda", 1, ResolvedSettings(64, True, 2)),
-    (True, "cpu", 1, ResolvedSettings(64, True, 2)),
-    (False, "cuda", 1, ResolvedSettings(64, False, 1)),
-    (True, "cpu", 4, ResolvedSettings(64, False, 4)),  # several stages: one micro-batch per stage instead
-])
+@pytest.mark.parametrize(
+    "asked, device, pp, expected",
+    [
+        (None, "cpu", 1, ResolvedSettings(64, False, 1)),
+        (None, "cuda", 1, ResolvedSettings(64, True, 2)),
+        (True, "cpu", 1, ResolvedSettings(64, True, 2)),
+        (False, "cuda", 1, ResolvedSettings(64, False, 1)),
+        (True, "cpu", 4, ResolvedSettings(64, False, 4)),  # several stages: one micro-batch per stage instead
+    ],
+)
 def test_settings_are_resolved_in_one_place(asked, device, pp, expected):
     config = EngineConfig(model=None, device="cpu", async_scheduling=asked)
     config.device = device  # as a rank sees it (no GPU needed here)

@@ -56,6 +56,7 @@ def bad_seed(eng, rid):  # past the validation: the runner's torch.Generator ref
 def bad_detokenizer(eng, rid):
     def add(token_id):
         raise UnicodeError("injected detokenizer failure")
+
     for seq in eng.requests[rid].seqs:
         seq.detok = type("Broken", (), {"add": staticmethod(add), "flush": staticmethod(lambda: "")})()
 
@@ -79,9 +80,11 @@ def check_victim_failed_alone(r: dict, undisturbed: list, match: str) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("breaker, match", [(bad_seed, "cannot seed its sampler"),
-                                            (bad_detokenizer, "injected detokenizer failure")],
-                         ids=["seed", "detokenizer"])
+@pytest.mark.parametrize(
+    "breaker, match",
+    [(bad_seed, "cannot seed its sampler"), (bad_detokenizer, "injected detokenizer failure")],
+    ids=["seed", "detokenizer"],
+)
 def test_a_failing_request_fails_alone(v3_checkpoint, undisturbed, overlap, breaker, match):
     with LLM(str(v3_checkpoint), device="cpu", dtype="float32", async_scheduling=overlap) as llm:
         check_victim_failed_alone(run_all(llm, breaker), undisturbed, match)
@@ -111,13 +114,16 @@ def test_the_failure_crosses_from_a_sampling_rank_as_data(v3_checkpoint, undistu
         check_victim_failed_alone(run_all(llm, bad_seed), undisturbed, "cannot seed its sampler")
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(seed=1 << 64), "seed must be a signed 64-bit integer"),
-    (dict(seed=-(1 << 63) - 1), "seed must be a signed 64-bit integer"),
-    (dict(temperature=math.nan), "temperature must be a finite number"),
-    (dict(top_p=math.inf), "top_p must be a finite number"),
-    (dict(min_tokens=9, max_tokens=8), r"min_tokens must be at most max_tokens \(8\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(seed=1 << 64), "seed must be a signed 64-bit integer"),
+        (dict(seed=-(1 << 63) - 1), "seed must be a signed 64-bit integer"),
+        (dict(temperature=math.nan), "temperature must be a finite number"),
+        (dict(top_p=math.inf), "top_p must be a finite number"),
+        (dict(min_tokens=9, max_tokens=8), r"min_tokens must be at most max_tokens \(8\)"),
+    ],
+)
 def test_sampling_params_refuse_what_would_break_a_step(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -127,12 +133,13 @@ def test_extreme_but_valid_settings_sample(v3_checkpoint):
     """The ends of the seed range, top_k beyond the vocabulary, and logprobs up to its size."""
     with LLM(str(v3_checkpoint), device="cpu", dtype="float32") as llm:
         V = llm.engine.model_config.vocab_size
-        params = [SamplingParams(seed=(1 << 63) - 1, n=3, max_tokens=3, ignore_eos=True),
-                  SamplingParams(seed=-(1 << 63), max_tokens=3, top_k=1 << 62, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=2, logprobs=V, ignore_eos=True)]
+        params = [
+            SamplingParams(seed=(1 << 63) - 1, n=3, max_tokens=3, ignore_eos=True),
+            SamplingParams(seed=-(1 << 63), max_tokens=3, top_k=1 << 62, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=2, logprobs=V, ignore_eos=True),
+        ]
         outs = llm.generate([[1, 2, 3]] * 3, params)
-        assert all(o.error is None and all(len(c.token_ids) == c_len for c in o.outputs)
-                   for o, c_len in zip(outs, [3, 3, 2]))
+        assert all(o.error is None and all(len(c.token_ids) == c_len for c in o.outputs) for o, c_len in zip(outs, [3, 3, 2]))
         with pytest.raises(ValueError, match="logprobs must be at most the vocabulary size"):
             llm.generate([1, 2], SamplingParams(logprobs=V + 1))
 

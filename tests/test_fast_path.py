@@ -11,14 +11,14 @@ PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2, 8, 8], [11, 12], [90, 1, 2, 3, 4, 5,
 
 
 def run(path, backend):
-    with LLM(str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8,
-             page_size=4) as llm:
+    with LLM(str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8, page_size=4) as llm:
         if backend == "triton":
             runner = llm.engine.executor.runner
             assert runner.backend.name == "triton"
             assert runner.model.model.norm.use_kernel
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+        )
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
@@ -45,15 +45,15 @@ def test_decode_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     path = make_checkpoint(tmp_path / "v3", "v3_qlora_grouped_yarn")
     eager = run(path, "triton")
     monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
-    with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8,
-             page_size=4, max_num_seqs=4) as llm:
+    with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4, max_num_seqs=4) as llm:
         graphs = llm.engine.executor.runner.graphs
         assert graphs is not None and graphs.emulate and graphs.sizes == [1, 2, 4]
         replays = []
         run_graph = graphs.run
         graphs.run = lambda ids, ctx: replays.append(ctx.num_seqs) or run_graph(ids, ctx)
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+        )
     assert 3 in replays  # three sequences padded to the size-4 buffers
     for (et, el), o in zip(eager, outs):
         assert o.outputs[0].token_ids == et

@@ -62,9 +62,11 @@ def test_fp8_matches_transformers_on_dequantized_weights(fp8_checkpoint, expecte
     _check(outs, expected)
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(tensor_parallel_size=2, expert_parallel_size=2),
-                                    dict(pipeline_parallel_size=2)], ids=["tp2", "tp2-ep2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2), dict(pipeline_parallel_size=2)],
+    ids=["tp2", "tp2-ep2", "pp2"],
+)
 def test_fp8_layouts_match_transformers(fp8_checkpoint, expected, layout):
     _check(_generate(fp8_checkpoint[0], max_num_batched_tokens=8, **layout), expected)
 
@@ -83,7 +85,7 @@ def test_tp_shards_off_the_grid_dequantize_to_the_full_weights(fp8_checkpoint):
     def dense(m):
         if getattr(m, "k_pad", None) is None:
             return m.weight.float()
-        return dequantize_fp8_block(m.weight, m.weight_scale_inv, dtype=torch.float32)[:, m.k_pad:]
+        return dequantize_fp8_block(m.weight, m.weight_scale_inv, dtype=torch.float32)[:, m.k_pad :]
 
     for rank in (0, 1):
         set_tp_group(TPGroup(size=2, rank=rank))
@@ -99,16 +101,14 @@ def test_tp_shards_off_the_grid_dequantize_to_the_full_weights(fp8_checkpoint):
             w, f = dense(m), dense(ref[name])
             sh, offset, rows = m.shard, 0, []
             for n, start, size in sh.pieces:  # each piece's rows of this rank, stacked
-                rows.append(f[offset + start:offset + start + size])
+                rows.append(f[offset + start : offset + start + size])
                 offset += n
-            assert torch.equal(w, torch.cat(rows)[:, sh.in_start:sh.in_start + sh.in_size]), name
-            seen.add((type(m).__name__, getattr(m, "k_pad", 0) > 0, getattr(getattr(m, "fp8_layout", None),
-                                                                             "per_row", None)))
+            assert torch.equal(w, torch.cat(rows)[:, sh.in_start : sh.in_start + sh.in_size]), name
+            seen.add((type(m).__name__, getattr(m, "k_pad", 0) > 0, getattr(getattr(m, "fp8_layout", None), "per_row", None)))
         e = model.model.layers["1"].mlp.experts
         fe = full.model.layers["1"].mlp.experts
-        got = dequantize_fp8_block(e.w2[0], e.w2_scale_inv[0], dtype=torch.float32)[:, e.fp8_down.k_pad:]
-        assert torch.equal(got, dequantize_fp8_block(fe.w2[0], fe.w2_scale_inv[0], dtype=torch.float32)
-                           [:, rank * 96:(rank + 1) * 96])
+        got = dequantize_fp8_block(e.w2[0], e.w2_scale_inv[0], dtype=torch.float32)[:, e.fp8_down.k_pad :]
+        assert torch.equal(got, dequantize_fp8_block(fe.w2[0], fe.w2_scale_inv[0], dtype=torch.float32)[:, rank * 96 : (rank + 1) * 96])
         if rank == 1:  # the split falls inside blocks: per-row scales and padded columns were exercised
             assert ("ColumnParallelLinear", False, True) in seen and ("RowParallelLinear", True, False) in seen
             assert e.fp8_half.per_row and e.fp8_down.k_pad == 96
@@ -124,6 +124,7 @@ def test_dequantized_oracle_is_the_format(fp8_checkpoint):
 
 def test_plain_linear_in_an_fp8_checkpoint_loads_plain(fp8_checkpoint, expected, tmp_path):
     """A weight without weight_scale_inv beside it is plain: read from the checkpoint, not the config."""
+
     def dequantize_o_proj(t):
         name = "model.layers.1.self_attn.o_proj.weight"
         t[name] = dequantize_by_index(t[name], t.pop(f"{name}_scale_inv"))
@@ -138,16 +139,24 @@ def test_plain_linear_in_an_fp8_checkpoint_loads_plain(fp8_checkpoint, expected,
     _check(outs, expected)
 
 
-@pytest.mark.parametrize("drop, message", [
-    ("model.layers.1.mlp.experts.3.down_proj.weight_scale_inv",
-     r"missing tensor\(s\): model.layers.1.mlp.experts.3.down_proj.weight_scale_inv"),
-    ("model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv",
-     r"missing tensor\(s\): model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv"),
-    ("model.layers.1.self_attn.q_b_proj.weight_scale_inv",
-     "model.layers.1.self_attn.q_b_proj.weight is float8_e4m3fn.*no weight_scale_inv beside it"),
-    ("model.layers.0.mlp.up_proj.weight_scale_inv",
-     "only model.layers.0.mlp.up_proj.weight has no weight_scale_inv"),
-])
+@pytest.mark.parametrize(
+    "drop, message",
+    [
+        (
+            "model.layers.1.mlp.experts.3.down_proj.weight_scale_inv",
+            r"missing tensor\(s\): model.layers.1.mlp.experts.3.down_proj.weight_scale_inv",
+        ),
+        (
+            "model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv",
+            r"missing tensor\(s\): model.layers.1.mlp.experts.0.gate_proj.weight_scale_inv",
+        ),
+        (
+            "model.layers.1.self_attn.q_b_proj.weight_scale_inv",
+            "model.layers.1.self_attn.q_b_proj.weight is float8_e4m3fn.*no weight_scale_inv beside it",
+        ),
+        ("model.layers.0.mlp.up_proj.weight_scale_inv", "only model.layers.0.mlp.up_proj.weight has no weight_scale_inv"),
+    ],
+)
 def test_missing_scale_is_named(fp8_checkpoint, tmp_path, drop, message):
     d = rewrite_checkpoint(fp8_checkpoint[0], tmp_path / "broken", lambda t: {k: v for k, v in t.items() if k != drop})
     model = DeepseekForCausalLM(load_model_config(d))
@@ -162,22 +171,39 @@ def test_misshaped_scale_is_named(fp8_checkpoint, tmp_path):
         load_model_weights(DeepseekForCausalLM(load_model_config(d)), d, "auto")
 
 
-@pytest.mark.parametrize("change, named", [
-    (dict(weight_block_size=[64, 64]), "weight_block_size=\\[64, 64\\]"),
-    (dict(fmt="e5m2"), "fmt='e5m2'"),
-    (dict(activation_scheme="static"), "activation_scheme='static'"),
-    (dict(weight_block_size=None), "weight_block_size=None"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(weight_block_size=[64, 64]), "weight_block_size=\\[64, 64\\]"),
+        (dict(fmt="e5m2"), "fmt='e5m2'"),
+        (dict(activation_scheme="static"), "activation_scheme='static'"),
+        (dict(weight_block_size=None), "weight_block_size=None"),
+    ],
+)
 def test_unsupported_fp8_schemes_are_named_at_build(fp8_checkpoint, tmp_path, change, named):
     d = rewrite_checkpoint(fp8_checkpoint[0], tmp_path / "scheme", quantization_config={**QUANTIZATION_CONFIG, **change})
     with pytest.raises(ValueError, match=f"unsupported FP8 scheme.*{named}.*weight_block_size=\\[128, 128\\]"):
         DeepseekForCausalLM(load_model_config(d))
 
 
-TINY_V3 = {"num_hidden_layers": 2, "hidden_size": 192, "intermediate_size": 256, "moe_intermediate_size": 192,
-           "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-           "num_attention_heads": 2, "q_lora_rank": 96, "kv_lora_rank": 160, "qk_nope_head_dim": 32,
-           "qk_rope_head_dim": 16, "v_head_dim": 32, "vocab_size": 256, "first_k_dense_replace": 1}
+TINY_V3 = {
+    "num_hidden_layers": 2,
+    "hidden_size": 192,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 192,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_attention_heads": 2,
+    "q_lora_rank": 96,
+    "kv_lora_rank": 160,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 32,
+    "vocab_size": 256,
+    "first_k_dense_replace": 1,
+}
 
 
 def test_dummy_fp8_weights_in_the_published_format():
@@ -226,8 +252,7 @@ def test_fast_path_fp8_gives_the_reference_tokens(fp8_checkpoint, monkeypatch):
         with monkeypatch.context() as patch:
             if backend == "reference":
                 patch.setattr(Fp8Linear, "apply", quantizing_reference)
-            with LLM(str(fp8_checkpoint[0]), device="cpu", dtype="float32", backend=backend,
-                     max_num_batched_tokens=8, page_size=4) as llm:
+            with LLM(str(fp8_checkpoint[0]), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8, page_size=4) as llm:
                 if backend == "triton":
                     m = llm.engine.executor.runner.model.model.layers["1"]
                     assert m.self_attn.q_b_proj.method.fast and m.mlp.experts.method.fused
@@ -299,11 +324,21 @@ def test_planner_counts_kv_b_in_the_activation_dtype():
     sizes = rank_weight_sizes(cfg, 1, 1, 1, 0, None, 2, quantized=True)
     kv_b = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim) * cfg.kv_lora_rank
     q_b = cfg.num_attention_heads * cfg.qk_head_dim * cfg.q_lora_rank
-    fp8 = (cfg.q_lora_rank * cfg.hidden_size + q_b + cfg.kv_latent_dim * cfg.hidden_size
-           + cfg.hidden_size * cfg.num_attention_heads * cfg.v_head_dim)
-    scales = 4 * sum(math.ceil(a / 128) * math.ceil(b / 128) for a, b in [
-        (cfg.q_lora_rank, cfg.hidden_size), (cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank),
-        (cfg.kv_latent_dim, cfg.hidden_size), (cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim)])
+    fp8 = (
+        cfg.q_lora_rank * cfg.hidden_size
+        + q_b
+        + cfg.kv_latent_dim * cfg.hidden_size
+        + cfg.hidden_size * cfg.num_attention_heads * cfg.v_head_dim
+    )
+    scales = 4 * sum(
+        math.ceil(a / 128) * math.ceil(b / 128)
+        for a, b in [
+            (cfg.q_lora_rank, cfg.hidden_size),
+            (cfg.num_attention_heads * cfg.qk_head_dim, cfg.q_lora_rank),
+            (cfg.kv_latent_dim, cfg.hidden_size),
+            (cfg.hidden_size, cfg.num_attention_heads * cfg.v_head_dim),
+        ]
+    )
     assert sizes["attention"].bytes == fp8 + scales + 2 * kv_b
 
 
@@ -322,8 +357,7 @@ def test_fused_fp8_input_projections_equal_apart(tmp_path, monkeypatch):
         with monkeypatch.context() as patch:
             if not fuse:
                 patch.setattr(MLAAttention, "_fusable", staticmethod(lambda projs: False))
-            with LLM(str(ckpt), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8,
-                     page_size=4) as llm:
+            with LLM(str(ckpt), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4) as llm:
                 attn = llm.engine.executor.runner.model.model.layers["0"].self_attn
                 assert attn.input_fused == fuse and (attn.fused_in_scale is not None) == fuse
                 out = llm.generate([{"prompt_token_ids": [5, 9, 3, 77, 12]}], sp)[0].outputs[0]

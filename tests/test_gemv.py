@@ -29,8 +29,7 @@ def test_gemv_matches_linear(T, bias, dtype):
 def test_gemv_strided_rows_and_empty():
     x = torch.randn(2, 64, device=DEV)[:, :32]  # row stride 64
     w = torch.randn(10, 32, device=DEV)
-    torch.testing.assert_close(gemv(x, w, None, {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4}), F.linear(x, w),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gemv(x, w, None, {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4}), F.linear(x, w), atol=1e-5, rtol=1e-5)
     assert gemv(torch.randn(0, 32, device=DEV), w).shape == (0, 10)
     assert selfcheck(torch.device(DEV))
 
@@ -40,6 +39,6 @@ def test_gemv_strided_rows_and_empty():
 @pytest.mark.parametrize("T", [1, 4])
 def test_gemv_real_shapes(N, K, T):
     x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
-    w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K ** -0.5
+    w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) * K**-0.5
     ref = F.linear(x.float(), w.float())
     assert (gemv(x, w).float() - ref).abs().max() < 2e-2 * ref.abs().max()

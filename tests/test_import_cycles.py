@@ -45,7 +45,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(v)
         for w in sorted(graph[v]):
             if state.get(w) == 1:
-                return path[path.index(w):] + [w]
+                return path[path.index(w) :] + [w]
             if w not in state and (found := visit(w)):
                 return found
         path.pop()

@@ -51,9 +51,11 @@ def test_int4_matches_transformers_on_dequantized_weights(ckpts, layout):
     _check(outs, ckpts["expected"])
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2),
-                                    dict(tensor_parallel_size=2, expert_parallel_size=2),
-                                    dict(pipeline_parallel_size=2)], ids=["tp2", "tp2-ep2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2), dict(pipeline_parallel_size=2)],
+    ids=["tp2", "tp2-ep2", "pp2"],
+)
 def test_int4_layouts_match_transformers(ckpts, layout):
     with LLM(str(ckpts["k2.6"]), dtype="float32", device="cpu", max_num_batched_tokens=8, **layout) as llm:
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
@@ -82,12 +84,15 @@ def _with_quant(src, tmp_path, **weights):
     return d
 
 
-@pytest.mark.parametrize("weights, message", [
-    (dict(symmetric=False), "symmetric=False"),
-    (dict(actorder="group"), "actorder='group'"),
-    (dict(group_size=64), "group_size=64"),
-    (dict(num_bits=8), "num_bits=8"),
-])
+@pytest.mark.parametrize(
+    "weights, message",
+    [
+        (dict(symmetric=False), "symmetric=False"),
+        (dict(actorder="group"), "actorder='group'"),
+        (dict(group_size=64), "group_size=64"),
+        (dict(num_bits=8), "num_bits=8"),
+    ],
+)
 def test_unsupported_int4_schemes_are_named(ckpts, tmp_path, weights, message):
     d = _with_quant(ckpts["k2.6"], tmp_path, **weights)
     with pytest.raises(ValueError, match=f"unsupported compressed-tensors scheme.*{message}.*pack-quantized"):
@@ -112,8 +117,7 @@ def test_packed_tensor_that_disagrees_with_its_shape_is_named():
     method = Int4Experts(32)
     method.create_weights(layer, shard)
     with pytest.raises(ValueError, match="x.gate_proj.weight_packed has shape \\(64, 4\\), expected \\(64, 8\\)"):
-        method.load(layer, shard, 0, "gate", "weight_packed", torch.zeros(64, 4, dtype=torch.int32),
-                    "x.gate_proj.weight_packed")
+        method.load(layer, shard, 0, "gate", "weight_packed", torch.zeros(64, 4, dtype=torch.int32), "x.gate_proj.weight_packed")
     with pytest.raises(ValueError, match="x.down_proj.weight_shape says \\[64, 32\\]"):
         method.load(layer, shard, 0, "down", "weight_shape", torch.tensor([64, 32]), "x.down_proj.weight_shape")
 
@@ -141,10 +145,23 @@ def test_dummy_int4_weights_in_the_published_format(ckpts):
     assert nib.min().item() == -8 and nib.max().item() == 7
 
 
-TINY_K26 = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 64,
-            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-            "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 32, "qk_nope_head_dim": 16,
-            "qk_rope_head_dim": 16, "v_head_dim": 16, "vocab_size": 256}
+TINY_K26 = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_attention_heads": 2,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 16,
+    "vocab_size": 256,
+}
 
 
 def test_hf_overrides_apply_to_text_config_and_dummy_int4_runs():
@@ -162,8 +179,9 @@ def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatc
     interpreter, with the decode graphs' static buffers emulated: transformers' tokens."""
     pytest.importorskip("triton")
     monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
-    with LLM(str(ckpts["k2.6"]), dtype="float32", device="cpu", backend="triton", max_num_batched_tokens=6,
-             page_size=4, max_num_seqs=4) as llm:
+    with LLM(
+        str(ckpts["k2.6"]), dtype="float32", device="cpu", backend="triton", max_num_batched_tokens=6, page_size=4, max_num_seqs=4
+    ) as llm:
         method = llm.engine.executor.runner.model.model.layers["1"].mlp.experts.method
         assert method.fused and method.gemv  # the INT4 kernels passed their start-up check
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)

@@ -13,14 +13,32 @@ import torch
 
 triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
-from moeserve.kernels.fp8_linear import (GEMM_REL_TOL, fp8_block_gemm,  # noqa: E402
-                                         fp8_linear, fp8_linear_emulated, fp8_linear_ref,
-                                         per_token_group_quant_fp8, per_token_group_quant_fp8_ref, rel_error)
-from moeserve.kernels.fp8_moe import (MOE_REL_TOL, fp8_fused_moe, fp8_moe_emulated, fp8_moe_gemv,  # noqa: E402
-                                      fp8_moe_ref)
+from moeserve.kernels.fp8_linear import (
+    GEMM_REL_TOL,
+    fp8_block_gemm,  # noqa: E402
+    fp8_linear,
+    fp8_linear_emulated,
+    fp8_linear_ref,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_ref,
+    rel_error,
+)
+from moeserve.kernels.fp8_moe import (
+    MOE_REL_TOL,
+    fp8_fused_moe,
+    fp8_moe_emulated,
+    fp8_moe_gemv,  # noqa: E402
+    fp8_moe_ref,
+)
 from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS  # noqa: E402
-from moeserve.quant.fp8 import (BLOCK, FP8_DTYPE, cat_fp8_rows, cdiv, quantize_fp8_block,  # noqa: E402
-                                shard_fp8_block)
+from moeserve.quant.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    cat_fp8_rows,
+    cdiv,
+    quantize_fp8_block,  # noqa: E402
+    shard_fp8_block,
+)
 
 from kernel_utils import DEV, DTYPES, real  # noqa: E402
 
@@ -41,7 +59,7 @@ def fp8_weight(*shape, gen, std=None):
 
 def per_row(w, s):
     """The same weight with per-row scales (as a row shard from inside a block gets them)."""
-    return s.repeat_interleave(BLOCK, dim=-2)[..., :w.shape[-2], :].contiguous()
+    return s.repeat_interleave(BLOCK, dim=-2)[..., : w.shape[-2], :].contiguous()
 
 
 # Hopper's FP8 tensor cores accumulate one MMA chain (a 128-column K step here) with about 14
@@ -65,6 +83,7 @@ MOE_FP32_TOL = 1e-3
 
 
 # ---- activation quantization ----
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,K,k_pad", [(5, 300, 0), (9, 200, 45), (1, 128, 0)])
@@ -106,10 +125,13 @@ def test_fp8_gemm_matches_emulation_and_reference(M, N, K, k_pad, rows, dtype):
     assert rel_error(out, fp8_linear_ref(x, w, s, k_pad)) < GEMM_REL_TOL
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, GROUP_M=1), id="two-k-steps-per-group"),
-    pytest.param(dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=4), id="four-k-steps-swizzled"),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(dict(BLOCK_M=32, BLOCK_N=16, BLOCK_K=64, GROUP_M=1), id="two-k-steps-per-group"),
+        pytest.param(dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32, GROUP_M=4), id="four-k-steps-swizzled"),
+    ],
+)
 def test_fp8_gemm_tile_configs(config):
     g = torch.Generator().manual_seed(4)
     x = torch.randn(37, 200, generator=g).to(DEV)
@@ -119,9 +141,15 @@ def test_fp8_gemm_tile_configs(config):
     assert_close_to_emulation(out, fp8_linear_emulated(x, w, s))
 
 
-@pytest.mark.parametrize("M,N,K,k_pad,rows,split", [
-    (1, 40, 700, 0, False, 3), (3, 130, 1000, 16, True, 4), (16, 64, 512, 0, False, 2), (5, 200, 300, 0, False, 7),
-])
+@pytest.mark.parametrize(
+    "M,N,K,k_pad,rows,split",
+    [
+        (1, 40, 700, 0, False, 3),
+        (3, 130, 1000, 16, True, 4),
+        (16, 64, 512, 0, False, 2),
+        (5, 200, 300, 0, False, 7),
+    ],
+)
 def test_fp8_gemm_split_k(M, N, K, k_pad, rows, split):
     """Split K: each split's partial tile, summed by the last split in split order (more splits
     than K steps are cut to one step each); the tickets are left at zero for the next call."""
@@ -149,6 +177,7 @@ def test_fp8_gemm_empty_batch():
 
 
 # ---- decode sizes ----
+
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,k_pad,rows", [(1, 0, False), (3, 37, True), (4, 0, False)])
@@ -193,13 +222,14 @@ def test_fp8_linear_on_tensor_parallel_shards_off_the_grid():
     for start in (0, 200):
         p = shard_fp8_block(w, s, 1, start, 200)
         assert p.k_pad == start % BLOCK
-        part = fp8_linear(x[:, start:start + 200], p.weight, p.scale_inv, p.k_pad)
-        assert_close_to_emulation(part, fp8_linear_emulated(x[:, start:start + 200], p.weight, p.scale_inv, p.k_pad))
+        part = fp8_linear(x[:, start : start + 200], p.weight, p.scale_inv, p.k_pad)
+        assert_close_to_emulation(part, fp8_linear_emulated(x[:, start : start + 200], p.weight, p.scale_inv, p.k_pad))
         total += part
     assert rel_error(total, fp8_linear_ref(x, w, s)) < GEMM_REL_TOL
 
 
 # ---- MoE: routed experts ----
+
 
 def routing(T, K, num_experts, gen, only=None):
     pool = torch.tensor(only) if only is not None else torch.arange(num_experts)
@@ -258,10 +288,13 @@ def test_fp8_fused_moe_matches_emulation_and_reference(T, H, I, E, K, first, tot
         assert rel_error(out, ref) < MOE_REL_TOL
 
 
-@pytest.mark.parametrize("config", [
-    pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64), id="m32-k64"),
-    pytest.param(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), id="m16-n128"),
-])
+@pytest.mark.parametrize(
+    "config",
+    [
+        pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=64), id="m32-k64"),
+        pytest.param(dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128), id="m16-n128"),
+    ],
+)
 def test_fp8_fused_moe_tile_configs(config):
     g = torch.Generator().manual_seed(8)
     T, H, I, E, K = 21, 160, 96, 4, 2
@@ -276,12 +309,12 @@ def test_fp8_fused_moe_empty_batch():
     g = torch.Generator().manual_seed(9)
     w13, s13, w2, s2 = expert_weights(2, 160, 96, g)
     x = torch.zeros(0, 160, device=DEV)
-    out = fp8_fused_moe(x, w13, s13, w2, s2, torch.zeros(0, 2, device=DEV),
-                        torch.zeros(0, 2, dtype=torch.int64, device=DEV), 0)
+    out = fp8_fused_moe(x, w13, s13, w2, s2, torch.zeros(0, 2, device=DEV), torch.zeros(0, 2, dtype=torch.int64, device=DEV), 0)
     assert out.shape == (0, 160)
 
 
 # ---- MoE GEMV (decode), shared experts as extra slots ----
+
 
 def shared_weights(H, shared, gen, start=0, full=None):
     """Shared experts' (sw13, ss13, sw2, ss2): one expert of width ``shared`` (a TP shard of
@@ -311,9 +344,19 @@ def test_fp8_moe_gemv_matches_reference(T, K, E, first, shared, s_start, s_full,
     ids = torch.randint(0, E + first + 2, (T, K), generator=g).to(DEV)  # some ids are other ranks'
     weights = torch.rand(T, K, generator=g).to(DEV)
     sh = shared_weights(H, shared, g, s_start, s_full) if shared else ()
-    out = fp8_moe_gemv(x, w13, s13, w2, s2, weights, ids, first, *sh,
-                       gate_up_config={"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4},  # 2 groups a chunk
-                       down_config={"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4})  # 2 chunks a group
+    out = fp8_moe_gemv(
+        x,
+        w13,
+        s13,
+        w2,
+        s2,
+        weights,
+        ids,
+        first,
+        *sh,
+        gate_up_config={"BLOCK_N": 128, "BLOCK_K": 256, "num_warps": 4},  # 2 groups a chunk
+        down_config={"BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 4},
+    )  # 2 chunks a group
     ref = fp8_moe_ref(x.float(), w13, s13, w2, s2, weights, ids, first, *sh)
     if dtype == torch.float32:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
@@ -395,7 +438,7 @@ def random_fp8_experts(E, rows, cols, seed):
     w = torch.empty(E, rows, cols, dtype=FP8_DTYPE, device=DEV)
     for e in range(E):
         w[e] = torch.randn(rows, cols, generator=g, device=DEV, dtype=torch.bfloat16).to(FP8_DTYPE)
-    s = (torch.rand(E, cdiv(rows, BLOCK), cdiv(cols, BLOCK), generator=g, device=DEV) + 0.5) * cols ** -0.5
+    s = (torch.rand(E, cdiv(rows, BLOCK), cdiv(cols, BLOCK), generator=g, device=DEV) + 0.5) * cols**-0.5
     return w, s
 
 

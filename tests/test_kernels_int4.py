@@ -11,8 +11,16 @@ import torch
 triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.kernels.int4_moe import (  # noqa: E402
-    GEMV_MAX_PAIRS, SHARED_MEMORY_BUDGET, fit_int4_shared_memory, int4_fused_moe, int4_moe_config, int4_moe_gemv,
-    int4_moe_ref, int4_moe_tile_configs, int4_moe_tile_limits, selfcheck,
+    GEMV_MAX_PAIRS,
+    SHARED_MEMORY_BUDGET,
+    fit_int4_shared_memory,
+    int4_fused_moe,
+    int4_moe_config,
+    int4_moe_gemv,
+    int4_moe_ref,
+    int4_moe_tile_configs,
+    int4_moe_tile_limits,
+    selfcheck,
 )
 from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: E402
 from moeserve.quant.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4  # noqa: E402
@@ -72,8 +80,8 @@ def test_quantize_dequantize_round_trip():
 
 def make_experts(E, hidden, inter, gen, dtype):
     """Quantized random experts (never all zeros), scales in the activation dtype, on DEV."""
-    p13, s13 = quantize_int4(torch.randn(E, 2 * inter, hidden, generator=gen) * hidden ** -0.5)
-    p2, s2 = quantize_int4(torch.randn(E, hidden, inter, generator=gen) * inter ** -0.5)
+    p13, s13 = quantize_int4(torch.randn(E, 2 * inter, hidden, generator=gen) * hidden**-0.5)
+    p2, s2 = quantize_int4(torch.randn(E, hidden, inter, generator=gen) * inter**-0.5)
     return p13.to(DEV), s13.to(DEV, dtype), p2.to(DEV), s2.to(DEV, dtype)
 
 
@@ -152,8 +160,8 @@ def test_int4_moe_gemv_matches_reference(T, K, E, first, total, hidden, inter, s
     weights, ids = routing(T, K, total, g)
     ref = reference(x, experts, weights, ids, first)
     if shared:
-        sw13 = (torch.randn(2 * shared, hidden, generator=g) * hidden ** -0.5).to(DEV, dtype)
-        sw2 = (torch.randn(hidden, shared, generator=g) * shared ** -0.5).to(DEV, dtype)
+        sw13 = (torch.randn(2 * shared, hidden, generator=g) * hidden**-0.5).to(DEV, dtype)
+        sw2 = (torch.randn(hidden, shared, generator=g) * shared**-0.5).to(DEV, dtype)
         out = int4_moe_gemv(x, *experts, weights, ids, first, sw13, sw2)
         ref = ref + shared_ref(x.float(), sw13.float(), sw2.float())
     else:
@@ -176,11 +184,12 @@ def test_int4_moe_gemv_explicit_tiles():
     H, I, Is = 96, 64, 64
     experts = make_experts(4, H, I, g, torch.float32)
     x = torch.randn(2, H, generator=g).to(DEV)
-    sw13 = (torch.randn(2 * Is, H, generator=g) * H ** -0.5).to(DEV)
-    sw2 = (torch.randn(H, Is, generator=g) * Is ** -0.5).to(DEV)
+    sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(DEV)
+    sw2 = (torch.randn(H, Is, generator=g) * Is**-0.5).to(DEV)
     weights, ids = routing(2, 2, 4, g)
-    out = int4_moe_gemv(x, *experts, weights, ids, 0, sw13, sw2, gate_up_config={"BLOCK_N": 32, "BLOCK_K": 32},
-                        down_config={"BLOCK_N": 32, "BLOCK_K": 32})
+    out = int4_moe_gemv(
+        x, *experts, weights, ids, 0, sw13, sw2, gate_up_config={"BLOCK_N": 32, "BLOCK_K": 32}, down_config={"BLOCK_N": 32, "BLOCK_K": 32}
+    )
     check(out, reference(x, experts, weights, ids, 0) + shared_ref(x, sw13, sw2), torch.float32)
     with pytest.raises(ValueError):
         int4_moe_gemv(x, *experts, weights, ids, 0, gate_up_config={"BLOCK_K": 48})
@@ -212,12 +221,15 @@ def test_int4_fused_moe_matches_reference(T, K, E, first, total, only, hidden, i
         check(out, reference(x, experts, weights, ids, first), dtype)
 
 
-@pytest.mark.parametrize("block", [
-    pytest.param(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64), id="k64"),
-    pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32), id="m32"),
-    pytest.param(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3), id="m64-real", marks=real),
-    pytest.param(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3), id="m128-real", marks=real),
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64), id="k64"),
+        pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32), id="m32"),
+        pytest.param(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3), id="m64-real", marks=real),
+        pytest.param(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=32, num_warps=8, num_stages=3), id="m128-real", marks=real),
+    ],
+)
 def test_int4_fused_moe_tile_configs(block):
     g = torch.Generator().manual_seed(6)
     T, H, I, E, K = 21, 96, 64, 4, 2
@@ -244,8 +256,7 @@ def test_int4_fused_moe_empty_batch_and_bad_shapes():
     g = torch.Generator().manual_seed(8)
     experts = make_experts(4, 64, 32, g, torch.float32)
     x = torch.randn(0, 64, device=DEV)
-    out = int4_fused_moe(x, *experts, torch.rand(0, 2, device=DEV), torch.zeros(0, 2, dtype=torch.int64, device=DEV),
-                         0)
+    out = int4_fused_moe(x, *experts, torch.rand(0, 2, device=DEV), torch.zeros(0, 2, dtype=torch.int64, device=DEV), 0)
     assert out.shape == (0, 64)
     with pytest.raises(ValueError):  # hidden 96 does not match the packed 64
         int4_fused_moe(torch.randn(2, 96, device=DEV), *experts, *routing(2, 2, 4, g), 0)
@@ -286,14 +297,19 @@ K26 = dict(hidden=7168, inter=2048, total=384, E=48, K=8, shared=2048)
 def random_packed_experts(E, hidden, inter, gen, dtype):
     """Random nibbles and scales straight away: quantizing 48 float experts of this size would
     take more time and memory than the test."""
+
     def words(*shape):
-        return torch.randint(-2 ** 31, 2 ** 31, shape, generator=gen, dtype=torch.int64).to(torch.int32).to(DEV)
+        return torch.randint(-(2**31), 2**31, shape, generator=gen, dtype=torch.int64).to(torch.int32).to(DEV)
 
     def scales(*shape, fan_in):
-        return ((torch.rand(*shape, generator=gen) + 0.5) * (fan_in ** -0.5 / 4)).to(DEV, dtype)
+        return ((torch.rand(*shape, generator=gen) + 0.5) * (fan_in**-0.5 / 4)).to(DEV, dtype)
 
-    return (words(E, 2 * inter, hidden // 8), scales(E, 2 * inter, hidden // 32, fan_in=hidden),
-            words(E, hidden, inter // 8), scales(E, hidden, inter // 32, fan_in=inter))
+    return (
+        words(E, 2 * inter, hidden // 8),
+        scales(E, 2 * inter, hidden // 32, fan_in=hidden),
+        words(E, hidden, inter // 8),
+        scales(E, hidden, inter // 32, fan_in=inter),
+    )
 
 
 @real
@@ -304,14 +320,19 @@ def test_int4_gemv_kimi_k26_decode(T, with_shared):
     experts = random_packed_experts(E, H, I, g, torch.bfloat16)
     x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
     first = 2 * E  # rank 2 of EP8; half of each token's experts on this rank
-    ids = torch.stack([torch.cat([torch.randperm(E, generator=g)[:K // 2] + first,
-                                  torch.randperm(K26["total"] - 3 * E, generator=g)[:K // 2] + 3 * E])
-                       for _ in range(T)]).to(DEV)
+    ids = torch.stack(
+        [
+            torch.cat(
+                [torch.randperm(E, generator=g)[: K // 2] + first, torch.randperm(K26["total"] - 3 * E, generator=g)[: K // 2] + 3 * E]
+            )
+            for _ in range(T)
+        ]
+    ).to(DEV)
     weights = (torch.rand(T, K, generator=g) + 0.1).to(DEV)
     ref = reference(x, experts, weights, ids, first)
     if with_shared:
-        sw13 = (torch.randn(2 * Is, H, generator=g) * H ** -0.5).to(DEV, torch.bfloat16)
-        sw2 = (torch.randn(H, Is, generator=g) * Is ** -0.5).to(DEV, torch.bfloat16)
+        sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(DEV, torch.bfloat16)
+        sw2 = (torch.randn(H, Is, generator=g) * Is**-0.5).to(DEV, torch.bfloat16)
         out = int4_moe_gemv(x, *experts, weights, ids, first, sw13, sw2)
         ref = ref + shared_ref(x.float(), sw13.float(), sw2.float())
     else:

@@ -79,27 +79,64 @@ from moeserve.demo import DEMO_CONFIG  # noqa: E402
 from moeserve.layers.moe import Router  # noqa: E402
 
 ROUTINGS = {
-    "v3-grouped": dict(n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="noaux_tc",
-                       scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5),
-    "v3-kimi-like-384": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1,
-                             topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-                             routed_scaling_factor=2.827),
-    "v3-groups-of-6": dict(n_routed_experts=24, num_experts_per_tok=3, n_group=4, topk_group=3,
-                           topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
-                           routed_scaling_factor=1.0),
-    "v2-greedy": dict(n_routed_experts=64, num_experts_per_tok=6, n_group=1, topk_group=1, topk_method="greedy",
-                      scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0),
-    "v2-group-limited": dict(n_routed_experts=20, num_experts_per_tok=3, n_group=4, topk_group=2,
-                             topk_method="group_limited_greedy", scoring_func="softmax", norm_topk_prob=False,
-                             routed_scaling_factor=16.0),
+    "v3-grouped": dict(
+        n_routed_experts=16,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+    ),
+    "v3-kimi-like-384": dict(
+        n_routed_experts=384,
+        num_experts_per_tok=8,
+        n_group=1,
+        topk_group=1,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.827,
+    ),
+    "v3-groups-of-6": dict(
+        n_routed_experts=24,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=3,
+        topk_method="noaux_tc",
+        scoring_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+    ),
+    "v2-greedy": dict(
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        n_group=1,
+        topk_group=1,
+        topk_method="greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+    ),
+    "v2-group-limited": dict(
+        n_routed_experts=20,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        topk_method="group_limited_greedy",
+        scoring_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=16.0,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", sorted(ROUTINGS))
 def test_router_kernel_matches_torch_router(name):
-    config = parse_model_config({**DEMO_CONFIG, **ROUTINGS[name],
-                                 "architectures": ["DeepseekV2ForCausalLM" if name.startswith("v2")
-                                                   else "DeepseekV3ForCausalLM"]})
+    config = parse_model_config(
+        {**DEMO_CONFIG, **ROUTINGS[name], "architectures": ["DeepseekV2ForCausalLM" if name.startswith("v2") else "DeepseekV3ForCausalLM"]}
+    )
     g = torch.Generator().manual_seed(len(name))
     router = Router(config)
     router.weight.data.normal_(0, 0.5, generator=g)
@@ -131,8 +168,9 @@ def test_rope_and_cache_matches_rotary_and_pool_write(interleave, dtype):
     g = torch.Generator().manual_seed(int(interleave))
     config = parse_model_config(DEMO_CONFIG)  # kv_lora 32, rope 8
     T, H, R, Lk = 5, 3, config.qk_rope_head_dim, config.kv_lora_rank
-    rotary = RotaryEmbedding(RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0,
-                                        original_max_position_embeddings=64, interleave=interleave), R).to(DEV)
+    rotary = RotaryEmbedding(
+        RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=64, interleave=interleave), R
+    ).to(DEV)
     q = torch.randn(T, H, 16 + R, generator=g).to(DEV, dtype)  # q_pe is a strided view, as in the model
     kv = torch.randn(T, Lk + R, generator=g).to(DEV, dtype)
     latent, k_pe = kv.split([Lk, R], dim=-1)

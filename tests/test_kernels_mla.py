@@ -14,12 +14,24 @@ from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
 from moeserve.attention.triton_mla import TritonMLABackend  # noqa: E402
 from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
 from moeserve.engine.context import StepContext  # noqa: E402
-from moeserve.kernels.mla_decode import (default_num_kv_splits, mla_decode, mla_decode_ref,  # noqa: E402
-                                         mla_prefix_absorbed, mla_prefix_absorbed_ref)
-from moeserve.kernels.mla_extend import (attention_lse_ref, mla_extend, mla_extend_ref,  # noqa: E402
-                                         mla_extend_split, mla_prefix_merge, split_head_dim)
+from moeserve.kernels.mla_decode import (
+    default_num_kv_splits,
+    mla_decode,
+    mla_decode_ref,  # noqa: E402
+    mla_prefix_absorbed,
+    mla_prefix_absorbed_ref,
+)
+from moeserve.kernels.mla_extend import (
+    attention_lse_ref,
+    mla_extend,
+    mla_extend_ref,  # noqa: E402
+    mla_extend_split,
+    mla_prefix_merge,
+    split_head_dim,
+)
 
 from kernel_utils import DEV, DTYPES, real  # noqa: E402
+
 TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=3e-2, rtol=3e-2)}
 
 
@@ -32,7 +44,7 @@ def scattered_page_tables(context_lens, page_size, num_pages, gen):
     table = torch.zeros(len(context_lens), max(max(need), 1), dtype=torch.int32)
     at = 0
     for b, n in enumerate(need):
-        table[b, :n] = perm[at:at + n]
+        table[b, :n] = perm[at : at + n]
         at += n
     return table
 
@@ -125,7 +137,7 @@ def test_mla_extend_matches_reference(H, Dqk, Dv, lens, dtype):
     q = torch.randn(sum(qlens), H, Dqk, generator=gen).to(DEV, dtype)
     k = torch.randn(sum(klens), H, Dqk, generator=gen).to(DEV, dtype)
     v = torch.randn(sum(klens), H, Dv, generator=gen).to(DEV, dtype)
-    scale = Dqk ** -0.5
+    scale = Dqk**-0.5
     out = mla_extend(q, k, v, cu_q, cu_k, scale)
     ref = mla_extend_ref(q, k, v, cu_q, cu_k, scale)
     assert out.shape == (sum(qlens), H, Dv) and out.dtype == dtype
@@ -148,8 +160,9 @@ def test_mla_extend_split_reads_a_shared_strided_rope_key(dtype):
     kv = torch.randn(Tk, H, nope + dv, generator=gen).to(DEV, dtype)
     rows = torch.randn(Tk, 20 + rope, generator=gen).to(DEV, dtype)
     k_pe = rows[:, 20:]
-    out, lse = mla_extend_split(q[..., :nope], q[..., nope:], kv[..., :nope], k_pe, kv[..., nope:], _cu(qlens),
-                                _cu(klens), 0.3, return_lse=True)
+    out, lse = mla_extend_split(
+        q[..., :nope], q[..., nope:], kv[..., :nope], k_pe, kv[..., nope:], _cu(qlens), _cu(klens), 0.3, return_lse=True
+    )
     k = torch.cat([kv[..., :nope], k_pe[:, None].expand(-1, H, -1)], dim=-1)
     ref, ref_lse = attention_lse_ref(q, k, kv[..., nope:], _cu(qlens), _cu(klens), 0.3)
     assert out.dtype == dtype and lse.dtype == torch.float32
@@ -182,22 +195,21 @@ def test_prefix_pieces_merged_by_lse_equal_one_causal_pass(H, nope, rope, dv, ql
     qn, qp = q[..., :nope], q[..., nope:]
     cu_q = _cu(qlens)
     scale = (nope + rope) ** -0.5
-    out, lse = mla_extend_split(qn, qp, new_kv[..., :nope], new_pe, new_kv[..., nope:], cu_q, cu_q, scale,
-                                return_lse=True, out_dtype=torch.float32)
+    out, lse = mla_extend_split(
+        qn, qp, new_kv[..., :nope], new_pe, new_kv[..., nope:], cu_q, cu_q, scale, return_lse=True, out_dtype=torch.float32
+    )
     cu_pre = _cu(prefix).long()
     for lo in range(0, sum(prefix), piece):
         hi = min(lo + piece, sum(prefix))
         cu_k = (cu_pre.clamp(lo, hi) - lo).to(torch.int32)
-        mla_prefix_merge(qn, qp, pre_kv[lo:hi, :, :nope], pre_pe[lo:hi], pre_kv[lo:hi, :, nope:], cu_q, cu_k, scale,
-                         out, lse)
+        mla_prefix_merge(qn, qp, pre_kv[lo:hi, :, :nope], pre_pe[lo:hi], pre_kv[lo:hi, :, nope:], cu_q, cu_k, scale, out, lse)
     # the oracle: each row's keys are its prefix then its new tokens
     ks, vs, cq, cp = [], [], cu_q.tolist(), cu_pre.tolist()
     for b in range(len(qlens)):
         for kv, pe, a, z in ((pre_kv, pre_pe, cp[b], cp[b + 1]), (new_kv, new_pe, cq[b], cq[b + 1])):
             ks.append(torch.cat([kv[a:z, :, :nope], pe[a:z, None].expand(-1, H, -1)], dim=-1))
             vs.append(kv[a:z, :, nope:])
-    ref, ref_lse = attention_lse_ref(q, torch.cat(ks), torch.cat(vs), cu_q,
-                                     _cu([n + p for n, p in zip(qlens, prefix)]), scale)
+    ref, ref_lse = attention_lse_ref(q, torch.cat(ks), torch.cat(vs), cu_q, _cu([n + p for n, p in zip(qlens, prefix)]), scale)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
 
@@ -224,8 +236,9 @@ def test_mla_prefix_absorbed_matches_reference(H, Lk, R, ps, qlens, prefix, spli
     q_pe = torch.randn(T, H, R, generator=gen).to(DEV, dtype)
     lens = torch.tensor(prefix, dtype=torch.int32, device=DEV)
     scale = (Lk + R) ** -0.5
-    out, lse = mla_prefix_absorbed(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, scale,
-                                   max_q_len=max(qlens), max_prefix_len=max(prefix), num_kv_splits=splits)
+    out, lse = mla_prefix_absorbed(
+        q_latent, q_pe, cache, table, _cu(qlens), lens, ps, scale, max_q_len=max(qlens), max_prefix_len=max(prefix), num_kv_splits=splits
+    )
     ref, ref_lse = mla_prefix_absorbed_ref(q_latent, q_pe, cache, table, _cu(qlens), lens, ps, scale)
     torch.testing.assert_close(out, ref, **TOL[dtype])
     torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
@@ -261,9 +274,16 @@ def _step(query_lens, context_lens, page_size, num_pages, gen):
     seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
     slots = table[seq, positions // page_size].long() * page_size + positions % page_size
     cu = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    return StepContext(positions=positions.to(DEV), slot_mapping=slots.to(DEV), query_lens=list(query_lens),
-                       context_lens=list(context_lens), page_tables=table.to(DEV), cu_query_lens=cu.to(DEV),
-                       logits_indices=(cu[1:] - 1).to(DEV), page_size=page_size)
+    return StepContext(
+        positions=positions.to(DEV),
+        slot_mapping=slots.to(DEV),
+        query_lens=list(query_lens),
+        context_lens=list(context_lens),
+        page_tables=table.to(DEV),
+        cu_query_lens=cu.to(DEV),
+        logits_indices=(cu[1:] - 1).to(DEV),
+        page_size=page_size,
+    )
 
 
 STEPS = [
@@ -281,15 +301,14 @@ def _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_s
     gen = torch.Generator().manual_seed(sum(context_lens) + page_size)
     stage = StageRange(2, 5, stage=1)
     num_pages = sum(triton.cdiv(L, page_size) for L in context_lens) + 5
-    pool = StageKVPool(_fake_config(kv_lora, rope), stage, num_pages=num_pages, page_size=page_size,
-                       dtype=dtype, device=DEV)
+    pool = StageKVPool(_fake_config(kv_lora, rope), stage, num_pages=num_pages, page_size=page_size, dtype=dtype, device=DEV)
     # Every owned layer holds different latents: reading the wrong layer would show.
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
     ctx = _step(query_lens, context_lens, page_size, num_pages, gen)
     T = sum(query_lens)
     q_nope = torch.randn(T, H, nope, generator=gen).to(DEV, dtype)
     q_pe = torch.randn(T, H, rope, generator=gen).to(DEV, dtype)
-    w_kv = (torch.randn(H, nope + vdim, kv_lora, generator=gen) * kv_lora ** -0.5).to(DEV, dtype)
+    w_kv = (torch.randn(H, nope + vdim, kv_lora, generator=gen) * kv_lora**-0.5).to(DEV, dtype)
     weights = MLAWeights(w_uk=w_kv[:, :nope], w_uv=w_kv[:, nope:], w_kv=w_kv)
     return pool, ctx, q_nope, q_pe, weights, (nope + rope) ** -0.5
 
@@ -306,12 +325,10 @@ def _check_backend_on_layers(backend, pool, ctx, q_nope, q_pe, weights, scale, d
 @pytest.mark.parametrize("page_size", [4, 16])
 @pytest.mark.parametrize("query_lens,context_lens", STEPS)
 @pytest.mark.parametrize("H,nope,rope,vdim,kv_lora", BACKEND_SHAPES)
-def test_triton_backend_matches_reference_on_a_later_stage(H, nope, rope, vdim, kv_lora, query_lens, context_lens,
-                                                           page_size, dtype):
+def test_triton_backend_matches_reference_on_a_later_stage(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype):
     if kv_lora >= 512:  # real shapes: longer contexts, so pages and splits really matter
         new_lens = [L * 37 + 3 for L in context_lens]
-        query_lens = [1 if n == 1 else (new if n == L else n * 20)
-                      for n, L, new in zip(query_lens, context_lens, new_lens)]
+        query_lens = [1 if n == 1 else (new if n == L else n * 20) for n, L, new in zip(query_lens, context_lens, new_lens)]
         context_lens = new_lens
     case = _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype)
     backend = TritonMLABackend()
@@ -344,8 +361,7 @@ def test_step_metadata_is_built_once_per_step_and_decode_rows_are_views():
     """One ``prepare`` per step whatever the number of layers; a decode-only step's metadata
     holds views of the context's tensors (CUDA-graph buffers refilled in place stay live)."""
     backend = TritonMLABackend(prefix_chunk_tokens=8)
-    pool, ctx, q_nope, q_pe, weights, scale = _backend_case(4, 16, 8, 16, 16, [1, 1, 6, 12], [9, 40, 6, 30], 4,
-                                                            torch.float32)
+    pool, ctx, q_nope, q_pe, weights, scale = _backend_case(4, 16, 8, 16, 16, [1, 1, 6, 12], [9, 40, 6, 30], 4, torch.float32)
     calls = []
     prepare = backend.prepare
     backend.prepare = lambda c: calls.append(c) or prepare(c)
@@ -370,10 +386,10 @@ def test_triton_backend_refuses_a_layer_of_another_stage():
     from moeserve.cache.kv_pool import LayerNotOnStage
 
     gen = torch.Generator().manual_seed(0)
-    pool = StageKVPool(_fake_config(16, 8), StageRange(2, 5, stage=1), num_pages=4, page_size=4,
-                       dtype=torch.float32, device=DEV)
+    pool = StageKVPool(_fake_config(16, 8), StageRange(2, 5, stage=1), num_pages=4, page_size=4, dtype=torch.float32, device=DEV)
     ctx = _step([1], [3], 4, 4, gen)
     w = torch.randn(2, 32, 16).to(DEV)
     with pytest.raises(LayerNotOnStage, match=r"layer 0 is not on pipeline stage 1"):
-        TritonMLABackend().forward(0, torch.randn(1, 2, 16).to(DEV), torch.randn(1, 2, 8).to(DEV),
-                                   MLAWeights(w[:, :16], w[:, 16:]), pool, ctx, 0.2)
+        TritonMLABackend().forward(
+            0, torch.randn(1, 2, 16).to(DEV), torch.randn(1, 2, 8).to(DEV), MLAWeights(w[:, :16], w[:, 16:]), pool, ctx, 0.2
+        )

@@ -57,8 +57,8 @@ MOE_SHAPES = [
 def test_fused_moe_matches_reference(T, hidden, inter, E, K, first, total, only, dtype):
     gen = torch.Generator().manual_seed(T * 7 + E)
     x = torch.randn(T, hidden, generator=gen).to(DEV, dtype)
-    w13 = (torch.randn(E, 2 * inter, hidden, generator=gen) * hidden ** -0.5).to(DEV, dtype)
-    w2 = (torch.randn(E, hidden, inter, generator=gen) * inter ** -0.5).to(DEV, dtype)
+    w13 = (torch.randn(E, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEV, dtype)
+    w2 = (torch.randn(E, hidden, inter, generator=gen) * inter**-0.5).to(DEV, dtype)
     weights, ids = routing(T, K, total, gen, only)
     weights, ids = weights.to(DEV), ids.to(DEV)
     out = fused_moe(x, w13, w2, weights, ids, first)
@@ -69,12 +69,15 @@ def test_fused_moe_matches_reference(T, hidden, inter, E, K, first, total, only,
         assert torch.count_nonzero(out) == 0
 
 
-@pytest.mark.parametrize("block", [
-    pytest.param(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), id="m16"),
-    pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16), id="m32"),
-    pytest.param(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3), id="m64-real", marks=real),
-    pytest.param(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), id="m128-real", marks=real),
-])
+@pytest.mark.parametrize(
+    "block",
+    [
+        pytest.param(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), id="m16"),
+        pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16), id="m32"),
+        pytest.param(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3), id="m64-real", marks=real),
+        pytest.param(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), id="m128-real", marks=real),
+    ],
+)
 def test_fused_moe_tile_configs(block):
     gen = torch.Generator().manual_seed(3)
     T, hidden, inter, E, K = 37, 32, 24, 4, 2
@@ -121,8 +124,14 @@ def test_tile_heuristic_table():
 
 def test_fused_moe_empty_batch():
     x = torch.randn(0, 32, device=DEV)
-    out = fused_moe(x, torch.randn(4, 48, 32, device=DEV), torch.randn(4, 32, 24, device=DEV),
-                    torch.rand(0, 2, device=DEV), torch.zeros(0, 2, dtype=torch.int64, device=DEV), 0)
+    out = fused_moe(
+        x,
+        torch.randn(4, 48, 32, device=DEV),
+        torch.randn(4, 32, 24, device=DEV),
+        torch.rand(0, 2, device=DEV),
+        torch.zeros(0, 2, dtype=torch.int64, device=DEV),
+        0,
+    )
     assert out.shape == (0, 32)
 
 
@@ -141,8 +150,16 @@ def test_moe_gemv_matches_reference(T, K, E, first, dtype):
     w2 = (torch.randn(E, H, inter_size, generator=g) * 0.2).to(dtype)
     ids = torch.randint(0, E + first + 2, (T, K), generator=g)  # some ids belong to other ranks
     weights = torch.rand(T, K, generator=g)
-    out = moe_gemv(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), first,
-                   gate_up_config={"BLOCK_N": 16, "BLOCK_K": 16}, down_config={"BLOCK_N": 16, "BLOCK_K": 16})
+    out = moe_gemv(
+        x.to(DEV),
+        w13.to(DEV),
+        w2.to(DEV),
+        weights.to(DEV),
+        ids.to(DEV),
+        first,
+        gate_up_config={"BLOCK_N": 16, "BLOCK_K": 16},
+        down_config={"BLOCK_N": 16, "BLOCK_K": 16},
+    )
     ref = moe_experts_ref(x.float(), w13.float(), w2.float(), weights, ids, first)
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float().cpu(), ref, **tol)
@@ -181,12 +198,20 @@ def test_moe_gemv_with_shared_experts_matches_reference(shared_size, T, K, E, fi
     sw2 = (torch.randn(H, shared_size, generator=g) * 0.2).to(dtype)
     ids = torch.randint(0, E + first + 2, (T, K), generator=g)
     weights = torch.rand(T, K, generator=g)
-    out = moe_gemv(x.to(DEV), w13.to(DEV), w2.to(DEV), weights.to(DEV), ids.to(DEV), first,
-                   sw13.to(DEV), sw2.to(DEV),
-                   gate_up_config={"BLOCK_N": 16, "BLOCK_K": 16}, down_config={"BLOCK_N": 8, "BLOCK_K": 16})
+    out = moe_gemv(
+        x.to(DEV),
+        w13.to(DEV),
+        w2.to(DEV),
+        weights.to(DEV),
+        ids.to(DEV),
+        first,
+        sw13.to(DEV),
+        sw2.to(DEV),
+        gate_up_config={"BLOCK_N": 16, "BLOCK_K": 16},
+        down_config={"BLOCK_N": 8, "BLOCK_K": 16},
+    )
     xf = x.float()
-    ref = moe_experts_ref(xf, w13.float(), w2.float(), weights, ids, first) + _shared_ref(xf, sw13.float(),
-                                                                                          sw2.float())
+    ref = moe_experts_ref(xf, w13.float(), w2.float(), weights, ids, first) + _shared_ref(xf, sw13.float(), sw2.float())
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(out.float().cpu(), ref, **tol)
 

@@ -43,11 +43,9 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("model, layout", LAYOUTS, ids=[f"{m}-{'-'.join(f'{k[:2]}{v}' for k, v in l.items())}"
-                                                         for m, l in LAYOUTS])
+@pytest.mark.parametrize("model, layout", LAYOUTS, ids=[f"{m}-{'-'.join(f'{k[:2]}{v}' for k, v in l.items())}" for m, l in LAYOUTS])
 def test_layout_matches_single_process(checkpoints, reference, model, layout):
-    with LLM(str(checkpoints[model]), device="cpu", dtype="float32", max_num_batched_tokens=8,
-             **layout) as llm:
+    with LLM(str(checkpoints[model]), device="cpu", dtype="float32", max_num_batched_tokens=8, **layout) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
         lines = llm.engine.executor.describe()
     assert [o.outputs[0].token_ids for o in outs] == reference[model]
@@ -77,13 +75,16 @@ def test_a_dead_rank_takes_the_group_down_with_its_traceback(checkpoints, monkey
         assert not any(p.is_alive() for p in procs)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(pp=2, partition=[2, 2]), r"covers 4 layers but the model has 5"),
-    (dict(pp=2, partition=[5]), r"has 1 entries but pp=2"),
-    (dict(pp=2, partition=[5, 0]), r"stage 1 has 0 layers"),
-    (dict(tp=2, ep=4), r"expert_parallel_size \(4\) must divide tensor_parallel_size \(2\)"),
-    (dict(pp=6), r"cannot split 5 layers into 6 pipeline stages"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(pp=2, partition=[2, 2]), r"covers 4 layers but the model has 5"),
+        (dict(pp=2, partition=[5]), r"has 1 entries but pp=2"),
+        (dict(pp=2, partition=[5, 0]), r"stage 1 has 0 layers"),
+        (dict(tp=2, ep=4), r"expert_parallel_size \(4\) must divide tensor_parallel_size \(2\)"),
+        (dict(pp=6), r"cannot split 5 layers into 6 pipeline stages"),
+    ],
+)
 def test_bad_layouts_are_clear_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Layout.build(5, **kwargs)
@@ -107,14 +108,46 @@ def test_two_nodes_on_loopback_match_single_process(checkpoints, reference, tmp_
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "moeserve", "generate", "--model", str(checkpoints["v3"]), "--device", "cpu",
-         "--dtype", "float32", "--tp", "2", "--pp", "2", "--nnodes", "2", "--node-rank", "1",
-         "--master-addr", "127.0.0.1", "--master-port", str(port)],
-        stdout=open(tmp_path / "node1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "moeserve",
+            "generate",
+            "--model",
+            str(checkpoints["v3"]),
+            "--device",
+            "cpu",
+            "--dtype",
+            "float32",
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ],
+        stdout=open(tmp_path / "node1.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
-        with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", tensor_parallel_size=2,
-                 pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1",
-                 master_port=port) as llm:
+        with LLM(
+            str(checkpoints["v3"]),
+            device="cpu",
+            dtype="float32",
+            tensor_parallel_size=2,
+            pipeline_parallel_size=2,
+            nnodes=2,
+            node_rank=0,
+            master_addr="127.0.0.1",
+            master_port=port,
+        ) as llm:
             assert sorted(llm.engine.executor.procs) == [0, 1]  # ranks 2, 3 live on node 1
             outs = llm.generate(PROMPTS, GREEDY)
         assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
@@ -135,14 +168,42 @@ def test_a_failing_rank_on_another_node_is_reported(checkpoints, tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "moeserve", "generate", "--model", str(checkpoints["v3"]), "--device", "cpu",
-         "--pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)],
-        stdout=open(tmp_path / "node1.log", "w"), stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, "MOESERVE_INJECT_FAILURE": "load:1"})
+        [
+            sys.executable,
+            "-m",
+            "moeserve",
+            "generate",
+            "--model",
+            str(checkpoints["v3"]),
+            "--device",
+            "cpu",
+            "--pp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ],
+        stdout=open(tmp_path / "node1.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "MOESERVE_INJECT_FAILURE": "load:1"},
+    )
     try:
         with pytest.raises(RankFailure, match=r"rank 1 \(stage 1\) failed:[\s\S]*injected failure"):
-            LLM(str(checkpoints["v3"]), device="cpu", pipeline_parallel_size=2, nnodes=2, node_rank=0,
-                master_addr="127.0.0.1", master_port=port)
+            LLM(
+                str(checkpoints["v3"]),
+                device="cpu",
+                pipeline_parallel_size=2,
+                nnodes=2,
+                node_rank=0,
+                master_addr="127.0.0.1",
+                master_port=port,
+            )
         assert node1.wait(timeout=30) != 0
     finally:
         if node1.poll() is None:
@@ -153,19 +214,20 @@ def test_a_failing_rank_on_another_node_is_reported(checkpoints, tmp_path):
 def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, reference):
     """The Triton backend and kernels (interpreter on CPU) on stage 1 of PP=2, layers [3, 5)."""
     pytest.importorskip("triton")
-    with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", pipeline_parallel_size=2,
-             max_num_batched_tokens=8) as llm:
+    with LLM(
+        str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", pipeline_parallel_size=2, max_num_batched_tokens=8
+    ) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
 
 
-@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)],
-                         ids=["tp2", "tp2-ep2"])
+@pytest.mark.parametrize(
+    "layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)], ids=["tp2", "tp2-ep2"]
+)
 def test_fast_path_splits_like_the_reference(checkpoints, reference, layout):
     """The small-batch fused MoE (routed experts of other ranks masked off, TP-split shared
     experts as extra slots), fused input projections and the dense GEMV under TP and EP."""
     pytest.importorskip("triton")
-    with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8,
-             **layout) as llm:
+    with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, **layout) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["v3"]

@@ -50,6 +50,7 @@ def test_missing_tensor_is_named(v3_checkpoint, tmp_path):
     def drop(t):
         t.pop("model.layers.2.mlp.experts.5.up_proj.weight")
         return t
+
     broken = reshard(v3_checkpoint, tmp_path / "missing", drop)
     with pytest.raises(ValueError, match=r"missing tensor\(s\): model.layers.2.mlp.experts.5.up_proj.weight"):
         generate(broken)
@@ -59,6 +60,7 @@ def test_misshaped_tensor_is_named(v3_checkpoint, tmp_path):
     def bad(t):
         t["model.layers.1.self_attn.kv_b_proj.weight"] = t["model.layers.1.self_attn.kv_b_proj.weight"][:, :-1]
         return t
+
     broken = reshard(v3_checkpoint, tmp_path / "misshaped", bad)
     with pytest.raises(ValueError, match=r"model.layers.1.self_attn.kv_b_proj.weight has shape \(64, 15\)"):
         generate(broken)
@@ -66,8 +68,7 @@ def test_misshaped_tensor_is_named(v3_checkpoint, tmp_path):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_checkpoints_load(v3_checkpoint, tmp_path, dtype):
-    half = reshard(v3_checkpoint, tmp_path / dtype,
-                   lambda t: {k: v.to(getattr(torch, dtype)) for k, v in t.items()})
+    half = reshard(v3_checkpoint, tmp_path / dtype, lambda t: {k: v.to(getattr(torch, dtype)) for k, v in t.items()})
     with LLM(str(half), device="cpu", dtype=dtype) as llm:
         assert next(llm.engine.executor.runner.model.parameters()).dtype == getattr(torch, dtype)
         out = llm.generate([[3, 4, 5, 6]], GREEDY)[0].outputs[0]
@@ -77,13 +78,28 @@ def test_half_precision_checkpoints_load(v3_checkpoint, tmp_path, dtype):
 def test_dummy_weights_are_deterministic_per_seed():
     config = load_model_config("moonlight-16b-a3b")
     from dataclasses import replace
-    small = replace(config, num_hidden_layers=2, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
-                    vocab_size=128, n_routed_experts=8, num_experts_per_tok=2, num_attention_heads=2,
-                    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+    small = replace(
+        config,
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        vocab_size=128,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+    )
+
     def build(seed):
         m = DeepseekForCausalLM(small)
         load_model_weights(m, None, "dummy", seed=seed)
         return m.state_dict()
+
     a, b, c = build(0), build(0), build(1)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not torch.equal(a["model.layers.1.mlp.experts.w13"], c["model.layers.1.mlp.experts.w13"])
@@ -92,8 +108,16 @@ def test_dummy_weights_are_deterministic_per_seed():
 def test_builtin_name_with_dummy_weights_runs(tmp_path):
     """Real Moonlight shapes would be 16B parameters: check a cut-down copy of its config runs dummy."""
     cfg = json.loads(open(load_model_config.__globals__["resolve_config_path"]("moonlight-16b-a3b")).read())
-    cfg.update(num_hidden_layers=2, hidden_size=64, intermediate_size=96, moe_intermediate_size=16,
-               vocab_size=256, n_routed_experts=8, num_experts_per_tok=2, num_attention_heads=2)
+    cfg.update(
+        num_hidden_layers=2,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=16,
+        vocab_size=256,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        num_attention_heads=2,
+    )
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with LLM(str(tmp_path), load_format="dummy", device="cpu") as llm:
         out = llm.generate([[1, 2, 3]], GREEDY)[0].outputs[0]
@@ -120,8 +144,7 @@ def test_fp8_config_over_plain_weights_loads_them_plain(v3_checkpoint, tmp_path)
     """What is FP8 is read from the checkpoint (a weight with a weight_scale_inv beside it): an
     FP8 config over plain tensors loads every linear and expert plain. (FP8 checkpoints
     themselves: tests/test_fp8.py; this replaces the test that FP8 was refused.)"""
-    d = _with_quantization_config(v3_checkpoint, tmp_path / "fp8",
-                                  {"quant_method": "fp8", "weight_block_size": [128, 128]})
+    d = _with_quantization_config(v3_checkpoint, tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})
     assert generate(d) == generate(v3_checkpoint)
 
 

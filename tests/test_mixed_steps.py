@@ -17,8 +17,9 @@ PARAMS = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True
 def _llm(path, backend: str) -> LLM:
     # 8 tokens a step: b's 13-token prompt takes two chunks, each beside a's decode (without the
     # prefix cache: the staggered run repeats the prompts run alone, which would all hit it)
-    return LLM(str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8, page_size=4,
-               enable_prefix_caching=False)
+    return LLM(
+        str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8, page_size=4, enable_prefix_caching=False
+    )
 
 
 def _result(out):

@@ -19,8 +19,7 @@ from kernel_utils import DEV  # noqa: E402
 def routed_ids(T, K, num_global, gen, pool=None, dtype=torch.int64):
     """Distinct top-k ids per token drawn from ``pool`` (default: every expert), as a router gives."""
     pool = torch.arange(num_global) if pool is None else torch.tensor(pool)
-    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:K]] for _ in range(T)]) if T else \
-        torch.empty(0, K, dtype=torch.int64)
+    ids = torch.stack([pool[torch.randperm(len(pool), generator=gen)[:K]] for _ in range(T)]) if T else torch.empty(0, K, dtype=torch.int64)
     return ids.to(DEV, dtype)
 
 
@@ -32,8 +31,7 @@ def check_against_ref(ids, E, first, bm):
     assert sorted_pairs.dtype == block_expert.dtype == torch.int32
     assert sorted_pairs.shape == (capacity,) and block_expert.shape == (capacity // bm,)
     assert sorted_pairs.device == block_expert.device == ids.device
-    sorted_pairs, block_expert, ref_pairs, ref_blocks = (t.cpu() for t in (sorted_pairs, block_expert, ref_pairs,
-                                                                           ref_blocks))
+    sorted_pairs, block_expert, ref_pairs, ref_blocks = (t.cpu() for t in (sorted_pairs, block_expert, ref_pairs, ref_blocks))
     assert torch.equal(block_expert, ref_blocks)  # hence each expert's padded run too
     # what the grouped GEMMs need: the same pairs in each block, padding rows hold P
     assert ((sorted_pairs >= 0) & (sorted_pairs <= P)).all()
@@ -50,15 +48,18 @@ def check_against_ref(ids, E, first, bm):
     return sorted_pairs, block_expert
 
 
-@pytest.mark.parametrize("T,K,E,first,bm,num_global", [
-    (1, 1, 1, 0, 16, 1),
-    (11, 3, 4, 2, 4, 9),  # another rank's ids below and above this rank's range
-    (37, 2, 6, 1, 16, 8),
-    (300, 8, 64, 0, 16, 64),  # one rank holds every expert
-    (257, 6, 384, 0, 64, 384),  # Kimi-sized expert count: many experts get no pair
-    (500, 8, 48, 96, 128, 384),  # EP rank in the middle: most pairs belong elsewhere
-    (130, 4, 16, 0, 32, 16),
-])
+@pytest.mark.parametrize(
+    "T,K,E,first,bm,num_global",
+    [
+        (1, 1, 1, 0, 16, 1),
+        (11, 3, 4, 2, 4, 9),  # another rank's ids below and above this rank's range
+        (37, 2, 6, 1, 16, 8),
+        (300, 8, 64, 0, 16, 64),  # one rank holds every expert
+        (257, 6, 384, 0, 64, 384),  # Kimi-sized expert count: many experts get no pair
+        (500, 8, 48, 96, 128, 384),  # EP rank in the middle: most pairs belong elsewhere
+        (130, 4, 16, 0, 32, 16),
+    ],
+)
 def test_random_routing_matches_reference(T, K, E, first, bm, num_global):
     gen = torch.Generator().manual_seed(T * 1000 + E)
     check_against_ref(routed_ids(T, K, num_global, gen), E, first, bm)
@@ -73,7 +74,7 @@ def test_all_pairs_on_one_expert():
     # K copies of one id per token: the alignment does not assume distinct ids
     ids = torch.full((256, 8), 13, dtype=torch.int64, device=DEV)
     sorted_pairs, block_expert = check_against_ref(ids, 16, 8, 64)
-    assert (block_expert[:2048 // 64] == 5).all() and (block_expert[2048 // 64:] == -1).all()
+    assert (block_expert[: 2048 // 64] == 5).all() and (block_expert[2048 // 64 :] == -1).all()
 
 
 def test_empty_experts_and_a_lone_pair():
@@ -133,6 +134,7 @@ def test_only_its_three_kernels_run(monkeypatch):
                 launches.append(self.kernel)
                 with _pop_mode_temporarily():  # the interpreter's own torch calls are not the wrapper's
                     return self.kernel[grid](*args, **kwargs)
+
             return launch
 
     for name in ("_count_rank_kernel", "_prefix_kernel", "_scatter_kernel"):

@@ -19,8 +19,9 @@ def test_greedy_and_logprobs_match_transformers(tmp_path, variant):
 
     # A small token budget forces chunked prefill of the long prompt next to decodes.
     with LLM(str(path), dtype="float32", device="cpu", max_num_batched_tokens=6, page_size=4) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                            SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=3, ignore_eos=True))
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=MAX_NEW, logprobs=3, ignore_eos=True)
+        )
     for out, (tokens, steps) in zip(outs, expected):
         got = out.outputs[0]
         assert got.token_ids == tokens

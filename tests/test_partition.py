@@ -39,9 +39,7 @@ def test_default_partition_rejects_more_stages_than_layers():
 
 
 def test_stage_layer_ranges():
-    assert stage_layer_ranges([7, 8, 8, 8, 8, 8, 7, 7]) == [
-        (0, 7), (7, 15), (15, 23), (23, 31), (31, 39), (39, 47), (47, 54), (54, 61)
-    ]
+    assert stage_layer_ranges([7, 8, 8, 8, 8, 8, 7, 7]) == [(0, 7), (7, 15), (15, 23), (23, 31), (31, 39), (39, 47), (47, 54), (54, 61)]
     assert stage_layer_ranges([5]) == [(0, 5)]
 
 

@@ -335,9 +335,7 @@ def test_layout_names_round_trip():
     for layout in enumerate_layouts(8, 61):
         assert parse_layout(layout.name) == (layout.tp, layout.pp, layout.ep)
     assert Layout(1, 1, 1).name == "tp1"
-    assert [Layout(8, 2, 4).name, Layout(4, 2, 4).name, Layout(1, 8, 1, balanced=True).name] == [
-        "tp8ep4xpp2", "ep4xpp2", "pp8-balanced"
-    ]
+    assert [Layout(8, 2, 4).name, Layout(4, 2, 4).name, Layout(1, 8, 1, balanced=True).name] == ["tp8ep4xpp2", "ep4xpp2", "pp8-balanced"]
 
 
 def test_structural_problems_are_named(kimi):
@@ -383,9 +381,7 @@ def test_json_output_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["model", "hardware", "layouts", "recommended"]
     for layout in out["layouts"]:
-        assert list(layout) == [
-            "name", "tp", "pp", "ep", "fits", "why", "weights_gb_per_gpu", "kv_tokens", "predicted", "breakdown"
-        ]
+        assert list(layout) == ["name", "tp", "pp", "ep", "fits", "why", "weights_gb_per_gpu", "kv_tokens", "predicted", "breakdown"]
         assert list(layout["predicted"]) == ["single_request_tok_s", "aggregate_tok_s", "concurrency"]
         assert len(layout["weights_gb_per_gpu"]) == 8
         assert layout["tp"] * layout["pp"] == 8
@@ -424,8 +420,16 @@ def _synthetic_runs(cfg, hw, truth: CostConstants) -> list[dict]:
         for c in (1, 8, 32):
             ms = predict_cycle_ms(cfg, real, Measurement(tp, pp, ep, c, None, None, kv_len=1024), 4096)
             runs.append(
-                {"layout": name, "concurrency": c, "output_throughput": c / ms * 1e3, "mean_tpot_ms": ms,
-                 "input_len": 1024, "output_len": 0, "model": "kimi-k2.6", "hardware": "8x RTX PRO 6000"}
+                {
+                    "layout": name,
+                    "concurrency": c,
+                    "output_throughput": c / ms * 1e3,
+                    "mean_tpot_ms": ms,
+                    "input_len": 1024,
+                    "output_len": 0,
+                    "model": "kimi-k2.6",
+                    "hardware": "8x RTX PRO 6000",
+                }
             )
     return runs
 
@@ -458,14 +462,20 @@ def test_calibrate_cli_prints_before_after(tmp_path, capsys, kimi):
 
 def test_bench_reader_is_tolerant(tmp_path):
     path = tmp_path / "results.json"
-    path.write_text(json.dumps({"results": [
-        {"layout": {"tp": 2, "pp": 2}, "concurrency": 4, "output_throughput": 100.0},
-        {"layout": "tp2xpp2", "concurrency": 4, "mean_tpot_ms": 40.0, "partition": "2,2"},
-        {"tp": 8, "concurrency": 1, "output_tok_s": 50},
-        {"layout": "tp2xpp2", "output_throughput": 1.0},
-        {"layout": "warp9", "concurrency": 1, "output_throughput": 1.0},
-        "not an object",
-    ]}))
+    path.write_text(
+        json.dumps(
+            {
+                "results": [
+                    {"layout": {"tp": 2, "pp": 2}, "concurrency": 4, "output_throughput": 100.0},
+                    {"layout": "tp2xpp2", "concurrency": 4, "mean_tpot_ms": 40.0, "partition": "2,2"},
+                    {"tp": 8, "concurrency": 1, "output_tok_s": 50},
+                    {"layout": "tp2xpp2", "output_throughput": 1.0},
+                    {"layout": "warp9", "concurrency": 1, "output_throughput": 1.0},
+                    "not an object",
+                ]
+            }
+        )
+    )
     runs, warnings = read_bench_results(path)
     assert [(m.tp, m.pp, m.ep) for m in runs] == [(2, 2, 1), (2, 2, 1), (8, 1, 1)]
     assert runs[0].cycle_ms == pytest.approx(40.0) and runs[1].partition == (2, 2)

@@ -53,7 +53,8 @@ def test_nccl_latency_priors():
     assert collectives.nccl_latency_s(pcie, 16) == pytest.approx((3.8 + 30 * 1.44) * US)
     big = 16 * 2**20  # bytes term: 2(n-1)/n S / (link x efficiency)
     assert collectives.nccl_allreduce_s(nvlink, big, 8) - collectives.nccl_latency_s(nvlink, 8) == pytest.approx(
-        1.75 * big / (450e9 * 0.65))
+        1.75 * big / (450e9 * 0.65)
+    )
 
 
 def test_custom_allreduce_picks_the_fastest_algorithm():
@@ -103,8 +104,19 @@ def _names(work):
 def test_moeserve_batch1_layer_is_twelve_kernels(moonlight):
     """profile_b1_final.txt: 12 kernels a MoE layer at batch 1 (shared experts inside the MoE GEMVs)."""
     work = layer_work(moonlight, 1, 1, 1, 1, 1152.0, engine="moeserve")
-    assert _names(work) == ["attn_norm", "q+kv_a", "w_uk", "rope+kv_write", "mla_decode", "w_uv", "o_proj", "mlp_norm",
-                            "router", "experts gate_up", "experts down"]  # + MLA decode is split + merge: 12
+    assert _names(work) == [
+        "attn_norm",
+        "q+kv_a",
+        "w_uk",
+        "rope+kv_write",
+        "mla_decode",
+        "w_uv",
+        "o_proj",
+        "mlp_norm",
+        "router",
+        "experts gate_up",
+        "experts down",
+    ]  # + MLA decode is split + merge: 12
     # beyond 32 (token, expert) pairs the grouped GEMM needs its alignment, and shared experts run apart
     assert {"moe_align", "shared gate_up", "shared down"} <= set(_names(layer_work(moonlight, 1, 1, 1, 8, 1152.0)))
     # vLLM / SGLang: always aligned, shared experts separate
@@ -144,7 +156,12 @@ def test_shape_sweep_is_copied_right():
     assert len(rows) == len(shape.SWEEP)
     for r, p in zip(rows, shape.SWEEP):
         assert (r["case"], r["tokens"], r["inter"], r["touched"], r["bytes_per_expert"]) == (
-            p.case, p.tokens, p.inter, p.touched, p.bytes_per_expert)
+            p.case,
+            p.tokens,
+            p.inter,
+            p.touched,
+            p.bytes_per_expert,
+        )
         assert p.us == pytest.approx(r["us"], abs=0.006)
 
 
@@ -321,8 +338,9 @@ def test_max_model_len_is_capacity_not_workload(kimi):
     fp8 = evaluate_layout(kimi, hw, Layout(8), w, EngineSettings(kv_cache_dtype="fp8"))
     assert fp8.fits and fp8.concurrency == 32  # 32 requests of 2,048 tokens fit easily
     # decode speed depends on the tokens the workload caches, not on the capacity
-    assert fp8.single.cycle_ms == pytest.approx(evaluate_layout(kimi, hw, Layout(8), Workload(1024, 1024, 32),
-                                                                EngineSettings(kv_cache_dtype="fp8")).single.cycle_ms)
+    assert fp8.single.cycle_ms == pytest.approx(
+        evaluate_layout(kimi, hw, Layout(8), Workload(1024, 1024, 32), EngineSettings(kv_cache_dtype="fp8")).single.cycle_ms
+    )
 
 
 def test_fp8_kv_is_planned_with_a_note(kimi):
@@ -349,8 +367,7 @@ def test_explain_rows_add_up(kimi, capsys):
     assert run_plan(_args(*seed, "--explain", "tp8", "--layout", "tp8", "--json")) == 0
     explained = json.loads(capsys.readouterr().out)["explain"]
     assert explained["layout"] == "tp8"
-    assert sum(t["ms"] for t in explained["single_request"]["terms"]) == pytest.approx(
-        explained["single_request"]["cycle_ms"], abs=1e-2)
+    assert sum(t["ms"] for t in explained["single_request"]["terms"]) == pytest.approx(explained["single_request"]["cycle_ms"], abs=1e-2)
     assert run_plan(_args(*seed, "--explain", "tp3")) == 2
 
 

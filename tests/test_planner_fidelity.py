@@ -21,8 +21,14 @@ ROOT = Path(__file__).parent.parent
 # (shape.py): 57 of 58 points within +-25 % (54 before it), the layout finding of 2 of the 4 publications that
 # compare layouts.
 MIN_WITHIN = 57
-MIN_WITHIN_BY_SOURCE = {"rtx6kpro-k26-tp8": 22, "rtx6kpro-k26-tp16": 5, "rtx6kpro-k25-c1": 3,
-                        "inferencex-h200-sglang": 10, "inferencex-b200-sglang": 10, "inferencex-b200-trt": 7}
+MIN_WITHIN_BY_SOURCE = {
+    "rtx6kpro-k26-tp8": 22,
+    "rtx6kpro-k26-tp16": 5,
+    "rtx6kpro-k25-c1": 3,
+    "inferencex-h200-sglang": 10,
+    "inferencex-b200-sglang": 10,
+    "inferencex-b200-trt": 7,
+}
 AGREEING_RANKINGS = {"inferencex-b200-sglang", "inferencex-b200-trt"}
 
 
@@ -131,12 +137,42 @@ def test_cli_holdout_prints_the_unseen_runs(tmp_path, capsys):
 
     fit, test = tmp_path / "fit.json", tmp_path / "test.json"
     runs = SESSIONS[0].decode_tok_s
-    row = lambda b, v: {"layout": "tp1", "concurrency": b, "output_throughput": v, "input_len": 1024,  # noqa: E731
-                        "output_len": 256, "model": "moonlight-16b-a3b", "hardware": "h200"}
+
+    def row(b, v):
+        return {
+            "layout": "tp1",
+            "concurrency": b,
+            "output_throughput": v,
+            "input_len": 1024,
+            "output_len": 256,
+            "model": "moonlight-16b-a3b",
+            "hardware": "h200",
+        }
+
     fit.write_text(json.dumps([row(b, v) for b, v in runs if b in (1, 256)]))
     test.write_text(json.dumps([row(b, v) for b, v in runs if b not in (1, 256)]))
-    assert run_plan(_args("--model", "moonlight-16b-a3b", "--gpus", "1", "--gpu", "h200", "--input-len", "1024",
-                          "--output-len", "256", "--calibrate", str(fit), "--holdout", str(test), "--json")) == 0
+    assert (
+        run_plan(
+            _args(
+                "--model",
+                "moonlight-16b-a3b",
+                "--gpus",
+                "1",
+                "--gpu",
+                "h200",
+                "--input-len",
+                "1024",
+                "--output-len",
+                "256",
+                "--calibrate",
+                str(fit),
+                "--holdout",
+                str(test),
+                "--json",
+            )
+        )
+        == 0
+    )
     cal = json.loads(capsys.readouterr().out)["hardware"]["calibration"]
     assert [r["concurrency"] for r in cal["holdout_runs"]] == [8, 64]
     assert cal["holdout_rms_error_pct"] < 15

@@ -65,12 +65,18 @@ def test_prefill_results_calibrate_compute_efficiency(tmp_path, moonlight):
     truth = replace(hw, constants=replace(hw.constants, flops_efficiency=0.3))
     rows = []
     for batch in (1, 16, 64):
-        row = {"layout": "tp1", "concurrency": batch, "batch_size": batch, "input_len": 1024, "output_len": 128,
-               "model": "moonlight-16b-a3b", "hardware": "h200"}
+        row = {
+            "layout": "tp1",
+            "concurrency": batch,
+            "batch_size": batch,
+            "input_len": 1024,
+            "output_len": 128,
+            "model": "moonlight-16b-a3b",
+            "hardware": "h200",
+        }
         m = Measurement(1, 1, 1, batch, None, 1.0, prefill_tok_s=1.0, prefill_seqs=batch, input_len=1024)
         cycle = decode_step(moonlight, truth, 1, 1, 1, [27], batch, 1024 + 64).cycle_ms
-        rows.append({**row, "mean_tpot_ms": cycle,
-                     "prefill_tok_s": batch * 1024 / predict_prefill_s(moonlight, truth, m)})
+        rows.append({**row, "mean_tpot_ms": cycle, "prefill_tok_s": batch * 1024 / predict_prefill_s(moonlight, truth, m)})
     rows[0]["prefill_tok_s"] /= 10  # a small prefill far off the FLOP model: must not count
     path = tmp_path / "offline.json"
     path.write_text(json.dumps({"results": rows}))
@@ -89,8 +95,7 @@ def test_sweep_prediction_calibrated_on_offline_results(moonlight):
     cal = calibrate_from_files([str(H200_RUN / "offline_cli.json")], hw, moonlight, "moonlight-16b-a3b", 1088)
     hw = replace(hw, constants=cal.after)
     for r in json.loads((H200_RUN / "sweep" / "sweep.json").read_text())[0]["results"]:
-        p = predict_bench(moonlight, hw, Layout(1), r["concurrency"], r["num_prompts"], r["input_len"],
-                          r["output_len"])
+        p = predict_bench(moonlight, hw, Layout(1), r["concurrency"], r["num_prompts"], r["input_len"], r["output_len"])
         assert p.output_throughput == pytest.approx(r["output_throughput"], rel=0.15)
 
 
@@ -98,8 +103,7 @@ def test_sweep_predict_uses_the_calibration():
     from moeserve.bench.sweep import predict
 
     prior = predict("moonlight-16b-a3b", 1, 1, 1, [1, 128], 128, 1024, 128, "h200", None, None)
-    cal = predict("moonlight-16b-a3b", 1, 1, 1, [1, 128], 128, 1024, 128, "h200", None, None,
-                  [str(H200_RUN / "offline_cli.json")])
+    cal = predict("moonlight-16b-a3b", 1, 1, 1, [1, 128], 128, 1024, 128, "h200", None, None, [str(H200_RUN / "offline_cli.json")])
     assert [p["concurrency"] for p in cal] == [1, 128] and all(p["fits"] for p in cal)
     assert all(c["output_throughput"] < p["output_throughput"] for c, p in zip(cal, prior))
     assert cal[1]["output_throughput"] == pytest.approx(3631.7, rel=0.15)  # the measured sweep

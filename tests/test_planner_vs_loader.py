@@ -30,8 +30,7 @@ def test_planner_bytes_equal_loaded_shards(tmp_path_factory, tp, pp, ep):
     config = load_model_config(ckpt)
     layout = Layout.build(config.num_hidden_layers, tp, pp, ep)
     for rank in range(layout.world_size):
-        assert loaded_bytes(config, ckpt, layout, rank) == expected_rank_weight_bytes(config, tp, pp, ep, rank, 4), \
-            f"rank {rank}"
+        assert loaded_bytes(config, ckpt, layout, rank) == expected_rank_weight_bytes(config, tp, pp, ep, rank, 4), f"rank {rank}"
 
 
 @pytest.mark.parametrize("tp, pp, ep", [(1, 1, 1), (2, 1, 1), (2, 1, 2), (1, 2, 1)])

@@ -18,7 +18,7 @@ def cached_pages(alloc, tokens, n_pages):
     pages = alloc.allocate(n_pages)
     hashes = chain_hashes(tokens, PS, n_pages)
     for i, p in enumerate(pages):
-        alloc.cache(p, hashes[i - 1] if i else ROOT_HASH, tokens[i * PS:(i + 1) * PS])
+        alloc.cache(p, hashes[i - 1] if i else ROOT_HASH, tokens[i * PS : (i + 1) * PS])
     return pages, hashes
 
 
@@ -73,8 +73,7 @@ def test_a_page_with_tokens_cached_already_stays_private():
 
 # ---- the scheduler ----
 def seq(i, tokens, n_prompt=None, **kw):
-    return Sequence(i, str(i), 0, list(tokens), n_prompt or len(tokens),
-                    SamplingParams(temperature=0, **kw))
+    return Sequence(i, str(i), 0, list(tokens), n_prompt or len(tokens), SamplingParams(temperature=0, **kw))
 
 
 def run_step(s):
@@ -87,8 +86,10 @@ def run_step(s):
 
 
 def cache_scheduler(num_pages=32, budget=100):
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64,
-                                     enable_prefix_caching=True), PagedAllocator(num_pages, PS))
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=64, enable_prefix_caching=True),
+        PagedAllocator(num_pages, PS),
+    )
 
 
 def test_a_shared_prefix_is_mapped_and_only_the_rest_is_computed():
@@ -238,11 +239,11 @@ def test_greedy_tokens_and_logprobs_equal_those_without_the_cache(v3_checkpoint,
             outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
             outs = outs + one_by_one(llm, PROMPTS)  # now everything hits
             got = outputs(outs)
-            assert_close(got[:len(PROMPTS)], uncached)
-            got = got[len(PROMPTS):]
-            assert [o.num_cached_tokens for o in outs[len(PROMPTS):]][:2] == [12, 8]
+            assert_close(got[: len(PROMPTS)], uncached)
+            got = got[len(PROMPTS) :]
+            assert [o.num_cached_tokens for o in outs[len(PROMPTS) :]][:2] == [12, 8]
         else:
-            idx = list(range(len(PROMPTS)))[::1 if order == "forward" else -1]
+            idx = list(range(len(PROMPTS)))[:: 1 if order == "forward" else -1]
             outs = one_by_one(llm, [PROMPTS[i] for i in idx])
             got = [None] * len(PROMPTS)
             for i, o in zip(idx, outputs(outs)):
@@ -256,8 +257,16 @@ def test_preemption_and_async_scheduling_with_the_cache(v3_checkpoint, uncached)
     from moeserve import LLM
 
     for overlap in (False, True):
-        with LLM(str(v3_checkpoint), device="cpu", dtype="float32", page_size=PS, num_kv_pages=9,
-                 max_model_len=24, max_num_batched_tokens=8, async_scheduling=overlap) as llm:
+        with LLM(
+            str(v3_checkpoint),
+            device="cpu",
+            dtype="float32",
+            page_size=PS,
+            num_kv_pages=9,
+            max_model_len=24,
+            max_num_batched_tokens=8,
+            async_scheduling=overlap,
+        ) as llm:
             got = outputs(llm.generate([{"prompt_token_ids": p} for p in PROMPTS + PROMPTS], GREEDY))
             assert llm.engine.num_preemptions > 0 and llm.engine.prefix_cache_hits > 0
             assert_all_pages_free_or_cached(llm.engine)
@@ -270,8 +279,7 @@ def test_n_samples_share_the_prompt_pages(v3_checkpoint):
     params = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=4, logprobs=1, ignore_eos=True)
     results = {}
     for on in (False, True):
-        with LLM(str(v3_checkpoint), device="cpu", dtype="float32", page_size=PS,
-                 enable_prefix_caching=on) as llm:
+        with LLM(str(v3_checkpoint), device="cpu", dtype="float32", page_size=PS, enable_prefix_caching=on) as llm:
             results[on] = outputs(llm.generate([{"prompt_token_ids": BASE + BASE}], params))
             eng = llm.engine
             assert eng.prefix_cache_hits == (2 * 24 if on else 0)  # samples 2 and 3: 6 pages each
@@ -298,8 +306,7 @@ def expected(uncached, max_tokens):
 def test_layouts_with_the_cache(v3_checkpoint, uncached):
     from moeserve import LLM
 
-    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
-                   dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
+    for layout in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
         with LLM(str(v3_checkpoint), device="cpu", dtype="float32", page_size=PS, **layout) as llm:
             assert_close(shared_prefix_run(llm, max_tokens=3), expected(uncached, 3))
 

@@ -7,9 +7,22 @@ import torch
 import torch.nn.functional as F
 
 from moeserve.config import QuantizationConfig
-from moeserve.quant.fp8 import (BLOCK, FP8_DTYPE, FP8_MAX, SUPPORTED_CONFIG, cat_fp8_rows, cdiv, check_fp8_config,
-                                dequantize_fp8_block, dequantize_fp8_gate_up, expand_scales, quantize_fp8_block,
-                                quantize_fp8_gate_up, scale_row_block, shard_fp8_block)
+from moeserve.quant.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    SUPPORTED_CONFIG,
+    cat_fp8_rows,
+    cdiv,
+    check_fp8_config,
+    dequantize_fp8_block,
+    dequantize_fp8_gate_up,
+    expand_scales,
+    quantize_fp8_block,
+    quantize_fp8_gate_up,
+    scale_row_block,
+    shard_fp8_block,
+)
 
 
 def blocky(*shape, seed=0, std=0.05):
@@ -34,8 +47,12 @@ def dequant_by_loops(q, s, block=BLOCK):
 
 # ---- quantize / dequantize ----
 
-@pytest.mark.parametrize("shape", [(576, 200), (130, 260), (128, 128), (1, 7), (3, 100, 300)],
-                         ids=["kv_a-4.5-blocks", "partial-both", "one-block", "tiny", "experts"])
+
+@pytest.mark.parametrize(
+    "shape",
+    [(576, 200), (130, 260), (128, 128), (1, 7), (3, 100, 300)],
+    ids=["kv_a-4.5-blocks", "partial-both", "one-block", "tiny", "experts"],
+)
 def test_round_trip_within_e4m3_rounding(shape):
     w = blocky(*shape)
     q, s = quantize_fp8_block(w)
@@ -45,7 +62,7 @@ def test_round_trip_within_e4m3_rounding(shape):
     d = dequantize_fp8_block(q, s, dtype=torch.float32)
     # Round to nearest with 3 mantissa bits: at most 2^-4 relative; below e4m3's normal range
     # (2^-6 of the scale unit) an absolute half-step of 2^-10 units.
-    bound = w.abs() * 2.0 ** -4 + expand_scales(s, *shape[-2:]) * 2.0 ** -10
+    bound = w.abs() * 2.0**-4 + expand_scales(s, *shape[-2:]) * 2.0**-10
     assert ((d - w).abs() <= bound * 1.0001).all()
     # The largest element maps to 448 exactly.
     amax = q.float().abs().view(-1)
@@ -59,8 +76,7 @@ def test_partial_edge_blocks_take_their_own_rows_and_columns():
     # The last row block holds rows 512..575 only, the last column block columns 128..199.
     assert s[4, 1] == w[512:, 128:].abs().max() / FP8_MAX
     assert s[0, 0] == w[:128, :128].abs().max() / FP8_MAX
-    torch.testing.assert_close(dequantize_fp8_block(q, s, dtype=torch.float32), dequant_by_loops(q, s),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_fp8_block(q, s, dtype=torch.float32), dequant_by_loops(q, s), rtol=0, atol=0)
 
 
 def test_dequantize_dtype_and_leading_dims():
@@ -105,6 +121,7 @@ def test_scale_row_block_tells_grid_from_per_row():
 
 # ---- gate / up halves ----
 
+
 @pytest.mark.parametrize("inter", [256, 200])
 def test_gate_up_halves_each_on_their_own_grid(inter):
     gate, up = blocky(3, inter, 160, seed=3), blocky(3, inter, 160, seed=4)
@@ -120,25 +137,33 @@ def test_gate_up_halves_each_on_their_own_grid(inter):
 
 # ---- tensor-parallel shards ----
 
+
 def _full(rows=576, cols=400, seed=5):
     q, s = quantize_fp8_block(blocky(rows, cols, seed=seed))
     return q, s, dequantize_fp8_block(q, s, dtype=torch.float32)
 
 
-@pytest.mark.parametrize("start,size", [(128, 256), (0, 288), (288, 288), (64, 200), (512, 64)],
-                         ids=["aligned", "aligned-partial-tail", "inside-block", "inside-block-2", "last-partial"])
+@pytest.mark.parametrize(
+    "start,size",
+    [(128, 256), (0, 288), (288, 288), (64, 200), (512, 64)],
+    ids=["aligned", "aligned-partial-tail", "inside-block", "inside-block-2", "last-partial"],
+)
 def test_row_shard_dequantizes_to_the_rows_of_the_full_weight(start, size):
     q, s, full = _full()
     shard = shard_fp8_block(q, s, 0, start, size)
     assert shard.k_pad == 0 and shard.weight.shape == (size, q.shape[1])
     expect_rows = size if start % BLOCK else cdiv(start + size, BLOCK) - start // BLOCK  # per-row off the grid
     assert shard.scale_inv.shape == (expect_rows, s.shape[1])
-    torch.testing.assert_close(dequantize_fp8_block(shard.weight, shard.scale_inv, dtype=torch.float32),
-                               full[start:start + size], rtol=0, atol=0)
+    torch.testing.assert_close(
+        dequantize_fp8_block(shard.weight, shard.scale_inv, dtype=torch.float32), full[start : start + size], rtol=0, atol=0
+    )
 
 
-@pytest.mark.parametrize("start,size", [(256, 128), (0, 200), (100, 150), (200, 200), (300, 100)],
-                         ids=["aligned", "aligned-partial", "inside-block", "inside-block-2", "inside-last"])
+@pytest.mark.parametrize(
+    "start,size",
+    [(256, 128), (0, 200), (100, 150), (200, 200), (300, 100)],
+    ids=["aligned", "aligned-partial", "inside-block", "inside-block-2", "inside-last"],
+)
 def test_column_shard_sits_on_the_global_grid(start, size):
     q, s, full = _full()
     shard = shard_fp8_block(q, s, 1, start, size)
@@ -147,7 +172,7 @@ def test_column_shard_sits_on_the_global_grid(start, size):
     assert shard.scale_inv.shape == (s.shape[0], cdiv(pad + size, BLOCK))
     assert (shard.weight[:, :pad].float() == 0).all()
     d = dequantize_fp8_block(shard.weight, shard.scale_inv, dtype=torch.float32)
-    torch.testing.assert_close(d[:, pad:], full[:, start:start + size], rtol=0, atol=0)
+    torch.testing.assert_close(d[:, pad:], full[:, start : start + size], rtol=0, atol=0)
 
 
 def test_row_parallel_shards_sum_to_the_full_product():
@@ -158,7 +183,7 @@ def test_row_parallel_shards_sum_to_the_full_product():
     total = torch.zeros(5, 200)
     for start, size in [(0, 150), (150, 130), (280, 120)]:
         w, sc, pad = shard_fp8_block(q, s, 1, start, size)
-        total += F.linear(x[:, start:start + size], dequantize_fp8_block(w, sc, dtype=torch.float32)[:, pad:])
+        total += F.linear(x[:, start : start + size], dequantize_fp8_block(w, sc, dtype=torch.float32)[:, pad:])
     torch.testing.assert_close(total, F.linear(x, full), rtol=1e-5, atol=1e-5)
 
 
@@ -188,11 +213,11 @@ def test_cat_rows_goes_per_row_off_the_grid():
     q, sc, full = _full(576, 300, 11)
     part = shard_fp8_block(q, sc, 0, 64, 100)
     w, s = cat_fp8_rows([(part.weight, part.scale_inv), (qg, sg)])
-    torch.testing.assert_close(dequantize_fp8_block(w, s, dtype=torch.float32), torch.cat([full[64:164], dg]),
-                               rtol=0, atol=0)
+    torch.testing.assert_close(dequantize_fp8_block(w, s, dtype=torch.float32), torch.cat([full[64:164], dg]), rtol=0, atol=0)
 
 
 # ---- the scheme ----
+
 
 def test_supported_scheme_passes():
     assert check_fp8_config(dict(SUPPORTED_CONFIG)) == (128, 128)
@@ -201,13 +226,16 @@ def test_supported_scheme_passes():
     assert check_fp8_config(q) == (128, 128)
 
 
-@pytest.mark.parametrize("change,named", [
-    ({"weight_block_size": [64, 64]}, "weight_block_size=[64, 64]"),
-    ({"weight_block_size": None}, "weight_block_size=None"),
-    ({"fmt": "e5m2"}, "fmt='e5m2'"),
-    ({"activation_scheme": "static"}, "activation_scheme='static'"),
-    ({"quant_method": "compressed-tensors"}, "quant_method='compressed-tensors'"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"weight_block_size": [64, 64]}, "weight_block_size=[64, 64]"),
+        ({"weight_block_size": None}, "weight_block_size=None"),
+        ({"fmt": "e5m2"}, "fmt='e5m2'"),
+        ({"activation_scheme": "static"}, "activation_scheme='static'"),
+        ({"quant_method": "compressed-tensors"}, "quant_method='compressed-tensors'"),
+    ],
+)
 def test_other_schemes_are_refused_by_name(change, named):
     config = {**SUPPORTED_CONFIG, **change}
     with pytest.raises(ValueError) as err:

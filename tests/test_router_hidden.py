@@ -56,8 +56,18 @@ def _router(routing: dict, hidden: int, seed: int) -> Router:
 
 def _route_hidden(router: Router, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     c = router.config
-    return kr.route_hidden(x, router.weight, router.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                           c.topk_group, c.scoring_func, c.topk_method, c.norm_topk_prob, c.routed_scaling_factor)
+    return kr.route_hidden(
+        x,
+        router.weight,
+        router.e_score_correction_bias,
+        c.num_experts_per_tok,
+        c.n_group,
+        c.topk_group,
+        c.scoring_func,
+        c.topk_method,
+        c.norm_topk_prob,
+        c.routed_scaling_factor,
+    )
 
 
 def _assert_same_routing(w, ids, ref_w, ref_ids) -> None:
@@ -102,12 +112,32 @@ def test_selfcheck_route_hidden():
 # ---- real shapes (CUDA only) ----
 
 REAL = {  # routing and hidden size of Moonlight and DeepSeek-V3
-    "moonlight": ({"n_routed_experts": 64, "num_experts_per_tok": 6, "n_group": 1, "topk_group": 1,
-                   "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-                   "routed_scaling_factor": 2.446}, 2048),
-    "v3": ({"n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4,
-            "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
-            "routed_scaling_factor": 2.5}, 7168),
+    "moonlight": (
+        {
+            "n_routed_experts": 64,
+            "num_experts_per_tok": 6,
+            "n_group": 1,
+            "topk_group": 1,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.446,
+        },
+        2048,
+    ),
+    "v3": (
+        {
+            "n_routed_experts": 256,
+            "num_experts_per_tok": 8,
+            "n_group": 8,
+            "topk_group": 4,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+        },
+        7168,
+    ),
 }
 
 

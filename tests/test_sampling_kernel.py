@@ -100,6 +100,7 @@ def test_selfcheck():
 
 # ---- the sampler on the kernel ----
 
+
 def _params():
     return [
         SamplingParams(temperature=0),
@@ -129,15 +130,13 @@ def test_sampler_on_kernel_matches_torch(V, with_top_n):
     fast, ref = _draw(x, params, True), _draw(x, params, False)
     assert fast.token_ids == ref.token_ids
     assert fast.token_ids[4] == 3 and fast.token_ids[0] == int(x[0].argmax())
-    torch.testing.assert_close(torch.tensor(fast.sampled_logprobs), torch.tensor(ref.sampled_logprobs),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(torch.tensor(fast.sampled_logprobs), torch.tensor(ref.sampled_logprobs), atol=1e-5, rtol=0)
     assert all(lp <= 0 for lp in fast.sampled_logprobs)
     for a, b in zip(fast.logprobs, ref.logprobs):
         assert (a is None) == (b is None)
         if a is not None:
             assert a.keys() == b.keys()
-            torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())),
-                                       atol=1e-5, rtol=0)
+            torch.testing.assert_close(torch.tensor(list(a.values())), torch.tensor(list(b.values())), atol=1e-5, rtol=0)
 
 
 def test_sampler_logprob_without_top_n_is_log_softmax():
@@ -148,5 +147,4 @@ def test_sampler_logprob_without_top_n_is_log_softmax():
         out = _draw(x, params, use_kernel)
         logp = torch.log_softmax(x, dim=-1)
         expect = [logp[i, t].item() for i, t in enumerate(out.token_ids)]
-        torch.testing.assert_close(torch.tensor(out.sampled_logprobs), torch.tensor(expect),
-                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(out.sampled_logprobs), torch.tensor(expect), atol=1e-5, rtol=0)

@@ -20,8 +20,7 @@ def run_step(s: Scheduler):
 
 
 def test_chunked_prefill_respects_token_budget():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64),
-                  PagedAllocator(16, 4))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=5, max_model_len=64), PagedAllocator(16, 4))
     a, b = seq(0, 12), seq(1, 3)
     s.add(a)
     s.add(b)
@@ -37,8 +36,7 @@ def test_chunked_prefill_respects_token_budget():
 
 
 def test_max_num_seqs_limits_running():
-    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64),
-                  PagedAllocator(64, 4))
+    s = Scheduler(SchedulerConfig(max_num_seqs=2, max_num_batched_tokens=100, max_model_len=64), PagedAllocator(64, 4))
     for i in range(4):
         s.add(seq(i, 3))
     batch = run_step(s)
@@ -62,12 +60,14 @@ def test_preemption_frees_pages_and_requeues_first():
 
 # ---- the step budget: decodes first, then prefill chunks of what is left ----
 
+
 def test_decodes_go_first_and_the_prefill_chunk_gets_what_is_left():
     """A prompt admitted before two short ones is still prefilling when they decode: the
     decodes lead the batch (the attention backend slices them off as one decode run) and the
     prompt's chunk is what the budget has left."""
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64,
-                                  long_prefill_token_threshold=4), PagedAllocator(32, 4))
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, max_model_len=64, long_prefill_token_threshold=4), PagedAllocator(32, 4)
+    )
     a, b, c = seq(0, 20), seq(1, 2), seq(2, 2)
     for q in (a, b, c):
         s.add(q)
@@ -79,8 +79,7 @@ def test_decodes_go_first_and_the_prefill_chunk_gets_what_is_left():
 
 
 def test_decodes_take_the_budget_before_any_prefill():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=3, max_model_len=64),
-                  PagedAllocator(32, 4))
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=3, max_model_len=64), PagedAllocator(32, 4))
     b, c = seq(1, 1), seq(2, 2)
     s.add(b)
     s.add(c)
@@ -89,8 +88,7 @@ def test_decodes_take_the_budget_before_any_prefill():
     s.add(a)
     batch = run_step(s)
     assert batch.seqs == [b, c, a] and batch.num_new_tokens == [1, 1, 1]
-    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, max_model_len=64),
-                   PagedAllocator(32, 4))
+    s2 = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=2, max_model_len=64), PagedAllocator(32, 4))
     for q in (seq(1, 1), seq(2, 1)):
         s2.add(q)
     run_step(s2)
@@ -100,8 +98,9 @@ def test_decodes_take_the_budget_before_any_prefill():
 
 
 def test_long_prefill_token_threshold_caps_each_prompts_chunk():
-    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64,
-                                  long_prefill_token_threshold=3), PagedAllocator(32, 4))
+    s = Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=10, max_model_len=64, long_prefill_token_threshold=3), PagedAllocator(32, 4)
+    )
     a, b = seq(0, 8), seq(1, 5)
     s.add(a)
     s.add(b)
@@ -124,8 +123,7 @@ def test_long_prefill_token_threshold_zero_is_off_and_negative_is_refused():
 
 def test_a_decode_preempts_a_newer_prefilling_sequence_and_nothing_is_lost():
     alloc = PagedAllocator(3, 2)  # 6 token slots
-    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_model_len=8,
-                                  long_prefill_token_threshold=2), alloc)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=100, max_model_len=8, long_prefill_token_threshold=2), alloc)
     a, b = seq(0, 2), seq(1, 4)
     s.add(a)
     s.add(b)
@@ -161,8 +159,7 @@ def test_long_prefill_token_threshold_flag_reaches_the_scheduler_config():
 
 def test_async_scheduling_lets_a_sequence_in_flight_join_with_a_deferred_token():
     def in_flight_then_next(**kw):
-        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64),
-                      PagedAllocator(16, 4))
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), PagedAllocator(16, 4))
         a = seq(0, 5)
         s.add(a)
         first = s.schedule(**kw)  # a's prompt, which samples; its result is not back yet

@@ -45,9 +45,22 @@ def launched(demo_dir, tmp_path_factory):
             shutil.copy(f, broken / f.name)
     procs = SimpleNamespace(
         main=ServerProcess(demo_dir, tmp / "main.log", "--max-model-len", str(MAX_LEN)),
-        guarded=ServerProcess(demo_dir, tmp / "guarded.log", "--max-model-len", str(MAX_LEN), "--api-key", KEY,
-                              "--max-num-seqs", "1", "--max-waiting", "1", "--served-model-name", "demo"),
-        broken=ServerProcess(str(broken), tmp / "broken.log"))
+        guarded=ServerProcess(
+            demo_dir,
+            tmp / "guarded.log",
+            "--max-model-len",
+            str(MAX_LEN),
+            "--api-key",
+            KEY,
+            "--max-num-seqs",
+            "1",
+            "--max-waiting",
+            "1",
+            "--served-model-name",
+            "demo",
+        ),
+        broken=ServerProcess(str(broken), tmp / "broken.log"),
+    )
     try:
         for p in vars(procs).values():
             p.start()
@@ -68,9 +81,12 @@ def offline(demo_dir, launched):
         greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
         outs = llm.generate(PROMPTS, greedy)
         chat = llm.generate({"prompt_token_ids": chat_ids}, SamplingParams(temperature=0, max_tokens=12))[0]
-    return SimpleNamespace(completions=[o.outputs[0] for o in outs],
-                           prompt_lens=[len(o.prompt_token_ids) for o in outs],
-                           chat=chat.outputs[0], chat_prompt_len=len(chat_ids))
+    return SimpleNamespace(
+        completions=[o.outputs[0] for o in outs],
+        prompt_lens=[len(o.prompt_token_ids) for o in outs],
+        chat=chat.outputs[0],
+        chat_prompt_len=len(chat_ids),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +123,7 @@ def test_models_and_version(client, server):
     assert [m.id for m in models] == [client.model]
     version = httpx.get(f"{server.url}/version", timeout=10).json()["version"]
     import moeserve
+
     assert version == moeserve.__version__
 
 
@@ -149,7 +166,7 @@ def test_streaming_equals_non_streaming(client, offline, stop_at):
     if not stop:  # a chunk per token, also where its text is held back: clients time tokens by chunks
         assert len([c for c in chunks if c.choices]) == whole.usage.completion_tokens
     if stop:
-        assert whole.choices[0].text == expected[:expected.find(stop)]
+        assert whole.choices[0].text == expected[: expected.find(stop)]
         assert whole.choices[0].finish_reason == "stop"
 
     chat_kw = dict(model=client.model, messages=CHAT, max_tokens=12, temperature=0, stop=stop)
@@ -163,9 +180,11 @@ def test_streaming_equals_non_streaming(client, offline, stop_at):
 
 def same_usage(streamed, whole) -> bool:
     """Equal token counts; the second of two equal requests may find more of its prompt cached."""
-    return (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == \
-        (whole.prompt_tokens, whole.completion_tokens, whole.total_tokens) and \
-        streamed.prompt_tokens_details.cached_tokens >= whole.prompt_tokens_details.cached_tokens
+    return (streamed.prompt_tokens, streamed.completion_tokens, streamed.total_tokens) == (
+        whole.prompt_tokens,
+        whole.completion_tokens,
+        whole.total_tokens,
+    ) and streamed.prompt_tokens_details.cached_tokens >= whole.prompt_tokens_details.cached_tokens
 
 
 def test_a_repeated_prompt_reports_cached_tokens(server, client):
@@ -176,21 +195,26 @@ def test_a_repeated_prompt_reports_cached_tokens(server, client):
     assert again.choices[0].text == first.choices[0].text
     cached = again.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < again.usage.prompt_tokens and cached % 16 == 0
-    chunks = list(complete(client, prompt=prompt, max_tokens=2, temperature=0, stream=True,
-                           stream_options={"include_usage": True}))
+    chunks = list(complete(client, prompt=prompt, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
     chat = [{"role": "user", "content": prompt}]
     client.chat.completions.create(model=client.model, messages=chat, max_tokens=2)
     r = client.chat.completions.create(model=client.model, messages=chat, max_tokens=2)
     assert r.usage.prompt_tokens_details.cached_tokens > 0
     assert metric(server.url, "moeserve:prefix_cache_hits_total") >= hits_before + 2 * cached
-    assert metric(server.url, "moeserve:prefix_cache_queries_total") >= \
-        metric(server.url, "moeserve:prefix_cache_hits_total")
+    assert metric(server.url, "moeserve:prefix_cache_queries_total") >= metric(server.url, "moeserve:prefix_cache_hits_total")
 
 
 def test_n_seed_and_vllm_extras(client):
-    kw = dict(prompt=PROMPTS[1], max_tokens=8, temperature=1.0, top_p=0.9, seed=7, n=3,
-              extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True})
+    kw = dict(
+        prompt=PROMPTS[1],
+        max_tokens=8,
+        temperature=1.0,
+        top_p=0.9,
+        seed=7,
+        n=3,
+        extra_body={"top_k": 50, "min_p": 0.01, "ignore_eos": True},
+    )
     a, b = complete(client, **kw), complete(client, **kw)
     assert [c.index for c in a.choices] == [0, 1, 2]
     assert [c.text for c in a.choices] == [c.text for c in b.choices]  # seeded: reproducible
@@ -204,15 +228,13 @@ def test_logprobs(client, offline):
     ref = offline.completions[0]
     r = complete(client, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) \
-        == len(ref.token_ids)
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == len(ref.token_ids)
     for got, tid, row in zip(lp.token_logprobs, ref.token_ids, ref.logprobs):
         assert got == pytest.approx(row[tid], abs=1e-4)
     assert all(1 <= len(top) <= 2 for top in lp.top_logprobs)
     assert lp.text_offset == sorted(lp.text_offset)
 
-    r = client.chat.completions.create(model=client.model, messages=CHAT, max_tokens=6, temperature=0,
-                                       logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(model=client.model, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
     for item in content:
@@ -233,22 +255,25 @@ def test_sixteen_concurrent_requests(client, offline):
 
 
 # ---- errors: each one answered, the server keeps serving ----
-@pytest.mark.parametrize("body, status, param, match", [
-    ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be at least 1"),
-    ({"max_tokens": -5}, 400, "max_tokens", "max_tokens must be at least 1"),
-    ({"temperature": -0.1}, 400, "temperature", "temperature must be >= 0"),
-    ({"top_p": 0}, 400, "top_p", r"top_p must be in \(0, 1\]"),
-    ({"top_p": 1.5}, 400, "top_p", r"top_p must be in \(0, 1\]"),
-    ({"prompt": "x" * (MAX_LEN + 10)}, 400, "prompt", "maximum context length is 512"),
-    ({"prompt": [1, 2, 999]}, 400, "prompt", "token id 999 is out of range"),
-    ({"prompt": ""}, 400, "prompt", "empty"),
-    ({"max_tokens": "many"}, 400, "max_tokens", "valid integer"),
-    ({"prompt": {"a": 1}}, 400, "prompt", ""),
-    ({"n": 0}, 400, "n", "n must be at least 1"),
-    ({"stop": ["ok", ""]}, 400, "stop", "empty strings"),
-    ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
-    ({"model": "no-such-model"}, 404, "model", "does not exist"),
-])
+@pytest.mark.parametrize(
+    "body, status, param, match",
+    [
+        ({"max_tokens": 0}, 400, "max_tokens", "max_tokens must be at least 1"),
+        ({"max_tokens": -5}, 400, "max_tokens", "max_tokens must be at least 1"),
+        ({"temperature": -0.1}, 400, "temperature", "temperature must be >= 0"),
+        ({"top_p": 0}, 400, "top_p", r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, 400, "top_p", r"top_p must be in \(0, 1\]"),
+        ({"prompt": "x" * (MAX_LEN + 10)}, 400, "prompt", "maximum context length is 512"),
+        ({"prompt": [1, 2, 999]}, 400, "prompt", "token id 999 is out of range"),
+        ({"prompt": ""}, 400, "prompt", "empty"),
+        ({"max_tokens": "many"}, 400, "max_tokens", "valid integer"),
+        ({"prompt": {"a": 1}}, 400, "prompt", ""),
+        ({"n": 0}, 400, "n", "n must be at least 1"),
+        ({"stop": ["ok", ""]}, 400, "stop", "empty strings"),
+        ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+        ({"model": "no-such-model"}, 404, "model", "does not exist"),
+    ],
+)
 def test_completion_errors(server, client, body, status, param, match):
     r = httpx.post(f"{server.url}/v1/completions", json={"model": client.model, "prompt": "hi", **body}, timeout=30)
     assert r.status_code == status, r.text
@@ -257,14 +282,17 @@ def test_completion_errors(server, client, body, status, param, match):
     assert re.search(match, err["message"]), err
 
 
-@pytest.mark.parametrize("body, param, match", [
-    ({"messages": []}, "messages", "at least one message"),
-    ({"messages": "hi"}, "messages", ""),
-    ({"messages": [{"role": "user"}], "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
-    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
-    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "at most 20"),
-    ({"messages": [{"role": "user", "content": "x" * MAX_LEN}]}, "messages", "maximum context length"),
-])
+@pytest.mark.parametrize(
+    "body, param, match",
+    [
+        ({"messages": []}, "messages", "at least one message"),
+        ({"messages": "hi"}, "messages", ""),
+        ({"messages": [{"role": "user"}], "max_completion_tokens": 0}, "max_completion_tokens", "at least 1"),
+        ({"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+        ({"logprobs": True, "top_logprobs": 50}, "top_logprobs", "at most 20"),
+        ({"messages": [{"role": "user", "content": "x" * MAX_LEN}]}, "messages", "maximum context length"),
+    ],
+)
 def test_chat_errors(server, client, body, param, match):
     payload = {"model": client.model, "messages": [{"role": "user", "content": "hi"}], **body}
     r = httpx.post(f"{server.url}/v1/chat/completions", json=payload, timeout=30)
@@ -274,8 +302,7 @@ def test_chat_errors(server, client, body, param, match):
 
 
 def test_bad_json_and_the_openai_client_errors(server, client):
-    r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": ', timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(f"{server.url}/v1/completions", content=b'{"model": ', timeout=10, headers={"content-type": "application/json"})
     assert r.status_code == 400 and "invalid JSON" in r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         complete(client, prompt="hi", temperature=-1)
@@ -288,8 +315,7 @@ def test_bad_json_and_the_openai_client_errors(server, client):
 # ---- disconnects and metrics ----
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, client):
     generated_before = metric(server.url, "moeserve:generation_tokens_total")
-    body = {"model": client.model, "prompt": "Tell me everything.", "max_tokens": 480, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+    body = {"model": client.model, "prompt": "Tell me everything.", "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -307,10 +333,16 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client):
 def test_metrics(server, client):
     complete(client, prompt=PROMPTS[0], max_tokens=4, temperature=0)
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    for name in ("moeserve:num_requests_running", "moeserve:num_requests_waiting", "moeserve:kv_cache_usage_perc",
-                 "moeserve:time_to_first_token_seconds_bucket", "moeserve:time_per_output_token_seconds_bucket",
-                 "moeserve:e2e_request_latency_seconds_count", "moeserve:prompt_tokens_total",
-                 "moeserve:generation_tokens_total"):
+    for name in (
+        "moeserve:num_requests_running",
+        "moeserve:num_requests_waiting",
+        "moeserve:kv_cache_usage_perc",
+        "moeserve:time_to_first_token_seconds_bucket",
+        "moeserve:time_per_output_token_seconds_bucket",
+        "moeserve:e2e_request_latency_seconds_count",
+        "moeserve:prompt_tokens_total",
+        "moeserve:generation_tokens_total",
+    ):
         assert name in text, name
     assert metric(server.url, "moeserve:prompt_tokens_total") > 0
     assert metric(server.url, "moeserve:e2e_request_latency_seconds_count") > 0
@@ -339,17 +371,21 @@ def test_503_when_the_waiting_queue_is_full(guarded):
     headers = {"Authorization": f"Bearer {KEY}"}
     long = {"model": "demo", "prompt": "go", "max_tokens": 480, "ignore_eos": True, "stream": True}
     with httpx.Client(timeout=30, headers=headers) as http:
-        with http.stream("POST", f"{guarded.url}/v1/completions", json=long) as first, \
-                http.stream("POST", f"{guarded.url}/v1/completions", json=long) as second:
+        with (
+            http.stream("POST", f"{guarded.url}/v1/completions", json=long) as first,
+            http.stream("POST", f"{guarded.url}/v1/completions", json=long) as second,
+        ):
             assert first.status_code == second.status_code == 200
             poll(lambda: metric(guarded.url, "moeserve:num_requests_waiting") == 1, 15, what="one waiting")
             r = http.post(f"{guarded.url}/v1/completions", json={**long, "stream": False})
             assert r.status_code == 503, r.text
             assert "--max-waiting 1" in r.json()["error"]["message"]
-    poll(lambda: metric(guarded.url, "moeserve:num_requests_running") == 0
-         and metric(guarded.url, "moeserve:num_requests_waiting") == 0, 15, what="both aborted")
-    r = httpx.post(f"{guarded.url}/v1/completions", headers=headers, timeout=30,
-                   json={"model": "demo", "prompt": "hi", "max_tokens": 2})
+    poll(
+        lambda: metric(guarded.url, "moeserve:num_requests_running") == 0 and metric(guarded.url, "moeserve:num_requests_waiting") == 0,
+        15,
+        what="both aborted",
+    )
+    r = httpx.post(f"{guarded.url}/v1/completions", headers=headers, timeout=30, json={"model": "demo", "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200
 
 
@@ -386,8 +422,7 @@ def test_engine_death_fails_requests_health_and_the_server(guarded):
     assert error["type"] == "service_unavailable" and "engine process exited with code -9" in error["message"]
     health = httpx.get(f"{guarded.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "failed"
-    r = httpx.post(f"{guarded.url}/v1/completions", headers=headers, timeout=10,
-                   json={"model": "demo", "prompt": "hi"})
+    r = httpx.post(f"{guarded.url}/v1/completions", headers=headers, timeout=10, json={"model": "demo", "prompt": "hi"})
     assert r.status_code == 503 and "engine" in r.json()["error"]["message"]
     assert guarded.proc.wait(30) == 1
 
@@ -399,13 +434,28 @@ def test_systemd_unit_runs_serve_and_waits_for_ready(capsys):
 
     p = argparse.ArgumentParser()
     add_systemd_unit_arguments(p)
-    args = p.parse_args(["--model", "/models/my model", "--tp", "2", "--host", "0.0.0.0", "--port", "9001",
-                         "--api-key", "k$1%", "--env", "CUDA_VISIBLE_DEVICES=0,1", "--ready-timeout", "900"])
+    args = p.parse_args(
+        [
+            "--model",
+            "/models/my model",
+            "--tp",
+            "2",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9001",
+            "--api-key",
+            "k$1%",
+            "--env",
+            "CUDA_VISIBLE_DEVICES=0,1",
+            "--ready-timeout",
+            "900",
+        ]
+    )
     assert run_systemd_unit(args) == 0
     unit = capsys.readouterr().out
     exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
-    assert exec_start.endswith('-m moeserve serve --model "/models/my model" --tensor-parallel-size 2 '
-                               '--host 0.0.0.0 --port 9001')
+    assert exec_start.endswith('-m moeserve serve --model "/models/my model" --tensor-parallel-size 2 --host 0.0.0.0 --port 9001')
     assert "k$1" not in exec_start and "Environment=MOESERVE_API_KEY=k$1%%" in unit
     assert "ExecStartPost=" in unit and "wait-ready --url http://127.0.0.1:9001 --timeout 900 --pid $MAINPID" in unit
     assert "Environment=CUDA_VISIBLE_DEVICES=0,1" in unit and "Restart=on-failure" in unit
@@ -443,12 +493,17 @@ def test_stream_without_tokenizer_sends_a_chunk_per_token(tmp_path):
         r = srv.wait()
         assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
         c = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        chunks = list(c.completions.create(model=str(path), prompt=[5, 9, 3, 77], max_tokens=6, temperature=0,
-                                           extra_body={"ignore_eos": True}, stream=True))
+        chunks = list(
+            c.completions.create(
+                model=str(path), prompt=[5, 9, 3, 77], max_tokens=6, temperature=0, extra_body={"ignore_eos": True}, stream=True
+            )
+        )
         assert len(chunks) == 6 and all(ch.choices[0].text == "" for ch in chunks)
         assert chunks[-1].choices[0].finish_reason == "length"
-        many = [c.completions.create(model=str(path), prompt=[i + 1, 7, 8], max_tokens=5, temperature=0,
-                                     extra_body={"ignore_eos": True}) for i in range(3)]
+        many = [
+            c.completions.create(model=str(path), prompt=[i + 1, 7, 8], max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+            for i in range(3)
+        ]
         assert all(m.usage.completion_tokens == 5 for m in many)
     finally:
         srv.stop()
@@ -462,8 +517,7 @@ def test_systemd_unit_writes_negative_and_json_flags_as_serve_reads_them(capsys)
 
     p = argparse.ArgumentParser()
     add_systemd_unit_arguments(p)
-    args = p.parse_args(["--model", "deepseek-v3", "--no-enable-prefix-caching",
-                         "--hf-overrides", '{"num_hidden_layers": 5}'])
+    args = p.parse_args(["--model", "deepseek-v3", "--no-enable-prefix-caching", "--hf-overrides", '{"num_hidden_layers": 5}'])
     assert run_systemd_unit(args) == 0
     exec_start = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("ExecStart="))
     words = shlex.split(exec_start.split(" serve ", 1)[1])

@@ -31,15 +31,25 @@ EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "40"))
 SECONDS = float(os.environ.get("FUZZ_SECONDS", "45"))
 PATHS = ["/v1/completions", "/v1/chat/completions"]
 SEEN: Counter = Counter()  # (path, status) of every answer
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-                         suppress_health_check=list(HealthCheck))
+FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(str(ensure_demo_model()), tmp_path_factory.mktemp("fuzz") / "server.log",
-                        "--max-model-len", "40", "--max-n", "3", "--max-num-seqs", "8", "--max-waiting", "256",
-                        "--max-request-bytes", str(1 << 20)).start()
+    srv = ServerProcess(
+        str(ensure_demo_model()),
+        tmp_path_factory.mktemp("fuzz") / "server.log",
+        "--max-model-len",
+        "40",
+        "--max-n",
+        "3",
+        "--max-num-seqs",
+        "8",
+        "--max-waiting",
+        "256",
+        "--max-request-bytes",
+        str(1 << 20),
+    ).start()
     try:
         r = srv.wait()
         assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
@@ -114,37 +124,81 @@ def test_schema_driven_bodies(server, http, path, mode):
 
 
 # ---- hostile values hypothesis draws itself ----
-nasty_floats = st.one_of(st.just(float("nan")), st.just(float("inf")), st.just(float("-inf")),
-                         st.floats(allow_nan=False, allow_infinity=False), st.just(1e308), st.just(-0.0))
-nasty_ints = st.one_of(st.integers(-3, 40), st.just(1 << 63), st.just(-(1 << 63) - 1), st.just(1 << 64),
-                       st.just(1 << 200), st.integers())
-nasty_text = st.one_of(st.text(max_size=12), st.just("\ud800"), st.just("a\udfffb"), st.just(""),
-                       st.just("<|eos|>"), st.text(alphabet=st.characters(codec="utf-8"), max_size=6))
+nasty_floats = st.one_of(
+    st.just(float("nan")),
+    st.just(float("inf")),
+    st.just(float("-inf")),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.just(1e308),
+    st.just(-0.0),
+)
+nasty_ints = st.one_of(st.integers(-3, 40), st.just(1 << 63), st.just(-(1 << 63) - 1), st.just(1 << 64), st.just(1 << 200), st.integers())
+nasty_text = st.one_of(
+    st.text(max_size=12),
+    st.just("\ud800"),
+    st.just("a\udfffb"),
+    st.just(""),
+    st.just("<|eos|>"),
+    st.text(alphabet=st.characters(codec="utf-8"), max_size=6),
+)
 scalar = st.one_of(st.none(), st.booleans(), nasty_ints, nasty_floats, nasty_text)
-nasty = st.recursive(scalar, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                     st.dictionaries(nasty_text, inner, max_size=3)),
-                     max_leaves=8)
-prompt = st.one_of(nasty_text, st.lists(nasty_ints, min_size=1, max_size=6),
-                   st.lists(nasty_text, min_size=1, max_size=3),
-                   st.lists(st.lists(st.integers(0, 400), min_size=0, max_size=5), min_size=1, max_size=3), nasty)
-messages = st.one_of(st.lists(st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "robot"]),
-     "content": st.one_of(nasty_text, st.lists(st.fixed_dictionaries(
-         {"type": st.sampled_from(["text", "image_url"]), "text": nasty_text}), max_size=2), nasty)}),
-    min_size=0, max_size=3), nasty)
+nasty = st.recursive(
+    scalar, lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(nasty_text, inner, max_size=3)), max_leaves=8
+)
+prompt = st.one_of(
+    nasty_text,
+    st.lists(nasty_ints, min_size=1, max_size=6),
+    st.lists(nasty_text, min_size=1, max_size=3),
+    st.lists(st.lists(st.integers(0, 400), min_size=0, max_size=5), min_size=1, max_size=3),
+    nasty,
+)
+messages = st.one_of(
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["system", "user", "assistant", "tool", "developer", "robot"]),
+                "content": st.one_of(
+                    nasty_text,
+                    st.lists(st.fixed_dictionaries({"type": st.sampled_from(["text", "image_url"]), "text": nasty_text}), max_size=2),
+                    nasty,
+                ),
+            }
+        ),
+        min_size=0,
+        max_size=3,
+    ),
+    nasty,
+)
 FIELDS = {
-    "n": nasty_ints, "best_of": nasty_ints, "max_tokens": nasty_ints, "max_completion_tokens": nasty_ints,
-    "min_tokens": nasty_ints, "seed": nasty_ints, "top_k": nasty_ints, "logprobs": st.one_of(nasty_ints, st.booleans()),
-    "top_logprobs": nasty_ints, "temperature": nasty_floats, "top_p": nasty_floats, "min_p": nasty_floats,
-    "presence_penalty": nasty_floats, "frequency_penalty": nasty_floats,
-    "stop": st.one_of(nasty_text, st.lists(nasty_text, max_size=3)), "stop_token_ids": st.lists(nasty_ints, max_size=3),
-    "stream": st.booleans(), "stream_options": st.one_of(st.none(), st.just({"include_usage": True}), nasty),
-    "echo": st.booleans(), "ignore_eos": st.booleans(), "skip_special_tokens": st.booleans(),
-    "include_stop_str_in_output": st.booleans(), "return_tokens_as_token_ids": st.booleans(),
+    "n": nasty_ints,
+    "best_of": nasty_ints,
+    "max_tokens": nasty_ints,
+    "max_completion_tokens": nasty_ints,
+    "min_tokens": nasty_ints,
+    "seed": nasty_ints,
+    "top_k": nasty_ints,
+    "logprobs": st.one_of(nasty_ints, st.booleans()),
+    "top_logprobs": nasty_ints,
+    "temperature": nasty_floats,
+    "top_p": nasty_floats,
+    "min_p": nasty_floats,
+    "presence_penalty": nasty_floats,
+    "frequency_penalty": nasty_floats,
+    "stop": st.one_of(nasty_text, st.lists(nasty_text, max_size=3)),
+    "stop_token_ids": st.lists(nasty_ints, max_size=3),
+    "stream": st.booleans(),
+    "stream_options": st.one_of(st.none(), st.just({"include_usage": True}), nasty),
+    "echo": st.booleans(),
+    "ignore_eos": st.booleans(),
+    "skip_special_tokens": st.booleans(),
+    "include_stop_str_in_output": st.booleans(),
+    "return_tokens_as_token_ids": st.booleans(),
     "logit_bias": st.one_of(st.none(), st.dictionaries(st.sampled_from(["1", "x"]), nasty_floats, max_size=2)),
     "chat_template_kwargs": st.one_of(st.none(), st.dictionaries(nasty_text, scalar, max_size=2)),
-    "response_format": st.one_of(st.none(), nasty), "model": st.one_of(st.none(), nasty_text),
-    "tools": st.one_of(st.none(), nasty), "suffix": st.one_of(st.none(), nasty_text),
+    "response_format": st.one_of(st.none(), nasty),
+    "model": st.one_of(st.none(), nasty_text),
+    "tools": st.one_of(st.none(), nasty),
+    "suffix": st.one_of(st.none(), nasty_text),
 }
 
 
@@ -178,8 +232,11 @@ def test_healthy_after_fuzzing(server, http):
     print("fuzz answers:", dict(SEEN))
     for path in PATHS:  # the fuzzing reached generation as well as the errors
         assert SEEN[(path, 200)] and SEEN[(path, 400)], dict(SEEN)
-    poll(lambda: metric(server.url, "moeserve:num_requests_running") == 0
-         and metric(server.url, "moeserve:num_requests_waiting") == 0, 30, what="nothing running")
+    poll(
+        lambda: metric(server.url, "moeserve:num_requests_running") == 0 and metric(server.url, "moeserve:num_requests_waiting") == 0,
+        30,
+        what="nothing running",
+    )
     assert metric(server.url, "moeserve:kv_cache_usage_perc") == 0
     assert http.get("/health").json()["status"] == "ready"
     r = http.post("/v1/completions", json={"prompt": "still here", "max_tokens": 3})

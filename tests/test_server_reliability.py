@@ -39,11 +39,23 @@ def demo_dir() -> str:
 def launched(demo_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reliability")
     procs = SimpleNamespace(
-        rel=ServerProcess(demo_dir, tmp / "rel.log", "--max-model-len", str(MAX_LEN), "--max-n", "4",
-                          "--max-num-seqs", "4", "--max-waiting", "4", "--max-request-bytes", str(LIMIT),
-                          env={"MOESERVE_INJECT_REQUEST_FAILURE": FAIL_MARKER}),
-        drainer=ServerProcess(demo_dir, tmp / "drainer.log", "--max-model-len", "2048",
-                              "--shutdown-timeout", "4"))
+        rel=ServerProcess(
+            demo_dir,
+            tmp / "rel.log",
+            "--max-model-len",
+            str(MAX_LEN),
+            "--max-n",
+            "4",
+            "--max-num-seqs",
+            "4",
+            "--max-waiting",
+            "4",
+            "--max-request-bytes",
+            str(LIMIT),
+            env={"MOESERVE_INJECT_REQUEST_FAILURE": FAIL_MARKER},
+        ),
+        drainer=ServerProcess(demo_dir, tmp / "drainer.log", "--max-model-len", "2048", "--shutdown-timeout", "4"),
+    )
     try:
         for p in vars(procs).values():
             p.start()
@@ -91,8 +103,11 @@ def assert_openai_error(r: httpx.Response, status: int, param: str | None = "", 
 
 
 def assert_idle_and_healthy(server) -> None:
-    poll(lambda: metric(server.url, "moeserve:num_requests_running") == 0
-         and metric(server.url, "moeserve:num_requests_waiting") == 0, 20, what="nothing running")
+    poll(
+        lambda: metric(server.url, "moeserve:num_requests_running") == 0 and metric(server.url, "moeserve:num_requests_waiting") == 0,
+        20,
+        what="nothing running",
+    )
     assert metric(server.url, "moeserve:kv_cache_usage_perc") == 0
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
 
@@ -248,8 +263,8 @@ def _stall(rel, huge: list[tuple[str, dict]]) -> tuple[float, float, float, floa
     stream.join()
     assert stream.done
     gaps = [b - a for a, b in zip(stream.times, stream.times[1:])]
-    steady = sorted(gaps[5:before - 1])
-    return max(gaps[before - 1:during + 1]), steady[-1], steady[len(steady) // 2], max(health_s)
+    steady = sorted(gaps[5 : before - 1])
+    return max(gaps[before - 1 : during + 1]), steady[-1], steady[len(steady) // 2], max(health_s)
 
 
 def test_a_huge_prompt_does_not_stall_another_stream(rel):
@@ -257,8 +272,9 @@ def test_a_huge_prompt_does_not_stall_another_stream(rel):
     without being tokenized, parsed off the event loop: another client's stream and /health go
     on within a step or two."""
     n = LIMIT - 100
-    hit, worst, step, health = _stall(rel, [("completions", {"prompt": "y" * n}),
-                                            ("chat/completions", {"messages": [{"role": "user", "content": "z" * n}]})])
+    hit, worst, step, health = _stall(
+        rel, [("completions", {"prompt": "y" * n}), ("chat/completions", {"messages": [{"role": "user", "content": "z" * n}]})]
+    )
     assert hit <= worst + max(2 * step, 0.15), (hit, worst, step)  # a floor for a shared machine
     assert health < 1.0  # (it was 11 s for a 10 MB prompt; this includes this process's own sending)
     # A body of token ids is validated holding the GIL (tens of ms per MB: 2 MB is a full 256k-token
@@ -270,10 +286,12 @@ def test_a_huge_prompt_does_not_stall_another_stream(rel):
 # ---- 5. smaller ones ----
 def test_lone_surrogates_are_a_400_on_the_same_connection(rel):
     with httpx.Client(base_url=f"{rel.url}/v1", timeout=30) as http:
-        for path, body in [("completions", b'{"prompt": "a\\ud800b"}'),
-                           ("completions", b'{"prompt": ["ok", "\\udfff"]}'),
-                           ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
-                           ("completions", b'{"prompt": "\xff\xfe"}')]:
+        for path, body in [
+            ("completions", b'{"prompt": "a\\ud800b"}'),
+            ("completions", b'{"prompt": ["ok", "\\udfff"]}'),
+            ("chat/completions", b'{"messages": [{"role": "user", "content": "\\ud800"}]}'),
+            ("completions", b'{"prompt": "\xff\xfe"}'),
+        ]:
             r = http.post(path, content=body, headers={"content-type": "application/json"})
             err = assert_openai_error(r, 400)
             assert "invalid JSON" in err["message"], err
@@ -283,10 +301,17 @@ def test_lone_surrogates_are_a_400_on_the_same_connection(rel):
     # (the openai client cannot send one: it refuses to encode a lone surrogate itself)
 
 
-@pytest.mark.parametrize("path, field, value", [
-    ("completions", "temperature", math.nan), ("completions", "top_p", math.inf),
-    ("completions", "min_p", -math.inf), ("completions", "presence_penalty", math.nan),
-    ("chat/completions", "temperature", math.nan), ("chat/completions", "frequency_penalty", math.inf)])
+@pytest.mark.parametrize(
+    "path, field, value",
+    [
+        ("completions", "temperature", math.nan),
+        ("completions", "top_p", math.inf),
+        ("completions", "min_p", -math.inf),
+        ("completions", "presence_penalty", math.nan),
+        ("chat/completions", "temperature", math.nan),
+        ("chat/completions", "frequency_penalty", math.inf),
+    ],
+)
 def test_every_float_must_be_finite(rel, path, field, value):
     body = {"prompt": "hi"} if path == "completions" else {"messages": [{"role": "user", "content": "hi"}]}
     r = post(rel, path, content=json.dumps({**body, field: value}).encode())  # NaN / Infinity literals
@@ -299,8 +324,7 @@ def test_every_float_must_be_finite(rel, path, field, value):
 def test_min_tokens_above_max_tokens_is_a_400(rel):
     r = post(rel, "completions", json={"prompt": "hi", "max_tokens": 3, "min_tokens": 4})
     assert "min_tokens must be at most max_tokens (3)" in assert_openai_error(r, 400, "min_tokens")["message"]
-    r = post(rel, "chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                            "max_completion_tokens": 2, "min_tokens": 3})
+    r = post(rel, "chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 2, "min_tokens": 3})
     assert "max_tokens (2)" in assert_openai_error(r, 400, "min_tokens")["message"]
 
 
@@ -321,20 +345,30 @@ def test_logprobs_of_tokens_with_the_same_text_stay_apart(tokenizer, demo_dir):
     assert block["top_logprobs"] == [{"token_id:195": -0.5, "token_id:169": -1.5, "token_id:65": -2.0}]
     [entry] = _logprobs_content(ctx, [0xA9], [row], 3)
     assert (entry["token"], entry["bytes"], entry["logprob"]) == ("\ufffd", [0xA9], -1.5)
-    assert [(t["token"], t["bytes"]) for t in entry["top_logprobs"]] == [("\ufffd", [0xC3]), ("\ufffd", [0xA9]),
-                                                                        ("A", [65])]
+    assert [(t["token"], t["bytes"]) for t in entry["top_logprobs"]] == [("\ufffd", [0xC3]), ("\ufffd", [0xA9]), ("A", [65])]
     [entry] = _logprobs_content(ctx, [0xA9], [row], 3, as_ids=True)
     assert [t["token"] for t in entry["top_logprobs"]] == ["token_id:195", "token_id:169", "token_id:65"]
 
 
 def test_return_tokens_as_token_ids_over_http(client):
-    r = client.completions.create(model=client.model, prompt="héllo", max_tokens=3, temperature=0, logprobs=20,
-                                  extra_body={"return_tokens_as_token_ids": True}).choices[0].logprobs
+    r = (
+        client.completions.create(
+            model=client.model, prompt="héllo", max_tokens=3, temperature=0, logprobs=20, extra_body={"return_tokens_as_token_ids": True}
+        )
+        .choices[0]
+        .logprobs
+    )
     assert all(t.startswith("token_id:") for t in r.tokens)
     assert all(len(row) == 20 and all(k.startswith("token_id:") for k in row) for row in r.top_logprobs)
-    chat = client.chat.completions.create(model=client.model, messages=[{"role": "user", "content": "héllo"}],
-                                          max_tokens=3, temperature=0, logprobs=True, top_logprobs=20,
-                                          extra_body={"return_tokens_as_token_ids": True})
+    chat = client.chat.completions.create(
+        model=client.model,
+        messages=[{"role": "user", "content": "héllo"}],
+        max_tokens=3,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=20,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
     for item in chat.choices[0].logprobs.content:
         assert len({t.token for t in item.top_logprobs}) == 20
         for t in [item, *item.top_logprobs]:
@@ -366,8 +400,7 @@ def test_wait_ready_takes_the_v1_base_url(rel):
 def test_systemd_unit_waits_longer_than_the_drain():
     from moeserve.server.systemd import render_unit
 
-    unit = render_unit(["--shutdown-timeout", "45"], description="d", url="http://127.0.0.1:1",
-                       ready_timeout=10, shutdown_timeout=45)
+    unit = render_unit(["--shutdown-timeout", "45"], description="d", url="http://127.0.0.1:1", ready_timeout=10, shutdown_timeout=45)
     assert "TimeoutStopSec=75" in unit and "KillMode=mixed" in unit
 
 
@@ -385,8 +418,7 @@ def test_sigterm_drains_then_cuts_with_errors(launched):
         short = [Stream(srv, short_body) for _ in range(2)]
         poll(lambda: metric(srv.url, "moeserve:num_requests_running") == 5, 30, what="all five running")
         os.kill(srv.proc.pid, signal.SIGTERM)  # the server alone, as systemd's KillMode=mixed does
-        health = poll(lambda: (h := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 503 and h, 10,
-                      what="draining")
+        health = poll(lambda: (h := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 503 and h, 10, what="draining")
         assert health.json()["status"] == "draining"
         assert_openai_error(post(srv, "completions", json={"prompt": "new"}), 503, code="shutting_down")
         for s in short:

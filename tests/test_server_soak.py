@@ -32,7 +32,7 @@ BAD = [  # (body, path) the server must refuse with a 4xx
     ({"prompt": "hi", "seed": 1 << 64}, "completions"),
     ({"prompt": "hi", "n": 99}, "completions"),
     ({"prompt": "hi", "min_tokens": 9, "max_tokens": 2}, "completions"),
-    ({"prompt": [1, 2, 10 ** 6]}, "completions"),
+    ({"prompt": [1, 2, 10**6]}, "completions"),
     ({"prompt": "x" * 5000}, "completions"),
     ({"messages": []}, "chat/completions"),
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 3}, "chat/completions"),
@@ -45,9 +45,20 @@ BAD = [  # (body, path) the server must refuse with a 4xx
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(str(ensure_demo_model()), tmp_path_factory.mktemp("soak") / "server.log",
-                        "--max-model-len", str(MAX_LEN), "--num-kv-pages", str(KV_PAGES), "--max-num-seqs", "16",
-                        "--max-waiting", "64", "--max-n", "4").start()
+    srv = ServerProcess(
+        str(ensure_demo_model()),
+        tmp_path_factory.mktemp("soak") / "server.log",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--num-kv-pages",
+        str(KV_PAGES),
+        "--max-num-seqs",
+        "16",
+        "--max-waiting",
+        "64",
+        "--max-n",
+        "4",
+    ).start()
     try:
         r = srv.wait()
         assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
@@ -74,8 +85,7 @@ class Soak:
         rng = random.Random(self.rng.random())
         with httpx.Client(base_url=f"{self.url}/v1", timeout=120) as http:
             while time.monotonic() < self.end:
-                action = rng.choices(["stream", "plain", "chat", "disconnect", "timeout", "bad"],
-                                     [30, 20, 15, 15, 5, 15])[0]
+                action = rng.choices(["stream", "plain", "chat", "disconnect", "timeout", "bad"], [30, 20, 15, 15, 5, 15])[0]
                 try:
                     getattr(self, action)(http, rng)
                 except Exception as e:  # noqa: BLE001 - every surprise is a finding
@@ -84,15 +94,18 @@ class Soak:
     @staticmethod
     def body(rng: random.Random) -> tuple[dict, int]:
         max_tokens = rng.choice([4, 16, 48, 120, 170])  # + the longest prompt < MAX_LEN
-        return {"prompt": rng.choice(["Hello", "The quick brown fox", "1 2 3 4", "soak"]) * rng.randint(1, 4),
-                "max_tokens": max_tokens, "temperature": rng.choice([0, 0.8]), "ignore_eos": True,
-                "seed": rng.randint(0, 1000)}, max_tokens
+        return {
+            "prompt": rng.choice(["Hello", "The quick brown fox", "1 2 3 4", "soak"]) * rng.randint(1, 4),
+            "max_tokens": max_tokens,
+            "temperature": rng.choice([0, 0.8]),
+            "ignore_eos": True,
+            "seed": rng.randint(0, 1000),
+        }, max_tokens
 
     def error_or(self, kind: str, r_status: int, body: dict) -> bool:
         """A clear error instead of output: 503 overloaded is one; anything else is a failure."""
         err = body.get("error") if isinstance(body, dict) else None
-        if err and set(err) == {"message", "type", "param", "code"} and r_status == 503 \
-                and err["code"] == "overloaded":
+        if err and set(err) == {"message", "type", "param", "code"} and r_status == 503 and err["code"] == "overloaded":
             self.note(f"{kind}: 503 overloaded")
             return True
         return False
@@ -125,9 +138,16 @@ class Soak:
 
     def chat(self, http: httpx.Client, rng: random.Random) -> None:
         body, max_tokens = self.body(rng)
-        r = http.post("chat/completions", json={"messages": [{"role": "user", "content": body["prompt"]}],
-                                                "max_completion_tokens": max_tokens, "ignore_eos": True,
-                                                "stream": False, "logprobs": rng.random() < 0.3})
+        r = http.post(
+            "chat/completions",
+            json={
+                "messages": [{"role": "user", "content": body["prompt"]}],
+                "max_completion_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": False,
+                "logprobs": rng.random() < 0.3,
+            },
+        )
         data = r.json()
         if r.status_code != 200:
             if not self.error_or("chat", r.status_code, data):
@@ -186,8 +206,11 @@ def test_soak(server):
     took = time.monotonic() - t0
     assert not any(t.is_alive() for t in threads), "a client hung"
 
-    poll(lambda: metric(server.url, "moeserve:num_requests_running") == 0
-         and metric(server.url, "moeserve:num_requests_waiting") == 0, 30, what="nothing running")
+    poll(
+        lambda: metric(server.url, "moeserve:num_requests_running") == 0 and metric(server.url, "moeserve:num_requests_waiting") == 0,
+        30,
+        what="nothing running",
+    )
     assert metric(server.url, "moeserve:kv_cache_usage_perc") == 0
     assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
     rss1 = {name: rss_bytes(pid) for name, pid in pids.items()}

@@ -52,10 +52,16 @@ def test_stage_builds_only_its_layers_and_runs_attention():
     pool = GuardedPool(CONFIG, stage, num_pages=4, page_size=4, dtype=torch.float32)
     model.bind(pool, get_backend("reference"))
     n = 6
-    ctx = StepContext(positions=torch.arange(n), slot_mapping=torch.arange(n), query_lens=[n], context_lens=[n],
-                      page_tables=torch.tensor([[0, 1]], dtype=torch.int32),
-                      cu_query_lens=torch.tensor([0, n], dtype=torch.int32), logits_indices=torch.tensor([n - 1]),
-                      page_size=4)
+    ctx = StepContext(
+        positions=torch.arange(n),
+        slot_mapping=torch.arange(n),
+        query_lens=[n],
+        context_lens=[n],
+        page_tables=torch.tensor([[0, 1]], dtype=torch.int32),
+        cu_query_lens=torch.tensor([0, n], dtype=torch.int32),
+        logits_indices=torch.tensor([n - 1]),
+        page_size=4,
+    )
     hidden = torch.randn(n, CONFIG.hidden_size)
     with step_context(ctx):
         out, _ = model(None, ctx.positions, hidden, torch.zeros_like(hidden))

@@ -35,9 +35,12 @@ def whole_text_reference(pieces: list[str], checks: list[bool], stops: list[str]
 
 
 @settings(max_examples=300, deadline=None)
-@given(pieces=st.lists(st.text(alphabet="abc", max_size=3), min_size=1, max_size=12),
-       stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
-       include=st.booleans(), unchecked=st.integers(0, 3))
+@given(
+    pieces=st.lists(st.text(alphabet="abc", max_size=3), min_size=1, max_size=12),
+    stops=st.lists(st.text(alphabet="abc", min_size=1, max_size=4), min_size=1, max_size=3),
+    include=st.booleans(),
+    unchecked=st.integers(0, 3),
+)
 def test_streamed_text_releases_what_cutting_the_whole_text_would(pieces, stops, include, unchecked):
     checks = [k >= unchecked for k in range(len(pieces))]  # min_tokens: the first pieces are not checked
     expected, expected_stop, final = whole_text_reference(pieces, checks, stops, include)
@@ -69,18 +72,21 @@ def test_engine_deltas_fold_into_what_generate_returns():
         seeded = dict(temperature=0.9, seed=3, n=3, max_tokens=16, ignore_eos=True)
         sample = llm.generate("Once upon a time", SamplingParams(**seeded))[0].outputs[1]
         visible = [o.text.replace("\ufffd", "") for o in (base.outputs[0], sample)]
-        params = [SamplingParams(temperature=0, max_tokens=24, stop=[visible[0][3:6], "zzzz"], ignore_eos=True,
-                                 logprobs=2),
-                  SamplingParams(**seeded, stop=visible[1][4:6], include_stop_str_in_output=True),
-                  SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)]
+        params = [
+            SamplingParams(temperature=0, max_tokens=24, stop=[visible[0][3:6], "zzzz"], ignore_eos=True, logprobs=2),
+            SamplingParams(**seeded, stop=visible[1][4:6], include_stop_str_in_output=True),
+            SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        ]
         prompts = [prompt, "Once upon a time", "Hello"]
         expected = llm.generate(prompts, params)
         assert expected[0].outputs[0].finish_reason == "stop" and expected[1].outputs[1].finish_reason == "stop"
 
         eng = llm.engine
         rids = [eng.add_request(p, sp) for p, sp in zip(prompts, params)]
-        folded = {rid: RequestOutput.empty(rid, p, eng.requests[rid].prompt_token_ids, sp.n, sp.logprobs is not None)
-                  for rid, p, sp in zip(rids, prompts, params)}
+        folded = {
+            rid: RequestOutput.empty(rid, p, eng.requests[rid].prompt_token_ids, sp.n, sp.logprobs is not None)
+            for rid, p, sp in zip(rids, prompts, params)
+        }
         finished_once: set[tuple[str, int]] = set()
         while eng.has_unfinished_requests():
             for delta in eng.step_deltas():

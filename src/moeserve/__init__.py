@@ -11,8 +11,12 @@ from typing import Any
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
-_LAZY = {"LLM": "moeserve.engine.llm", "SamplingParams": "moeserve.sampling_params",
-         "RequestOutput": "moeserve.outputs", "CompletionOutput": "moeserve.outputs"}
+_LAZY = {
+    "LLM": "moeserve.engine.llm",
+    "SamplingParams": "moeserve.sampling_params",
+    "RequestOutput": "moeserve.outputs",
+    "CompletionOutput": "moeserve.outputs",
+}
 
 
 def __getattr__(name: str) -> Any:

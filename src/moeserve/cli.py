@@ -9,8 +9,14 @@ import sys
 from moeserve.bench.sweep import add_sweep_arguments, run_sweep_cli
 from moeserve.engine.args import add_engine_arguments, engine_kwargs
 from moeserve.planner.plan_command import add_plan_arguments, run_plan
-from moeserve.server.commands import (add_serve_arguments, add_systemd_unit_arguments, add_wait_ready_arguments,
-                                 run_serve, run_systemd_unit, run_wait_ready)
+from moeserve.server.commands import (
+    add_serve_arguments,
+    add_systemd_unit_arguments,
+    add_wait_ready_arguments,
+    run_serve,
+    run_systemd_unit,
+    run_wait_ready,
+)
 
 
 def run_node(args: argparse.Namespace) -> int:
@@ -27,8 +33,14 @@ def run_node(args: argparse.Namespace) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from moeserve import LLM, SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.sampling_seed, ignore_eos=args.ignore_eos)
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        ignore_eos=args.ignore_eos,
+    )
     prompt: object = args.prompt
     if args.prompt_token_ids:
         prompt = {"prompt_token_ids": [int(t) for t in args.prompt_token_ids.split(",")]}
@@ -86,23 +98,25 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dataset", default="random", help="random | FILE.jsonl with a 'prompt' per line")
     b.add_argument("--api-key", default=None)
     b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
-    b.add_argument("--shared-prefix-len", type=int, default=0,
-                   help="random prompts all start with the same this many tokens (prefix caching)")
-    b.add_argument("--multi-turn", type=int, default=1,
-                   help="conversations of this many turns: each prompt is the previous prompt + its answer + "
-                        "--input-len new tokens")
+    b.add_argument(
+        "--shared-prefix-len", type=int, default=0, help="random prompts all start with the same this many tokens (prefix caching)"
+    )
+    b.add_argument(
+        "--multi-turn",
+        type=int,
+        default=1,
+        help="conversations of this many turns: each prompt is the previous prompt + its answer + --input-len new tokens",
+    )
     b.add_argument("--layout", default=None, help="tag results with the server's layout (e.g. tp8) for --calibrate")
     b.add_argument("--hardware", default=None, help="tag results with the GPU (e.g. h200) for --calibrate")
     b.set_defaults(func=cmd_bench)
 
     for name, help_text, add, run in (
-        ("sweep", "serve and benchmark several layouts, compare with the planner", add_sweep_arguments,
-         run_sweep_cli),
+        ("sweep", "serve and benchmark several layouts, compare with the planner", add_sweep_arguments, run_sweep_cli),
         ("plan", "which TP/PP/EP layout fits and wins on given GPUs", add_plan_arguments, run_plan),
         ("serve", "OpenAI-compatible HTTP server", add_serve_arguments, run_serve),
         ("wait-ready", "wait until a server's /health says ready", add_wait_ready_arguments, run_wait_ready),
-        ("systemd-unit", "print a systemd unit for `moeserve serve ...`", add_systemd_unit_arguments,
-         run_systemd_unit),
+        ("systemd-unit", "print a systemd unit for `moeserve serve ...`", add_systemd_unit_arguments, run_systemd_unit),
     ):
         command = sub.add_parser(name, help=help_text)
         add(command)
@@ -113,8 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll or request is noise
     try:
         if getattr(args, "node_rank", 0) > 0:  # the same command on another node: run its ranks

@@ -129,20 +129,15 @@ class ModelConfig:
         return self.architecture == "DeepseekV3ForCausalLM"
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer_id >= self.first_k_dense_replace
-            and layer_id % self.moe_layer_freq == 0
-        )
+        return self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace and layer_id % self.moe_layer_freq == 0
 
     @property
     def softmax_scale(self) -> float:
-        scale = self.qk_head_dim ** -0.5
+        scale = self.qk_head_dim**-0.5
         if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
             m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
             scale = scale * m * m
         return scale
-
 
 
 def _rope_from(d: dict[str, Any], max_pos: int, interleave: bool) -> RopeConfig:
@@ -184,9 +179,12 @@ def _quantization_from(d: dict[str, Any]) -> QuantizationConfig | None:
     if method == "fp8":
         block = q.get("weight_block_size")
         return QuantizationConfig(
-            method="fp8", weight_bits=8, block_size=tuple(block) if block else None,
+            method="fp8",
+            weight_bits=8,
+            block_size=tuple(block) if block else None,
             ignore=tuple(q.get("ignored_layers") or q.get("modules_to_not_convert") or ()),
-            fmt=q.get("fmt"), activation_scheme=q.get("activation_scheme"),
+            fmt=q.get("fmt"),
+            activation_scheme=q.get("activation_scheme"),
         )
     if method == "compressed-tensors":
         groups = q.get("config_groups") or {}
@@ -318,8 +316,7 @@ def resolve_config_path(model: str | Path) -> Path:
     if builtin.exists():
         return builtin
     raise FileNotFoundError(
-        f"unknown model {str(model)!r}: not a directory with config.json and not a built-in name "
-        f"({', '.join(builtin_model_names())})"
+        f"unknown model {str(model)!r}: not a directory with config.json and not a built-in name ({', '.join(builtin_model_names())})"
     )
 
 

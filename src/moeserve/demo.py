@@ -50,8 +50,15 @@ DEMO_CONFIG = {
     "rms_norm_eps": 1e-6,
     "max_position_embeddings": 4096,
     "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
-                     "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 1024,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
     "hidden_act": "silu",
     "tie_word_embeddings": False,
     "bos_token_id": 256,
@@ -60,8 +67,7 @@ DEMO_CONFIG = {
 }
 
 CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
 
@@ -83,8 +89,7 @@ def write_byte_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) 
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
     # Reserved ids up to the model's vocab size, as real checkpoints have: every id decodes.
-    fast.add_special_tokens({"additional_special_tokens": [
-        f"<|reserved_{i}|>" for i in range(len(fast), DEMO_CONFIG["vocab_size"])]})
+    fast.add_special_tokens({"additional_special_tokens": [f"<|reserved_{i}|>" for i in range(len(fast), DEMO_CONFIG["vocab_size"])]})
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
@@ -93,8 +98,7 @@ def write_byte_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) 
 def _byte_of(ch: str) -> int:
     """Inverse of GPT-2's byte-to-unicode map: printable bytes map to themselves."""
     code = ord(ch)
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     if code in printable:
         return code
     others = [b for b in range(256) if b not in printable]
@@ -109,8 +113,9 @@ def ensure_demo_model() -> Path:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     config = parse_model_config(DEMO_CONFIG)
-    tensors = {name: dummy_tensor(name, shape, DEMO_SEED, "cpu", torch.float32).contiguous()
-               for name, shape in checkpoint_tensor_shapes(config)}
+    tensors = {
+        name: dummy_tensor(name, shape, DEMO_SEED, "cpu", torch.float32).contiguous() for name, shape in checkpoint_tensor_shapes(config)
+    }
     # Random weights, but printable ASCII output even when sampling: other tokens' lm_head rows
     # are zero (logit 0) and the printable rows are scaled up so that their logits dominate.
     printable = torch.zeros(config.vocab_size, dtype=torch.bool)

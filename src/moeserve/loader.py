@@ -51,8 +51,9 @@ def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
     return names
 
 
-def iter_checkpoint(model: DeepseekForCausalLM, model_dir: str | Path,
-                    device: torch.device | str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(
+    model: DeepseekForCausalLM, model_dir: str | Path, device: torch.device | str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield only the tensors this rank keeps; the rest are never read from disk."""
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
@@ -67,8 +68,9 @@ def iter_checkpoint(model: DeepseekForCausalLM, model_dir: str | Path,
 _FP8_DUMMY_STD = 64.0
 
 
-def dummy_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.device | str,
-                 dtype: torch.dtype, fp8: bool = False) -> torch.Tensor:
+def dummy_tensor(
+    name: str, shape: tuple[int, ...], seed: int, device: torch.device | str, dtype: torch.dtype, fp8: bool = False
+) -> torch.Tensor:
     """The same name, shape and seed give the same tensor on every rank and every run. Quantized
     tensors come in their published format: INT4 as random packed nibbles, positive scales sized
     so that the weights have the spread of the bf16 dummies, and the projection's shape; FP8
@@ -98,8 +100,7 @@ def dummy_tensor(name: str, shape: tuple[int, ...], seed: int, device: torch.dev
     return t.to(dtype)
 
 
-def iter_dummy(model: DeepseekForCausalLM, seed: int, device: torch.device | str,
-               dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_dummy(model: DeepseekForCausalLM, seed: int, device: torch.device | str, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     shapes = dict(model.expected_checkpoint_tensors())
     for name, shape in shapes.items():
         if name.endswith(".weight_shape"):  # of the packed tensor beside it: [out, packed in * 8]
@@ -110,8 +111,9 @@ def iter_dummy(model: DeepseekForCausalLM, seed: int, device: torch.device | str
             yield name, dummy_tensor(name, shape, seed, device, dtype, fp8)
 
 
-def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None, load_format: str,
-                       seed: int = 0, device: torch.device | str = "cpu") -> None:
+def load_model_weights(
+    model: DeepseekForCausalLM, model_dir: str | Path | None, load_format: str, seed: int = 0, device: torch.device | str = "cpu"
+) -> None:
     if load_format == "dummy":
         dtype = next(model.parameters()).dtype
         used = model.load_weights(iter_dummy(model, seed, device, dtype))
@@ -120,9 +122,11 @@ def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None,
             raise ValueError("load_format='auto' needs a model directory")
         q = model.config.quantization
         if q is not None and q.method not in ("compressed-tensors", "fp8"):  # plain loading would give garbage
-            raise ValueError(f"{model_dir} holds {q.method} {q.weight_bits}-bit quantized weights, which the engine "
-                             f"cannot load (bf16/fp16/fp32, compressed-tensors INT4 experts, DeepSeek-V3 FP8 "
-                             f"block-quantized weights); use load_format='dummy' for these shapes")
+            raise ValueError(
+                f"{model_dir} holds {q.method} {q.weight_bits}-bit quantized weights, which the engine "
+                f"cannot load (bf16/fp16/fp32, compressed-tensors INT4 experts, DeepSeek-V3 FP8 "
+                f"block-quantized weights); use load_format='dummy' for these shapes"
+            )
         if q is not None and q.method == "fp8":  # which linears the checkpoint really stores in FP8
             model.use_plain_weights(checkpoint_tensor_names(model_dir))
         used = model.load_weights(iter_checkpoint(model, model_dir, device))
@@ -137,6 +141,5 @@ def load_model_weights(model: DeepseekForCausalLM, model_dir: str | Path | None,
 
 def _fused_experts_cover(missing: list[str], used: set[str]) -> bool:
     """A transformers-5 style checkpoint stores each layer's experts as two fused tensors."""
-    fused_layers = {n.rsplit(".experts.", 1)[0] for n in used if n.endswith(("experts.gate_up_proj",
-                                                                              "experts.down_proj"))}
+    fused_layers = {n.rsplit(".experts.", 1)[0] for n in used if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
     return all(".experts." in n and n.rsplit(".experts.", 1)[0] in fused_layers for n in missing)

@@ -44,7 +44,7 @@ class RequestDelta:
     @classmethod
     def from_wire(cls, wire: tuple) -> RequestDelta:
         rid, finished, error, prompt_tokens, cached_tokens = wire[:_HEAD]
-        seqs = [SeqDelta(*wire[i:i + _PER_SEQ]) for i in range(_HEAD, len(wire), _PER_SEQ)]
+        seqs = [SeqDelta(*wire[i : i + _PER_SEQ]) for i in range(_HEAD, len(wire), _PER_SEQ)]
         return cls(rid, seqs, finished, error, prompt_tokens, cached_tokens)
 
 
@@ -85,11 +85,9 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (of its first sample)
 
     @classmethod
-    def empty(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int,
-              logprobs: bool) -> RequestOutput:
+    def empty(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int, logprobs: bool) -> RequestOutput:
         """Nothing generated yet: what ``add`` folds a request's deltas into."""
-        return cls(request_id, prompt, prompt_token_ids,
-                   [CompletionOutput(i, "", [], [] if logprobs else None, 0.0) for i in range(n)])
+        return cls(request_id, prompt, prompt_token_ids, [CompletionOutput(i, "", [], [] if logprobs else None, 0.0) for i in range(n)])
 
     def add(self, delta: RequestDelta) -> None:
         """Fold in the request's next delta (in place: the work is that of the delta)."""

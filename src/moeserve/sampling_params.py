@@ -58,8 +58,7 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
-            raise bad("seed", f"must be a signed 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], "
-                              f"got {self.seed}")
+            raise bad("seed", f"must be a signed 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop_list):

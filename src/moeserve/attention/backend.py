@@ -36,8 +36,16 @@ class AttentionBackend(Protocol):
         context's tensors where a CUDA graph refills them in place."""
         ...
 
-    def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, weights: MLAWeights,
-                pool: StageKVPool, ctx: StepContext, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        layer_id: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        weights: MLAWeights,
+        pool: StageKVPool,
+        ctx: StepContext,
+        scale: float,
+    ) -> torch.Tensor:
         """q_nope: [T, H, nope], q_pe: [T, H, rope] -> [T, H, v_head_dim].
 
         The new tokens' latents are already in ``pool`` for ``layer_id`` (global id)."""

@@ -84,8 +84,7 @@ class TritonMLAMetadata:
     extend: ExtendRows | None
 
 
-def prefix_slots(page_tables: torch.Tensor, prefix_lens: torch.Tensor, total: int, page_size: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def prefix_slots(page_tables: torch.Tensor, prefix_lens: torch.Tensor, total: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache slot of positions ``0 .. prefix_lens[e] - 1`` of every row, concatenated in row
     order, and the [E + 1] offsets of each row's run. On the device, without a per-token loop
     or a host sync (``total`` is known on the host)."""
@@ -132,13 +131,11 @@ class TritonMLABackend:
         extend = self._extend_rows(ctx, D, page_tables, context_lens) if D < ctx.num_seqs else None
         return TritonMLAMetadata(self.settings, decode, extend)
 
-    def _extend_rows(self, ctx: StepContext, D: int, page_tables: torch.Tensor, context_lens: torch.Tensor
-                     ) -> ExtendRows:
+    def _extend_rows(self, ctx: StepContext, D: int, page_tables: torch.Tensor, context_lens: torch.Tensor) -> ExtendRows:
         q_lens = ctx.query_lens[D:]
         total_prefix = sum(ctx.context_lens[D:]) - sum(q_lens)
         cu_q = (ctx.cu_query_lens[D:] - D).to(torch.int32)  # decode rows hold one token each
-        rows = ExtendRows(first_token=D, cu_q=cu_q, max_q_len=max(q_lens), new_slots=ctx.slot_mapping[D:],
-                          prefix_pieces=[])
+        rows = ExtendRows(first_token=D, cu_q=cu_q, max_q_len=max(q_lens), new_slots=ctx.slot_mapping[D:], prefix_pieces=[])
         if total_prefix == 0:
             return rows
         prefix_lens = context_lens[D:] - (cu_q[1:] - cu_q[:-1])
@@ -162,15 +159,22 @@ class TritonMLABackend:
         return meta
 
     # ---- every layer ----
-    def forward(self, layer_id: int, q_nope: torch.Tensor, q_pe: torch.Tensor, weights: MLAWeights,
-                pool: StageKVPool, ctx: StepContext, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        layer_id: int,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        weights: MLAWeights,
+        pool: StageKVPool,
+        ctx: StepContext,
+        scale: float,
+    ) -> torch.Tensor:
         cache = pool.layer(layer_id)
         meta = self._metadata(ctx)
         if meta.extend is None:
             return self._decode(q_nope, q_pe, weights, cache, ctx.page_size, meta.decode, scale)
         first = meta.extend.first_token
-        ext = self._extend(q_nope[first:], q_pe[first:], weights, cache, pool.kv_lora_rank, ctx.page_size,
-                           meta.extend, scale)
+        ext = self._extend(q_nope[first:], q_pe[first:], weights, cache, pool.kv_lora_rank, ctx.page_size, meta.extend, scale)
         if meta.decode is None:
             return ext
         out = q_nope.new_empty(q_nope.shape[0], q_nope.shape[1], ext.shape[-1])
@@ -180,13 +184,15 @@ class TritonMLABackend:
 
     def _decode(self, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: DecodeRows, scale):
         q_latent = torch.einsum("thd,hdc->thc", q_nope, weights.w_uk)  # absorb w_uk into the query
-        out_latent = mla_decode(q_latent, q_pe, cache, rows.page_tables, rows.context_lens, page_size, scale,
-                                max_context_len=rows.max_context_len)
+        out_latent = mla_decode(
+            q_latent, q_pe, cache, rows.page_tables, rows.context_lens, page_size, scale, max_context_len=rows.max_context_len
+        )
         return torch.einsum("thc,hvc->thv", out_latent, weights.w_uv)
 
     @staticmethod
-    def _expand(cache: torch.Tensor, slots: torch.Tensor, weights: MLAWeights, kv_lora_rank: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _expand(
+        cache: torch.Tensor, slots: torch.Tensor, weights: MLAWeights, kv_lora_rank: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gather cache rows and expand their latents to per-head keys and values in one GEMM:
         k_nope [n, H, nope] and v [n, H, v] are views of its output; k_pe [n, R] is a view of the
         gathered rows (the kernel reads it for every head)."""
@@ -196,32 +202,38 @@ class TritonMLABackend:
         kv = torch.matmul(rows[:, :kv_lora_rank], w.reshape(-1, kv_lora_rank).t()).view(rows.shape[0], H, -1)
         return kv[..., :nope], rows[:, kv_lora_rank:], kv[..., nope:]
 
-    def _extend(self, q_nope, q_pe, weights: MLAWeights, cache, kv_lora_rank: int, page_size: int,
-                rows: ExtendRows, scale):
+    def _extend(self, q_nope, q_pe, weights: MLAWeights, cache, kv_lora_rank: int, page_size: int, rows: ExtendRows, scale):
         k_nope, k_pe, v = self._expand(cache, rows.new_slots, weights, kv_lora_rank, q_nope.dtype)
         has_prefix = bool(rows.prefix_pieces) or rows.prefix_lens is not None
         if not has_prefix:  # fresh prefills: the new tokens are the whole context
-            return mla_extend_split(q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, rows.cu_q, scale,
-                                    max_q_len=rows.max_q_len)
-        out, lse = mla_extend_split(q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, rows.cu_q, scale,
-                                    max_q_len=rows.max_q_len, return_lse=True, out_dtype=torch.float32)
+            return mla_extend_split(q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, rows.cu_q, scale, max_q_len=rows.max_q_len)
+        out, lse = mla_extend_split(
+            q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, rows.cu_q, scale, max_q_len=rows.max_q_len, return_lse=True, out_dtype=torch.float32
+        )
         del k_nope, k_pe, v
         if rows.prefix_lens is not None:
             self._merge_absorbed_prefix(out, lse, q_nope, q_pe, weights, cache, page_size, rows, scale)
         for piece in rows.prefix_pieces:
             k_nope, k_pe, v = self._expand(cache, piece.slots, weights, kv_lora_rank, q_nope.dtype)
-            mla_prefix_merge(q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, piece.cu_k, scale, out, lse,
-                             max_q_len=rows.max_q_len)
+            mla_prefix_merge(q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, piece.cu_k, scale, out, lse, max_q_len=rows.max_q_len)
         return out.to(q_nope.dtype)
 
-    def _merge_absorbed_prefix(self, out, lse, q_nope, q_pe, weights: MLAWeights, cache, page_size: int,
-                               rows: ExtendRows, scale) -> None:
+    def _merge_absorbed_prefix(self, out, lse, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: ExtendRows, scale) -> None:
         """Attend every extend token to its row's cached prefix in the latent space (absorbed
         queries, nothing expanded) and merge that into ``out`` / ``lse`` by log-sum-exp."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, weights.w_uk)
-        out_latent, prefix_lse = mla_prefix_absorbed(q_latent, q_pe, cache, rows.page_tables, rows.cu_q,
-                                                     rows.prefix_lens, page_size, scale, max_q_len=rows.max_q_len,
-                                                     max_prefix_len=rows.max_prefix_len)
+        out_latent, prefix_lse = mla_prefix_absorbed(
+            q_latent,
+            q_pe,
+            cache,
+            rows.page_tables,
+            rows.cu_q,
+            rows.prefix_lens,
+            page_size,
+            scale,
+            max_q_len=rows.max_q_len,
+            max_prefix_len=rows.max_prefix_len,
+        )
         prefix_out = torch.einsum("thc,hvc->thv", out_latent.to(q_nope.dtype), weights.w_uv).float()
         top = torch.maximum(lse, prefix_lse)  # finite: the causal part saw every token itself
         w_new, w_prefix = torch.exp2(lse - top), torch.exp2(prefix_lse - top)

@@ -72,6 +72,7 @@ SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".weight_shape")
 @dataclass(frozen=True)
 class StoredBytes:
     """Bytes of the weights as the engine keeps them (quantized formats as published)."""
+
     expert: float  # one routed expert of one layer
     lm_head: float
     other: float  # attention, dense MLPs, shared experts, norms, routers (no embedding: a lookup)
@@ -125,8 +126,7 @@ def decode_step_cost(config: ModelConfig, batch: int, context_len: int, dtype_by
     H, L = config.num_attention_heads, config.num_hidden_layers
     # Absorbed MLA decode: scores over (latent + rope) and the latent-weighted sum, per head.
     attn_flops = 2 * batch * L * H * context_len * (2 * config.kv_lora_rank + config.qk_rope_head_dim)
-    return StepCost(bytes=weights + kv,
-                    flops=2 * batch * p.active_per_token(config) + attn_flops)
+    return StepCost(bytes=weights + kv, flops=2 * batch * p.active_per_token(config) + attn_flops)
 
 
 def prefill_attention_flops(config: ModelConfig, num_seqs: int, input_len: int) -> float:
@@ -183,4 +183,4 @@ def measure_peaks(device: torch.device | str) -> DevicePeaks:
     b = torch.randn(n, n, dtype=dtype, device=device)
     t = _best_time(lambda: a @ b, device, 10 if cuda else 3)
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    return DevicePeaks(bandwidth=bandwidth, flops=2 * n ** 3 / t, device=name)
+    return DevicePeaks(bandwidth=bandwidth, flops=2 * n**3 / t, device=name)

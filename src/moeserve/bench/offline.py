@@ -40,8 +40,7 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: DevicePeaks,
-              seed: int = 0) -> OfflineResult:
+def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: DevicePeaks, seed: int = 0) -> OfflineResult:
     eng = llm.engine
     cfg = eng.model_config
     g = torch.Generator().manual_seed(seed + batch)
@@ -50,8 +49,7 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
     # prompts of its own: the timed ones must not find their pages in the prefix cache.
     per_step = max(1, min(batch, llm.config.max_num_batched_tokens // input_len))
     warm = torch.randint(0, cfg.vocab_size, (per_step, input_len), generator=g).tolist()
-    llm.generate([{"prompt_token_ids": p} for p in warm],
-                 SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     for p in prompts:
         eng.add_request({"prompt_token_ids": p}, params)
@@ -80,17 +78,24 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
     prefill_tok_s = batch * input_len / prefill_s
     decode_tok_s = decode_tokens / decode_s if decode_s > 0 else float("nan")
     return OfflineResult(
-        batch_size=batch, input_len=input_len, output_len=output_len,
-        prefill_s=prefill_s, prefill_tok_s=prefill_tok_s,
+        batch_size=batch,
+        input_len=input_len,
+        output_len=output_len,
+        prefill_s=prefill_s,
+        prefill_tok_s=prefill_tok_s,
         prefill_bound_tok_s=batch * input_len / (pf / peaks.flops),
         prefill_frac_of_peak=(pf / prefill_s) / peaks.flops,
-        decode_s=decode_s, decode_tok_s=decode_tok_s, decode_bound_tok_s=decode_bound,
+        decode_s=decode_s,
+        decode_tok_s=decode_tok_s,
+        decode_bound_tok_s=decode_bound,
         decode_frac_of_bound=decode_tok_s / decode_bound,
-        step_ms=1000 * decode_s / max(steps, 1))
+        step_ms=1000 * decode_s / max(steps, 1),
+    )
 
 
-def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: int,
-                result_dir: str | None, engine_kwargs: dict) -> list[OfflineResult]:
+def run_offline(
+    model: str, batch_sizes: list[int], input_len: int, output_len: int, result_dir: str | None, engine_kwargs: dict
+) -> list[OfflineResult]:
     from moeserve.console import wide_console
     from rich.table import Table
 
@@ -101,29 +106,50 @@ def run_offline(model: str, batch_sizes: list[int], input_len: int, output_len: 
     with LLM(model, **kwargs) as llm:
         peaks = measure_peaks(llm.config.device)
         # Warm-up: one short request through everything (kernels compiled, graphs captured).
-        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4,
-                                                                       ignore_eos=True))
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         results = [run_batch(llm, b, input_len, output_len, peaks) for b in batch_sizes]
         layout = list(llm.engine.executor.describe())
         layout_name = getattr(getattr(llm.engine.executor, "layout", None), "name", "tp1")
-    table = Table(title=f"moeserve offline: {llm.config.model} ({peaks.device}; measured copy "
-                        f"{peaks.bandwidth / 1e12:.2f} TB/s, matmul {peaks.flops / 1e12:.1f} TFLOP/s)")
-    for col in ("batch", "prefill tok/s", "bound (FLOPs)", "% peak", "decode tok/s", "bound", "% bound",
-                "ms/step"):
+    table = Table(
+        title=f"moeserve offline: {llm.config.model} ({peaks.device}; measured copy "
+        f"{peaks.bandwidth / 1e12:.2f} TB/s, matmul {peaks.flops / 1e12:.1f} TFLOP/s)"
+    )
+    for col in ("batch", "prefill tok/s", "bound (FLOPs)", "% peak", "decode tok/s", "bound", "% bound", "ms/step"):
         table.add_column(col, justify="right")
     for r in results:
-        table.add_row(str(r.batch_size), f"{r.prefill_tok_s:,.0f}", f"{r.prefill_bound_tok_s:,.0f}",
-                      f"{100 * r.prefill_frac_of_peak:.1f}", f"{r.decode_tok_s:,.1f}",
-                      f"{r.decode_bound_tok_s:,.0f}", f"{100 * r.decode_frac_of_bound:.1f}", f"{r.step_ms:.2f}")
+        table.add_row(
+            str(r.batch_size),
+            f"{r.prefill_tok_s:,.0f}",
+            f"{r.prefill_bound_tok_s:,.0f}",
+            f"{100 * r.prefill_frac_of_peak:.1f}",
+            f"{r.decode_tok_s:,.1f}",
+            f"{r.decode_bound_tok_s:,.0f}",
+            f"{100 * r.decode_frac_of_bound:.1f}",
+            f"{r.step_ms:.2f}",
+        )
     wide_console().print(table)
     if result_dir:
         out = Path(result_dir)
         out.mkdir(parents=True, exist_ok=True)
-        doc = {"model": llm.config.model, "device": peaks.device, "peaks": asdict(peaks), "layout": layout,
-               "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
-               # Each row also carries the keys `moeserve plan --calibrate` reads.
-               "results": [{**asdict(r), "layout": layout_name, "concurrency": r.batch_size,
-                            "output_throughput": r.decode_tok_s, "mean_tpot_ms": r.step_ms,
-                            "model": str(model), "hardware": peaks.device} for r in results]}
+        doc = {
+            "model": llm.config.model,
+            "device": peaks.device,
+            "peaks": asdict(peaks),
+            "layout": layout,
+            "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
+            # Each row also carries the keys `moeserve plan --calibrate` reads.
+            "results": [
+                {
+                    **asdict(r),
+                    "layout": layout_name,
+                    "concurrency": r.batch_size,
+                    "output_throughput": r.decode_tok_s,
+                    "mean_tpot_ms": r.step_ms,
+                    "model": str(model),
+                    "hardware": peaks.device,
+                }
+                for r in results
+            ],
+        }
         (out / "offline.json").write_text(json.dumps(doc, indent=2))
     return results

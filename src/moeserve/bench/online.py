@@ -54,12 +54,15 @@ def summarize(records: list[RequestRecord], concurrency: int, duration: float) -
     tpot = [1000 * (r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     itl = [1000 * x for r in ok for x in r.itl]
     res = {
-        "concurrency": concurrency, "completed": len(ok), "failed": len(records) - len(ok),
+        "concurrency": concurrency,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
         "duration_s": duration,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "output_throughput": out_tokens / duration if duration else 0.0,
         "total_token_throughput": (out_tokens + in_tokens) / duration if duration else 0.0,
-        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "total_input_tokens": in_tokens,
+        "total_output_tokens": out_tokens,
         "total_cached_tokens": sum(r.cached_tokens for r in ok),
     }
     for name, vals in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
@@ -110,10 +113,18 @@ def file_prompts(path: str, n: int) -> list[str]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str,
-                      output_len: int, headers: dict, want_ids: bool = False) -> RequestRecord:
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def one_request(
+    client: httpx.AsyncClient, url: str, model: str, prompt: list[int] | str, output_len: int, headers: dict, want_ids: bool = False
+) -> RequestRecord:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if want_ids:
         body.update(logprobs=0, return_tokens_as_token_ids=True)
     prompt_tokens = len(prompt) if isinstance(prompt, list) else 0
@@ -154,13 +165,15 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
     return rec
 
 
-async def run_level(url: str, model: str, prompts: list, output_len: int, concurrency: int,
-                    headers: dict, progress=None, timeout: float = 600.0) -> dict:
+async def run_level(
+    url: str, model: str, prompts: list, output_len: int, concurrency: int, headers: dict, progress=None, timeout: float = 600.0
+) -> dict:
     """``prompts``: one per request, or conversations (lists of turns, see ``conversations``)
     whose turns go one after another; ``concurrency`` bounds the requests in flight."""
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
         async def bounded(p, want_ids=False):
             async with sem:
                 rec = await one_request(client, url, model, p, output_len, headers, want_ids)
@@ -194,10 +207,24 @@ async def detect_model(url: str, headers: dict) -> str:
         return r.json()["data"][0]["id"]
 
 
-def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len: int, output_len: int,
-                result_dir: str, model: str | None = None, dataset: str = "random", api_key: str | None = None,
-                vocab: int = 256, seed: int = 0, label: str | None = None, quiet: bool = False,
-                tags: dict | None = None, shared_prefix_len: int = 0, multi_turn: int = 1) -> list[dict]:
+def run_serving(
+    url: str,
+    concurrencies: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    result_dir: str,
+    model: str | None = None,
+    dataset: str = "random",
+    api_key: str | None = None,
+    vocab: int = 256,
+    seed: int = 0,
+    label: str | None = None,
+    quiet: bool = False,
+    tags: dict | None = None,
+    shared_prefix_len: int = 0,
+    multi_turn: int = 1,
+) -> list[dict]:
     """``tags`` (e.g. layout, hardware) are copied into every result, so that
     ``moeserve plan --calibrate`` can read them."""
     from tqdm import tqdm
@@ -207,8 +234,11 @@ def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len:
     model = model or asyncio.run(detect_model(url, headers))
     if shared_prefix_len < 0:
         raise ValueError(f"shared_prefix_len must be >= 0, got {shared_prefix_len}")
-    prompts: list = (random_prompts(num_prompts, input_len, vocab, seed, shared_prefix_len) if dataset == "random"
-                     else file_prompts(dataset, num_prompts))
+    prompts: list = (
+        random_prompts(num_prompts, input_len, vocab, seed, shared_prefix_len)
+        if dataset == "random"
+        else file_prompts(dataset, num_prompts)
+    )
     if multi_turn != 1:
         prompts = conversations(prompts, multi_turn, input_len, vocab, seed)
     results = []
@@ -216,8 +246,15 @@ def run_serving(url: str, concurrencies: list[int], num_prompts: int, input_len:
         bar = tqdm(total=num_prompts, desc=f"concurrency {c}", disable=quiet)
         res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1)))
         bar.close()
-        res.update(model=model, url=url, input_len=input_len, output_len=output_len, num_prompts=num_prompts,
-                   shared_prefix_len=shared_prefix_len, multi_turn=multi_turn)
+        res.update(
+            model=model,
+            url=url,
+            input_len=input_len,
+            output_len=output_len,
+            num_prompts=num_prompts,
+            shared_prefix_len=shared_prefix_len,
+            multi_turn=multi_turn,
+        )
         if label:
             res["label"] = label
         res.update(tags or {})
@@ -243,11 +280,21 @@ def run_serving_cli(args) -> int:
     if not args.url:
         raise ValueError("moeserve bench needs --url URL (a server) or --offline (the engine in-process)")
     levels = [int(x) for x in args.concurrency.split(",")]
-    results = run_serving(args.url, levels, args.num_prompts, args.input_len, args.output_len,
-                          args.result_dir or "bench-results", model=args.served_model or args.model,
-                          dataset=args.dataset, api_key=args.api_key, vocab=args.vocab,
-                          shared_prefix_len=args.shared_prefix_len, multi_turn=args.multi_turn,
-                          tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v})
+    results = run_serving(
+        args.url,
+        levels,
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.result_dir or "bench-results",
+        model=args.served_model or args.model,
+        dataset=args.dataset,
+        api_key=args.api_key,
+        vocab=args.vocab,
+        shared_prefix_len=args.shared_prefix_len,
+        multi_turn=args.multi_turn,
+        tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v},
+    )
     from moeserve.bench.report import markdown_table
 
     print(markdown_table(results))

@@ -36,9 +36,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def predict(model: str, tp: int, pp: int, ep: int, concurrencies: list[int], num_prompts: int, input_len: int,
-            output_len: int, gpu: str | None, gpu_memory_gb: float | None, interconnect: str | None,
-            calibrate: list[str] | None = None) -> list[dict]:
+def predict(
+    model: str,
+    tp: int,
+    pp: int,
+    ep: int,
+    concurrencies: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    gpu: str | None,
+    gpu_memory_gb: float | None,
+    interconnect: str | None,
+    calibrate: list[str] | None = None,
+) -> list[dict]:
     """The planner's prediction of this benchmark run (prefill included) at each concurrency;
     ``calibrate``: bench result files whose fitted constants replace the priors."""
     from dataclasses import replace
@@ -60,8 +71,16 @@ def predict(model: str, tp: int, pp: int, ep: int, concurrencies: list[int], num
     for c in concurrencies:
         fits = evaluate_layout(cfg, hw, layout, Workload(context=input_len + output_len, concurrency=c)).fits
         run = predict_bench(cfg, hw, layout, c, num_prompts, input_len, output_len)
-        out.append({"concurrency": c, "output_throughput": run.output_throughput, "mean_tpot_ms": run.mean_tpot_ms,
-                    "prefill_s": run.prefill_s, "decode_s": run.decode_s, "fits": fits})
+        out.append(
+            {
+                "concurrency": c,
+                "output_throughput": run.output_throughput,
+                "mean_tpot_ms": run.mean_tpot_ms,
+                "prefill_s": run.prefill_s,
+                "decode_s": run.decode_s,
+                "fits": fits,
+            }
+        )
     return out
 
 
@@ -76,16 +95,43 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(timeout=10)
 
 
-def run_layout(run: LayoutRun, model: str, serve_args: list[str], concurrencies: list[int], num_prompts: int,
-               input_len: int, output_len: int, out_dir: Path, ready_timeout: float, vocab: int) -> None:
+def run_layout(
+    run: LayoutRun,
+    model: str,
+    serve_args: list[str],
+    concurrencies: list[int],
+    num_prompts: int,
+    input_len: int,
+    output_len: int,
+    out_dir: Path,
+    ready_timeout: float,
+    vocab: int,
+) -> None:
     from moeserve.server.wait_ready import wait_ready
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     layout_dir = out_dir / run.name
     layout_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "moeserve", "serve", "--model", model, "--host", "127.0.0.1",
-           "--port", str(port), "--tp", str(run.tp), "--pp", str(run.pp), "--ep", str(run.ep), *serve_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "moeserve",
+        "serve",
+        "--model",
+        model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--tp",
+        str(run.tp),
+        "--pp",
+        str(run.pp),
+        "--ep",
+        str(run.ep),
+        *serve_args,
+    ]
     log_path = layout_dir / "server.log"
     start = time.monotonic()
     with open(log_path, "w") as log:
@@ -97,9 +143,18 @@ def run_layout(run: LayoutRun, model: str, serve_args: list[str], concurrencies:
                 run.error = f"{ready.message}\n{tail}"
                 return
             run.time_to_ready_s = time.monotonic() - start
-            run.results = run_serving(url, concurrencies, num_prompts, input_len, output_len, str(layout_dir),
-                                      vocab=vocab, label=run.name, quiet=True,
-                                      tags={"layout": run.name, "model": model})
+            run.results = run_serving(
+                url,
+                concurrencies,
+                num_prompts,
+                input_len,
+                output_len,
+                str(layout_dir),
+                vocab=vocab,
+                label=run.name,
+                quiet=True,
+                tags={"layout": run.name, "model": model},
+            )
             run.ok = all(r["failed"] == 0 for r in run.results)
             if not run.ok:
                 run.error = "; ".join(e for r in run.results for e in r.get("errors", []))[:2000]
@@ -107,10 +162,22 @@ def run_layout(run: LayoutRun, model: str, serve_args: list[str], concurrencies:
             _stop(proc)
 
 
-def run_sweep(model: str, layouts: list[str], concurrencies: list[int], result_dir: str, serve_args: list[str],
-              num_prompts: int = 32, input_len: int = 128, output_len: int = 64, ready_timeout: float = 900,
-              vocab: int = 256, gpu: str | None = "h200", gpu_memory_gb: float | None = None,
-              interconnect: str | None = None, calibrate: list[str] | None = None) -> list[LayoutRun]:
+def run_sweep(
+    model: str,
+    layouts: list[str],
+    concurrencies: list[int],
+    result_dir: str,
+    serve_args: list[str],
+    num_prompts: int = 32,
+    input_len: int = 128,
+    output_len: int = 64,
+    ready_timeout: float = 900,
+    vocab: int = 256,
+    gpu: str | None = "h200",
+    gpu_memory_gb: float | None = None,
+    interconnect: str | None = None,
+    calibrate: list[str] | None = None,
+) -> list[LayoutRun]:
     from moeserve.planner.layout_names import parse_layout
 
     out = Path(result_dir)
@@ -120,14 +187,14 @@ def run_sweep(model: str, layouts: list[str], concurrencies: list[int], result_d
         tp, pp, ep = parse_layout(name)
         run = LayoutRun(name, tp, pp, ep)
         try:
-            run.predicted = predict(model, tp, pp, ep, concurrencies, num_prompts, input_len, output_len, gpu,
-                                    gpu_memory_gb, interconnect, calibrate)
+            run.predicted = predict(
+                model, tp, pp, ep, concurrencies, num_prompts, input_len, output_len, gpu, gpu_memory_gb, interconnect, calibrate
+            )
         except (ValueError, FileNotFoundError) as e:
             run.predicted = []
             run.error = f"planner: {e}"
         print(f"[sweep] {name}: starting", flush=True)
-        run_layout(run, model, serve_args, concurrencies, num_prompts, input_len, output_len, out, ready_timeout,
-                   vocab)
+        run_layout(run, model, serve_args, concurrencies, num_prompts, input_len, output_len, out, ready_timeout, vocab)
         status = f"ready in {run.time_to_ready_s:.1f} s" if run.time_to_ready_s else f"FAILED: {run.error[:200]}"
         print(f"[sweep] {name}: {status}", flush=True)
         runs.append(run)
@@ -142,21 +209,33 @@ def write_sweep_report(runs: list[LayoutRun], out: Path, model: str) -> None:
         for r in run.results:
             p = pred.get(r["concurrency"], {})
             pt = p.get("output_throughput")
-            rows.append({**r, "label": run.name, "predicted_tok_s": pt,
-                         "error_pct": 100 * (pt - r["output_throughput"]) / r["output_throughput"]
-                         if pt and r["output_throughput"] else None})
+            rows.append(
+                {
+                    **r,
+                    "label": run.name,
+                    "predicted_tok_s": pt,
+                    "error_pct": 100 * (pt - r["output_throughput"]) / r["output_throughput"] if pt and r["output_throughput"] else None,
+                }
+            )
     extra = [("predicted_tok_s", "predicted tok/s", "{:.1f}"), ("error_pct", "pred. error %", "{:+.0f}")]
-    lines = [f"# moeserve sweep: {model}", "", "## Layouts", "",
-             "| layout | started | time to ready (s) | error |", "|---|---|---|---|"]
+    lines = [f"# moeserve sweep: {model}", "", "## Layouts", "", "| layout | started | time to ready (s) | error |", "|---|---|---|---|"]
     for run in runs:
         ready = f"{run.time_to_ready_s:.1f}" if run.time_to_ready_s else "—"
         err = run.error.strip().splitlines()[0][:160] if run.error.strip() else ""
         lines.append(f"| {run.name} | {'yes' if run.time_to_ready_s else 'no'} | {ready} | {err} |")
-    lines += ["", "## Measured vs predicted", "", markdown_table(rows, extra) if rows else "(no measurements)", "",
-              "## Winner per concurrency", "", "| concurrency | winner | output tok/s |", "|---|---|---|"]
+    lines += [
+        "",
+        "## Measured vs predicted",
+        "",
+        markdown_table(rows, extra) if rows else "(no measurements)",
+        "",
+        "## Winner per concurrency",
+        "",
+        "| concurrency | winner | output tok/s |",
+        "|---|---|---|",
+    ]
     for c in sorted({r["concurrency"] for r in rows}):
-        best = max((r for r in rows if r["concurrency"] == c and r["failed"] == 0),
-                   key=lambda r: r["output_throughput"], default=None)
+        best = max((r for r in rows if r["concurrency"] == c and r["failed"] == 0), key=lambda r: r["output_throughput"], default=None)
         if best:
             lines.append(f"| {c} | {best['label']} | {best['output_throughput']:.1f} |")
     lines += ["", "![throughput](throughput.png)", "", "![tpot](tpot.png)", ""]
@@ -181,15 +260,32 @@ def add_sweep_arguments(p) -> None:
     p.add_argument("--gpu", default="h200", help="planner hardware preset for the predictions")
     p.add_argument("--gpu-memory-gb", type=float, default=None)
     p.add_argument("--interconnect", default=None)
-    p.add_argument("--calibrate", action="append", default=None, metavar="FILE",
-                   help="bench results whose fitted cost constants the predictions use (as in `moeserve plan`)")
+    p.add_argument(
+        "--calibrate",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="bench results whose fitted cost constants the predictions use (as in `moeserve plan`)",
+    )
     p.add_argument("serve_args", nargs="*", help="extra `moeserve serve` flags after `--`")
 
 
 def run_sweep_cli(args) -> int:
-    runs = run_sweep(args.model, [x for x in args.layouts.split(",") if x],
-                     [int(x) for x in args.concurrency.split(",")], args.result_dir, list(args.serve_args),
-                     args.num_prompts, args.input_len, args.output_len, args.ready_timeout, args.vocab,
-                     args.gpu, args.gpu_memory_gb, args.interconnect, args.calibrate)
+    runs = run_sweep(
+        args.model,
+        [x for x in args.layouts.split(",") if x],
+        [int(x) for x in args.concurrency.split(",")],
+        args.result_dir,
+        list(args.serve_args),
+        args.num_prompts,
+        args.input_len,
+        args.output_len,
+        args.ready_timeout,
+        args.vocab,
+        args.gpu,
+        args.gpu_memory_gb,
+        args.interconnect,
+        args.calibrate,
+    )
     print((Path(args.result_dir) / "report.md").read_text())
     return 0 if any(r.ok for r in runs) else 1

@@ -35,14 +35,13 @@ def page_hash(key: PageKey) -> PageHash:
     return hash(key)
 
 
-def chain_hashes(token_ids: Seq[int], page_size: int, num_pages: int,
-                 known: list[PageHash] | None = None) -> list[PageHash]:
+def chain_hashes(token_ids: Seq[int], page_size: int, num_pages: int, known: list[PageHash] | None = None) -> list[PageHash]:
     """The hashes of the first ``num_pages`` full pages of ``token_ids``; ``known`` (the hashes
     of a prefix of them, computed before) is extended in place and returned."""
     hashes = known if known is not None else []
     for i in range(len(hashes), num_pages):
         parent = hashes[i - 1] if i else ROOT_HASH
-        hashes.append(page_hash(page_key(parent, token_ids[i * page_size:(i + 1) * page_size])))
+        hashes.append(page_hash(page_key(parent, token_ids[i * page_size : (i + 1) * page_size])))
     return hashes
 
 
@@ -119,7 +118,7 @@ class PagedAllocator:
         pages = []
         for i, h in enumerate(hashes):
             parent = hashes[i - 1] if i else ROOT_HASH
-            page = self._index.get(page_key(parent, token_ids[i * self.page_size:(i + 1) * self.page_size]))
+            page = self._index.get(page_key(parent, token_ids[i * self.page_size : (i + 1) * self.page_size]))
             if page is None:
                 break
             pages.append(page)

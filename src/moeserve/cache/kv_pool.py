@@ -27,8 +27,7 @@ class StageRange:
 
     def __post_init__(self) -> None:
         if not 0 <= self.start_layer < self.end_layer:
-            raise ValueError(f"stage {self.stage}: empty or negative layer range "
-                             f"[{self.start_layer}, {self.end_layer})")
+            raise ValueError(f"stage {self.stage}: empty or negative layer range [{self.start_layer}, {self.end_layer})")
 
     @property
     def num_layers(self) -> int:
@@ -40,8 +39,8 @@ class StageRange:
     def local_index(self, layer_id: int) -> int:
         if layer_id not in self:
             raise LayerNotOnStage(
-                f"layer {layer_id} is not on pipeline stage {self.stage}, which owns layers "
-                f"[{self.start_layer}, {self.end_layer})")
+                f"layer {layer_id} is not on pipeline stage {self.stage}, which owns layers [{self.start_layer}, {self.end_layer})"
+            )
         return layer_id - self.start_layer
 
     def layers(self) -> range:
@@ -56,15 +55,15 @@ class StageKVPool:
     """KV latent (``kv_lora_rank`` compressed KV + ``qk_rope_head_dim`` rope key) per token,
     in pages of ``page_size`` tokens, for the layers of one stage."""
 
-    def __init__(self, config: ModelConfig, stage: StageRange, num_pages: int, page_size: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu"):
+    def __init__(
+        self, config: ModelConfig, stage: StageRange, num_pages: int, page_size: int, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ):
         self.stage = stage
         self.page_size = page_size
         self.num_pages = num_pages
         self.kv_lora_rank = config.kv_lora_rank
         self.rope_dim = config.qk_rope_head_dim
-        self.buffer = torch.zeros(stage.num_layers, num_pages * page_size, config.kv_latent_dim,
-                                  dtype=dtype, device=device)
+        self.buffer = torch.zeros(stage.num_layers, num_pages * page_size, config.kv_latent_dim, dtype=dtype, device=device)
 
     @property
     def capacity_tokens(self) -> int:
@@ -77,4 +76,4 @@ class StageKVPool:
     def write(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor, rope_key: torch.Tensor) -> None:
         cache = self.layer(layer_id)
         cache[slots, : self.kv_lora_rank] = latent.to(cache.dtype)
-        cache[slots, self.kv_lora_rank:] = rope_key.to(cache.dtype)
+        cache[slots, self.kv_lora_rank :] = rope_key.to(cache.dtype)

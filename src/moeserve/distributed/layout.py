@@ -43,18 +43,16 @@ class Layout:
     balanced: bool = False  # the partition is the planner's balancing search's (named ``...-balanced``)
 
     @classmethod
-    def build(cls, num_layers: int, tp: int = 1, pp: int = 1, ep: int = 1,
-              partition: list[int] | None = None) -> "Layout":
+    def build(cls, num_layers: int, tp: int = 1, pp: int = 1, ep: int = 1, partition: list[int] | None = None) -> "Layout":
         """The engine's layout of its flags: sizes checked, the partition given or the default."""
-        for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp),
-                        ("expert_parallel_size", ep)):
+        for name, v in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("expert_parallel_size", ep)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if tp % ep:
-            raise ValueError(f"expert_parallel_size ({ep}) must divide tensor_parallel_size ({tp}): "
-                             f"experts are split over ep of the tp ranks of a stage")
-        parts = (validate_layer_partition(partition, num_layers, pp) if partition is not None
-                 else default_layer_partition(num_layers, pp))
+            raise ValueError(
+                f"expert_parallel_size ({ep}) must divide tensor_parallel_size ({tp}): experts are split over ep of the tp ranks of a stage"
+            )
+        parts = validate_layer_partition(partition, num_layers, pp) if partition is not None else default_layer_partition(num_layers, pp)
         return cls(tp, pp, ep, tuple(parts))
 
     def check_model(self, config: ModelConfig) -> None:
@@ -96,8 +94,7 @@ class Layout:
             extra.append("embedding")
         if stage == self.pp - 1:
             extra.append("lm_head")
-        return f"stage {stage}: layers [{r.start_layer}, {r.end_layer})" + (
-            f" + {', '.join(extra)}" if extra else "")
+        return f"stage {stage}: layers [{r.start_layer}, {r.end_layer})" + (f" + {', '.join(extra)}" if extra else "")
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,7 @@ def validate_layer_partition(partition: Sequence[int], num_layers: int, pp: int)
         raise ValueError(f"layer partition must be a list of integers, one per stage, got {partition!r}")
     counts = list(partition)
     if len(counts) != pp:
-        raise ValueError(
-            f"layer partition {counts} has {len(counts)} entries but pp={pp}: give one layer count per pipeline stage"
-        )
+        raise ValueError(f"layer partition {counts} has {len(counts)} entries but pp={pp}: give one layer count per pipeline stage")
     for stage, n in enumerate(counts):
         if isinstance(n, bool) or not isinstance(n, int):
             raise ValueError(f"layer partition {counts}: stage {stage} has {n!r}, not an integer layer count")

@@ -13,8 +13,15 @@ from typing import Any
 
 import torch
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None, device: str) -> torch.dtype:
@@ -40,52 +47,48 @@ def setting(default: Any = MISSING, help: str | None = None, **cli: Any) -> Any:
 @dataclass
 class EngineConfig:
     model: str | None = setting(help="checkpoint directory (default: the built-in demo model)")
-    dtype: str | torch.dtype = setting("auto", "auto | bfloat16 | float16 | float32 (auto: float32 on CPU, "
-                                               "else the checkpoint's)")
+    dtype: str | torch.dtype = setting("auto", "auto | bfloat16 | float16 | float32 (auto: float32 on CPU, else the checkpoint's)")
     device: str = setting("auto", "auto | cpu | cuda (auto: cuda when there is one)")
-    load_format: str = setting("auto", "auto: the checkpoint's safetensors; dummy: random weights from "
-                                       "config.json alone (benchmarks)", choices=("auto", "dummy"))
+    load_format: str = setting(
+        "auto", "auto: the checkpoint's safetensors; dummy: random weights from config.json alone (benchmarks)", choices=("auto", "dummy")
+    )
     seed: int = setting(0, "seed of the dummy weights")
-    max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: what the model "
-                                              "and the KV cache allow)")
+    max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: what the model and the KV cache allow)")
     max_num_seqs: int = setting(256, "most sequences in one step")
-    max_num_batched_tokens: int = setting(8192, "token budget of one step: its decodes first, then prefill "
-                                                "chunks of what is left")
+    max_num_batched_tokens: int = setting(8192, "token budget of one step: its decodes first, then prefill chunks of what is left")
     # So that one long prompt cannot take a whole step's budget from the prompts behind it.
-    long_prefill_token_threshold: int = setting(0, "most prompt tokens one request prefills in a step "
-                                                   "(0: off; vLLM's flag)")
+    long_prefill_token_threshold: int = setting(0, "most prompt tokens one request prefills in a step (0: off; vLLM's flag)")
     page_size: int = setting(16, "tokens per KV cache page")
     # See engine/scheduler.py and docs/architecture.md, "Prefix caching".
-    enable_prefix_caching: bool = setting(True, "reuse the KV pages of prompt prefixes computed before "
-                                                "(default: on)")
-    gpu_memory_utilization: float = setting(0.9, "share of the GPU's memory for weights, activations and "
-                                                 "the KV cache, which gets what is left")
-    num_kv_pages: int | None = setting(None, "explicit KV cache size in pages (overrides "
-                                             "--gpu-memory-utilization)")
+    enable_prefix_caching: bool = setting(True, "reuse the KV pages of prompt prefixes computed before (default: on)")
+    gpu_memory_utilization: float = setting(
+        0.9, "share of the GPU's memory for weights, activations and the KV cache, which gets what is left"
+    )
+    num_kv_pages: int | None = setting(None, "explicit KV cache size in pages (overrides --gpu-memory-utilization)")
     backend: str = setting("auto", "auto | triton | reference (auto: triton on CUDA, reference elsewhere)")
     enforce_eager: bool = setting(False, "no CUDA graphs")
     # None: on for CUDA, off elsewhere; with several stages the micro-batches in flight already overlap.
-    async_scheduling: bool | None = setting(None, "schedule the next step while one runs (one pipeline "
-                                                  "stage; auto: on for CUDA)")
-    trust_remote_code: bool = setting(False, "let transformers run the tokenizer's own code from the model "
-                                             "directory")
+    async_scheduling: bool | None = setting(None, "schedule the next step while one runs (one pipeline stage; auto: on for CUDA)")
+    trust_remote_code: bool = setting(False, "let transformers run the tokenizer's own code from the model directory")
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model directory)")
-    hf_overrides: dict | None = setting(None, "JSON object of config.json fields to override (of text_config "
-                                              "where there is one), e.g. '{\"num_hidden_layers\": 8}' for a "
-                                              "short model of real shapes")
+    hf_overrides: dict | None = setting(
+        None,
+        "JSON object of config.json fields to override (of text_config "
+        "where there is one), e.g. '{\"num_hidden_layers\": 8}' for a "
+        "short model of real shapes",
+    )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))
-    expert_parallel_size: int = setting(1, "expert-parallel ranks of a stage (dividing --tp): each holds "
-                                           "1/ep of the routed experts", aliases=("--ep",))
+    expert_parallel_size: int = setting(
+        1, "expert-parallel ranks of a stage (dividing --tp): each holds 1/ep of the routed experts", aliases=("--ep",)
+    )
     pp_layer_partition: list[int] | None = setting(None, "layers per pipeline stage, e.g. 7,8,8,8,8,8,7,7")
     # Several hosts (torchrun's names): ranks are split evenly over the nodes; node 0 runs the
     # engine, the others run `moeserve ... --node-rank K` with the same flags.
     nnodes: int = setting(1, "hosts the ranks are spread over (torchrun's name)", env="NNODES")
-    node_rank: int = setting(0, "this host's index; node 0 runs the engine, the others only their ranks",
-                             env="NODE_RANK")
+    node_rank: int = setting(0, "this host's index; node 0 runs the engine, the others only their ranks", env="NODE_RANK")
     master_addr: str = setting("127.0.0.1", "node 0's address, reachable from every node", env="MASTER_ADDR")
-    master_port: int | None = setting(None, "rendezvous port on node 0 (the next port carries the steps)",
-                                      env="MASTER_PORT")
+    master_port: int | None = setting(None, "rendezvous port on node 0 (the next port carries the steps)", env="MASTER_PORT")
 
     def __post_init__(self) -> None:
         if self.device == "auto":
@@ -108,21 +111,22 @@ class ResolvedSettings:
     """What the engine settings come to on the ranks that run: resolved once, where the KV cache
     is sized (``LocalExecutor``; each rank of a layout, after they agree on its size), and read
     from the executor by everyone else (engine, scheduler calls, rank loops)."""
+
     max_model_len: int  # the longest sequence accepted, prompt and output
     async_scheduling: bool  # step n+1 is scheduled and launched while step n runs
     max_in_flight: int  # steps (micro-batches) submitted at once
 
 
-def resolve_settings(config: EngineConfig, max_position_embeddings: int, pp: int,
-                     kv_capacity_tokens: int) -> ResolvedSettings:
+def resolve_settings(config: EngineConfig, max_position_embeddings: int, pp: int, kv_capacity_tokens: int) -> ResolvedSettings:
     """Asynchronous scheduling is on as asked (auto: on CUDA) with one pipeline stage only: with
     several, one micro-batch per stage in flight already keeps every stage busy. Two steps are in
     flight with it; without it, one per stage."""
-    async_scheduling = pp == 1 and (config.async_scheduling if config.async_scheduling is not None
-                                    else config.device.startswith("cuda"))
+    async_scheduling = pp == 1 and (config.async_scheduling if config.async_scheduling is not None else config.device.startswith("cuda"))
     return ResolvedSettings(
         max_model_len=resolve_max_model_len(config.max_model_len, max_position_embeddings, kv_capacity_tokens),
-        async_scheduling=async_scheduling, max_in_flight=2 if async_scheduling else pp)
+        async_scheduling=async_scheduling,
+        max_in_flight=2 if async_scheduling else pp,
+    )
 
 
 def resolve_max_model_len(requested: int | None, max_position_embeddings: int, capacity_tokens: int) -> int:
@@ -130,6 +134,8 @@ def resolve_max_model_len(requested: int | None, max_position_embeddings: int, c
     if requested is None:
         return min(max_position_embeddings, capacity_tokens)
     if requested > capacity_tokens:
-        raise ValueError(f"max_model_len {requested} is larger than the KV cache capacity of {capacity_tokens} "
-                         f"tokens; lower max_model_len or give the KV cache more memory")
+        raise ValueError(
+            f"max_model_len {requested} is larger than the KV cache capacity of {capacity_tokens} "
+            f"tokens; lower max_model_len or give the KV cache more memory"
+        )
     return requested

@@ -24,8 +24,15 @@ DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224,
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_batch: int, max_pages_per_seq: int, scratch_page: int,
-                 sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES, emulate: bool = False):
+    def __init__(
+        self,
+        runner,
+        max_batch: int,
+        max_pages_per_seq: int,
+        scratch_page: int,
+        sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES,
+        emulate: bool = False,
+    ):
         self.runner = runner
         self.emulate = emulate
         self.sizes = sorted(s for s in sizes if s <= max_batch) or [1]
@@ -45,11 +52,16 @@ class DecodeGraphs:
 
     def _ctx(self, b: int) -> StepContext:
         ctx = StepContext(
-            positions=self.positions[:b], slot_mapping=self.slots[:b], query_lens=[1] * b,
-            context_lens=[self.runner.max_context_len] * b, page_tables=self.page_tables[:b],
+            positions=self.positions[:b],
+            slot_mapping=self.slots[:b],
+            query_lens=[1] * b,
+            context_lens=[self.runner.max_context_len] * b,
+            page_tables=self.page_tables[:b],
             cu_query_lens=torch.arange(b + 1, dtype=torch.int32, device=self.runner.device),
-            logits_indices=torch.arange(b, device=self.runner.device), page_size=self.runner.page_size,
-            context_lens_tensor=self.context_lens[:b])
+            logits_indices=torch.arange(b, device=self.runner.device),
+            page_size=self.runner.page_size,
+            context_lens_tensor=self.context_lens[:b],
+        )
         # Built once, outside capture: for a decode-only step the attention metadata is views of
         # the static buffers above (and host facts fixed at capture), so every replay reads the
         # values `run` has just copied in.
@@ -81,6 +93,7 @@ class DecodeGraphs:
         def replay() -> None:
             with step_context(ctx):
                 self.outputs[b] = self.runner.model_forward_logits(self.input_ids[:b], ctx)
+
         replay()  # the warm-up a capture does
         return replay
 

@@ -71,9 +71,9 @@ class WindowDetokenizer:
         return self._delta(hold_incomplete=False)
 
     def _delta(self, hold_incomplete: bool) -> str:
-        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self._decode(self.ids[self.prefix_offset:])
+        prefix = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset :])
         if len(full) <= len(prefix) or (hold_incomplete and full.endswith("\ufffd")):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return full[len(prefix):]
+        return full[len(prefix) :]

@@ -18,8 +18,9 @@ class LocalExecutor:
         self.runner = ModelRunner(model_config, config)
         self.kv_capacity_pages = self.runner.num_pages
         self.page_size = self.runner.page_size
-        self.settings: ResolvedSettings = resolve_settings(config, model_config.max_position_embeddings, pp=1,
-                                                           kv_capacity_tokens=self.kv_capacity_pages * self.page_size)
+        self.settings: ResolvedSettings = resolve_settings(
+            config, model_config.max_position_embeddings, pp=1, kv_capacity_tokens=self.kv_capacity_pages * self.page_size
+        )
         self.runner.capture_graphs(self.settings.max_model_len)
 
     def submit(self, step: StepInput) -> PendingStep:
@@ -30,10 +31,12 @@ class LocalExecutor:
 
     def describe(self) -> list[str]:
         r = self.runner
-        return [f"rank 0: layers [{r.stage.start_layer}, {r.stage.end_layer}), "
-                f"weights {r.weight_bytes / 1e9:.3f} GB, KV {r.num_pages * r.page_size} tokens "
-                f"({r.num_pages} pages of {r.page_size}), backend {r.backend.name}, "
-                f"{r.dtype}, {r.device}"]
+        return [
+            f"rank 0: layers [{r.stage.start_layer}, {r.stage.end_layer}), "
+            f"weights {r.weight_bytes / 1e9:.3f} GB, KV {r.num_pages * r.page_size} tokens "
+            f"({r.num_pages} pages of {r.page_size}), backend {r.backend.name}, "
+            f"{r.dtype}, {r.device}"
+        ]
 
     def shutdown(self) -> None:
         """Release the model and KV cache now, not whenever the engine object is collected."""

@@ -53,17 +53,18 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.tokenizer
 
-    def generate(self, prompts: PromptType | Seq[PromptType],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        if isinstance(prompts, (str, dict)) or (
-                isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
-        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
-            [sampling_params] * len(prompts)
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # Validate everything first so a bad prompt leaves nothing half-submitted.
@@ -77,9 +78,10 @@ class LLM:
             prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
         rids = [self.engine.add_request(prompt, p) for prompt, p in prepared]
         # Each step's deltas are folded into these; the engine keeps no output of its own.
-        outputs = {rid: RequestOutput.empty(rid, prompt["prompt"], prompt["prompt_token_ids"], p.n,
-                                            p.logprobs is not None)
-                   for rid, (prompt, p) in zip(rids, prepared)}
+        outputs = {
+            rid: RequestOutput.empty(rid, prompt["prompt"], prompt["prompt_token_ids"], p.n, p.logprobs is not None)
+            for rid, (prompt, p) in zip(rids, prepared)
+        }
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(rids), desc="generate", disable=not use_tqdm)
         try:

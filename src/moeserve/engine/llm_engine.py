@@ -67,8 +67,7 @@ class Request:
 
 
 class LLMEngine:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, executor: Executor,
-                 tokenizer: Any | None):
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, executor: Executor, tokenizer: Any | None):
         self.model_config = model_config
         self.config = config
         self.executor = executor
@@ -76,8 +75,7 @@ class LLMEngine:
         self.settings = executor.settings
         self.max_model_len = self.settings.max_model_len
         self.allocator = PagedAllocator(executor.kv_capacity_pages, executor.page_size)
-        self.scheduler = Scheduler(
-            SchedulerConfig.from_engine_config(config, self.max_model_len), self.allocator)
+        self.scheduler = Scheduler(SchedulerConfig.from_engine_config(config, self.max_model_len), self.allocator)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._request_ids = itertools.count()
@@ -98,8 +96,9 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model directory has no tokenizer: pass prompts as token ids "
-                                 "(a list of ints or {'prompt_token_ids': [...]})")
+                raise ValueError(
+                    "this model directory has no tokenizer: pass prompts as token ids (a list of ints or {'prompt_token_ids': [...]})"
+                )
             if not prompt:
                 raise ValueError("prompt is empty")
             return prompt, list(self.tokenizer.encode(prompt))
@@ -115,8 +114,10 @@ class LLMEngine:
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range: token ids must be in [0, {V}) (vocab_size)")
         if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room for one output "
-                             f"token within max_model_len={self.max_model_len}")
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, which does not leave room for one output "
+                f"token within max_model_len={self.max_model_len}"
+            )
         params.validate()
         if params.logprobs is not None and params.logprobs > V:
             raise ValueError(f"logprobs must be at most the vocabulary size ({V}), got {params.logprobs}")
@@ -131,8 +132,7 @@ class LLMEngine:
             raise ValueError(f"request id {rid!r} is already in use")
         seqs = []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params,
-                           leader=seqs[0] if seqs else None)
+            seq = Sequence(next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params, leader=seqs[0] if seqs else None)
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             seqs.append(seq)
@@ -201,8 +201,9 @@ class LLMEngine:
         outputs = []
         for req, delta in self._run_step():
             if req.output is None:
-                req.output = RequestOutput.empty(req.request_id, req.prompt, req.prompt_token_ids,
-                                                 len(req.seqs), req.params.logprobs is not None)
+                req.output = RequestOutput.empty(
+                    req.request_id, req.prompt, req.prompt_token_ids, len(req.seqs), req.params.logprobs is not None
+                )
             req.output.add(delta)
             if delta.finished or not finished_only:
                 outputs.append(req.output)
@@ -246,8 +247,7 @@ class LLMEngine:
                 seq.num_scheduled = seq.num_computed
         self._in_flight.clear()
 
-    def process_result(self, batch: ScheduledBatch, step: StepInput,
-                       result: SampleResult) -> list[tuple[Request, RequestDelta]]:
+    def process_result(self, batch: ScheduledBatch, step: StepInput, result: SampleResult) -> list[tuple[Request, RequestDelta]]:
         """Take in a step's sampled tokens; return the requests they changed, with their deltas."""
         self.scheduler.finish_step(batch)
         touched: dict[str, Request] = {}
@@ -286,14 +286,19 @@ class LLMEngine:
                 if (d := seq.take_delta()) is not None:
                     seqs.append(d)
             if seqs or finished:
-                changed.append((req, RequestDelta(req.request_id, seqs, finished, req.error,
-                                                  len(req.prompt_token_ids), req.seqs[0].num_cached_tokens or 0)))
+                changed.append(
+                    (
+                        req,
+                        RequestDelta(
+                            req.request_id, seqs, finished, req.error, len(req.prompt_token_ids), req.seqs[0].num_cached_tokens or 0
+                        ),
+                    )
+                )
             if finished:
                 del self.requests[req.request_id]
         return changed
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
-                      sampled_logprob: float) -> None:
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, sampled_logprob: float) -> None:
         seq.token_ids.append(token)
         seq.new_token_ids.append(token)
         seq.cumulative_logprob += sampled_logprob
@@ -327,8 +332,7 @@ class LLMEngine:
             if not seq.finished and not seq.in_flight:
                 self._finish(seq, "error")
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None,
-                flush: bool = True) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None, flush: bool = True) -> None:
         if seq.detok is not None and flush and reason not in ("abort", "error"):
             seq.text.add(seq.detok.flush())
         self.scheduler.finish(seq, reason, stop_reason)

@@ -33,6 +33,7 @@ CPU_DEFAULT_KV_TOKENS = 1 << 16
 class PendingStep:
     """A launched step: its sampling on the device, the host buffer its result is copied into,
     and the event that says the copy is done (None on CPU, where it is done already)."""
+
     sample: DeviceSample | None
     host: torch.Tensor | None
     done: torch.cuda.Event | None
@@ -63,8 +64,9 @@ def choose_backend(name: str, device: torch.device) -> str:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig, stage: StageRange | None = None,
-                 is_first: bool = True, is_last: bool = True):
+    def __init__(
+        self, model_config: ModelConfig, config: EngineConfig, stage: StageRange | None = None, is_first: bool = True, is_last: bool = True
+    ):
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
@@ -91,12 +93,19 @@ class ModelRunner:
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers, self.dtype)
         # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
         self.emulate_graphs = self.device.type != "cuda" and os.environ.get("MOESERVE_EMULATE_CUDA_GRAPHS") == "1"
-        self.use_graphs = (self.device.type == "cuda" or self.emulate_graphs) and not config.enforce_eager \
-            and self.backend.name != "reference"
+        self.use_graphs = (
+            (self.device.type == "cuda" or self.emulate_graphs) and not config.enforce_eager and self.backend.name != "reference"
+        )
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
-        log.info("%s: KV cache %d pages of %d tokens = %d tokens (%.2f GB)", where, num_pages, self.page_size,
-                 num_pages * self.page_size, num_pages * self.page_size * self.bytes_per_token / 1e9)
+        log.info(
+            "%s: KV cache %d pages of %d tokens = %d tokens (%.2f GB)",
+            where,
+            num_pages,
+            self.page_size,
+            num_pages * self.page_size,
+            num_pages * self.page_size * self.bytes_per_token / 1e9,
+        )
         self._generators: dict[int, torch.Generator] = {}
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's samples
         self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
@@ -104,8 +113,7 @@ class ModelRunner:
 
     def _make_pool(self, num_pages: int) -> None:
         """``num_pages`` usable pages, plus one scratch page for CUDA-graph padding rows."""
-        self.pool = StageKVPool(self.model_config, self.stage, num_pages + int(self.use_graphs), self.page_size,
-                                self.dtype, self.device)
+        self.pool = StageKVPool(self.model_config, self.stage, num_pages + int(self.use_graphs), self.page_size, self.dtype, self.device)
         self.num_pages = num_pages
         self.model.bind(self.pool, self.backend)
 
@@ -115,8 +123,9 @@ class ModelRunner:
         from moeserve.engine.cuda_graph import DecodeGraphs
 
         self.max_context_len = max_model_len
-        self.graphs = DecodeGraphs(self, self.config.max_num_seqs, -(-max_model_len // self.page_size),
-                                   scratch_page=self.num_pages, emulate=self.emulate_graphs)
+        self.graphs = DecodeGraphs(
+            self, self.config.max_num_seqs, -(-max_model_len // self.page_size), scratch_page=self.num_pages, emulate=self.emulate_graphs
+        )
         self.graphs.capture()
 
     def _check_host_memory(self) -> None:
@@ -126,14 +135,18 @@ class ModelRunner:
         from moeserve.models.deepseek import checkpoint_tensor_shapes
 
         elem = torch.empty((), dtype=self.dtype).element_size()
-        need = sum(math.prod(shape) * (4 if name.endswith("_packed") else elem)  # INT4: int32 words
-                   for name, shape in checkpoint_tensor_shapes(self.model_config))
+        need = sum(
+            math.prod(shape) * (4 if name.endswith("_packed") else elem)  # INT4: int32 words
+            for name, shape in checkpoint_tensor_shapes(self.model_config)
+        )
         need = need * self.stage.num_layers // self.model_config.num_hidden_layers
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > 0.8 * total:
-            raise ValueError(f"the model needs about {need / 1e9:.0f} GB of weights on this rank in {self.dtype}, "
-                             f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, a smaller "
-                             f"config, or more pipeline stages")
+            raise ValueError(
+                f"the model needs about {need / 1e9:.0f} GB of weights on this rank in {self.dtype}, "
+                f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, a smaller "
+                f"config, or more pipeline stages"
+            )
 
     def _use_kernels(self) -> None:
         """Switch the layers to their Triton kernels, each only if it passes a check on this device
@@ -195,8 +208,7 @@ class ModelRunner:
         the kernel (not the layer: no collective) per distinct variant."""
         from moeserve.quant.linear import Fp8Linear
 
-        layers = [m for m in self.model.modules() if isinstance(getattr(m, "method", None), Fp8Linear)
-                  and m.method.fast]
+        layers = [m for m in self.model.modules() if isinstance(getattr(m, "method", None), Fp8Linear) and m.method.fast]
         if not layers:
             return
         from moeserve.kernels.fp8_linear import GEMM_TILE_TABLE, fp8_linear
@@ -239,14 +251,14 @@ class ModelRunner:
         if pages < 1:
             raise RuntimeError(
                 f"no GPU memory left for the KV cache: weights and activations take {peak / 1e9:.1f} GB of "
-                f"{total / 1e9:.1f} GB at gpu_memory_utilization={self.config.gpu_memory_utilization}")
+                f"{total / 1e9:.1f} GB at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            )
         return pages
 
     @torch.inference_mode()
     def _profile_peak_memory(self) -> int:
         """Peak memory of the largest step (max_num_batched_tokens of prefill) with a scratch pool."""
-        n = min(self.config.max_num_batched_tokens, self.config.max_model_len or 1 << 30,
-                self.model_config.max_position_embeddings)
+        n = min(self.config.max_num_batched_tokens, self.config.max_model_len or 1 << 30, self.model_config.max_position_embeddings)
         pages = -(-n // self.page_size)
         scratch = StageKVPool(self.model_config, self.stage, pages, self.page_size, self.dtype, self.device)
         self.model.bind(scratch, self.backend)
@@ -255,13 +267,15 @@ class ModelRunner:
         ctx = StepContext(
             positions=torch.arange(n, device=self.device),
             slot_mapping=torch.arange(n, device=self.device),
-            query_lens=[n], context_lens=[n],
+            query_lens=[n],
+            context_lens=[n],
             page_tables=torch.arange(pages, device=self.device, dtype=torch.int32)[None],
             cu_query_lens=torch.tensor([0, n], device=self.device, dtype=torch.int32),
-            logits_indices=torch.tensor([n - 1], device=self.device), page_size=self.page_size)
+            logits_indices=torch.tensor([n - 1], device=self.device),
+            page_size=self.page_size,
+        )
         ids = torch.zeros(n, dtype=torch.long, device=self.device)
-        hidden = None if self.is_first else torch.zeros(n, self.model_config.hidden_size, dtype=self.dtype,
-                                                        device=self.device)
+        hidden = None if self.is_first else torch.zeros(n, self.model_config.hidden_size, dtype=self.dtype, device=self.device)
         residual = None if self.is_first else torch.zeros_like(hidden)
         with step_context(ctx):
             out, _ = self.model(ids, ctx.positions, hidden, residual)
@@ -285,32 +299,37 @@ class ModelRunner:
         wide_t = torch.empty(3 * T + S + 2 * D, dtype=torch.int64, pin_memory=pin)
         narrow_t = torch.zeros(2 * B + 1 + B * max_pages, dtype=torch.int32, pin_memory=pin)
         wide, narrow = wide_t.numpy(), narrow_t.numpy()
-        wide[:T], wide[T:2 * T], wide[2 * T:3 * T] = step.input_ids, step.positions, step.slot_mapping
-        wide[3 * T:3 * T + S] = step.logits_indices
+        wide[:T], wide[T : 2 * T], wide[2 * T : 3 * T] = step.input_ids, step.positions, step.slot_mapping
+        wide[3 * T : 3 * T + S] = step.logits_indices
         if D:
-            wide[3 * T + S:3 * T + S + D] = [flat for flat, _ in step.deferred]
-            wide[3 * T + S + D:] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
+            wide[3 * T + S : 3 * T + S + D] = [flat for flat, _ in step.deferred]
+            wide[3 * T + S + D :] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
         # narrow: cu_query_lens, context lens, page table
-        np.cumsum(step.query_lens, out=narrow[1:B + 1])
-        narrow[B + 1:2 * B + 1] = step.context_lens
-        table = narrow[2 * B + 1:].reshape(B, max_pages)
+        np.cumsum(step.query_lens, out=narrow[1 : B + 1])
+        narrow[B + 1 : 2 * B + 1] = step.context_lens
+        table = narrow[2 * B + 1 :].reshape(B, max_pages)
         for i, pages in enumerate(step.page_tables):
-            table[i, :len(pages)] = pages
+            table[i, : len(pages)] = pages
         if pin:
             wide_t = wide_t.to(self.device, non_blocking=True)
             narrow_t = narrow_t.to(self.device, non_blocking=True)
         elif self.device.type != "cpu":
             wide_t, narrow_t = wide_t.to(self.device), narrow_t.to(self.device)
         ctx = StepContext(
-            positions=wide_t[T:2 * T], slot_mapping=wide_t[2 * T:3 * T],
-            query_lens=list(step.query_lens), context_lens=list(step.context_lens),
-            page_tables=narrow_t[2 * B + 1:].view(B, max_pages), cu_query_lens=narrow_t[:B + 1],
-            logits_indices=wide_t[3 * T:3 * T + S], page_size=self.page_size,
-            context_lens_tensor=narrow_t[B + 1:2 * B + 1])
+            positions=wide_t[T : 2 * T],
+            slot_mapping=wide_t[2 * T : 3 * T],
+            query_lens=list(step.query_lens),
+            context_lens=list(step.context_lens),
+            page_tables=narrow_t[2 * B + 1 :].view(B, max_pages),
+            cu_query_lens=narrow_t[: B + 1],
+            logits_indices=wide_t[3 * T : 3 * T + S],
+            page_size=self.page_size,
+            context_lens_tensor=narrow_t[B + 1 : 2 * B + 1],
+        )
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[:T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
-            ids[wide_t[3 * T + S:3 * T + S + D]] = self._last_tokens[wide_t[3 * T + S + D:]]
+            ids[wide_t[3 * T + S : 3 * T + S + D]] = self._last_tokens[wide_t[3 * T + S + D :]]
         return ids, ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -318,8 +337,9 @@ class ModelRunner:
         return self.model.compute_logits(out[ctx.logits_indices])
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's layers. On the last stage returns the logits of ``ctx.logits_indices``."""
         if self.graphs is not None and self.is_first and self.is_last and self.graphs.can_run(ctx):
             return self.graphs.run(input_ids, ctx), None

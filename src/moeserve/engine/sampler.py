@@ -59,6 +59,7 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
 @dataclass
 class DeviceSample:
     """A step's sampling, enqueued on the device and not yet read back."""
+
     tokens: torch.Tensor  # [B] sampled ids, on the device (the next step's deferred inputs)
     packed: torch.Tensor  # [2 + 2 * top_n, B] float64: ids, logprobs, then top ids and top logprobs
     want: list[int | None]  # logprobs asked per row
@@ -73,8 +74,8 @@ class DeviceSample:
         logprob_rows: list[dict[int, float] | None] = [None] * B
         if self.top_n is not None:
             k = self.top_n
-            ids_rows = packed[2:2 + k].T.tolist() if k else [[]] * B
-            val_rows = packed[2 + k:].T.tolist() if k else [[]] * B
+            ids_rows = packed[2 : 2 + k].T.tolist() if k else [[]] * B
+            val_rows = packed[2 + k :].T.tolist() if k else [[]] * B
             for i, n in enumerate(self.want):
                 if n is None:
                     continue
@@ -85,8 +86,9 @@ class DeviceSample:
         return SampleResult(token_list, logprob_rows, sampled, dict(self.errors))
 
 
-def _sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None], *, use_kernel: bool = False) -> DeviceSample:
+def _sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], *, use_kernel: bool = False
+) -> DeviceSample:
     """logits: [B, V] float32, one row per sequence that samples this step. No host sync.
 
     ``use_kernel``: greedy ids and the log-sum-exp from one split-row Triton pass
@@ -131,9 +133,14 @@ def _sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     return DeviceSample(tokens, packed, want, top_n)
 
 
-def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
-                     generators: list[torch.Generator | None], *, use_kernel: bool = False,
-                     errors: dict[int, str] | None = None) -> DeviceSample:
+def sample_on_device(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    *,
+    use_kernel: bool = False,
+    errors: dict[int, str] | None = None,
+) -> DeviceSample:
     """One sample per row (see ``_sample_batch``), where a row whose own settings make sampling
     fail fails alone.
 
@@ -155,7 +162,7 @@ def sample_on_device(logits: torch.Tensor, params: list[SamplingParams],
                 g.set_state(state)
         for i in range(len(params)):
             try:
-                _sample_batch(logits[i:i + 1], [params[i]], [_copy(generators[i])], use_kernel=use_kernel)
+                _sample_batch(logits[i : i + 1], [params[i]], [_copy(generators[i])], use_kernel=use_kernel)
             except Exception as e:  # noqa: BLE001
                 errors[i] = f"{type(e).__name__}: {e}"
                 params[i], generators[i] = _FALLBACK, None

@@ -66,14 +66,18 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), "
-                             f"got {self.long_prefill_token_threshold}")
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, max_model_len: int) -> SchedulerConfig:
         """The scheduler's share of the engine settings (``max_model_len`` as resolved)."""
-        return cls(config.max_num_seqs, config.max_num_batched_tokens, max_model_len,
-                   config.long_prefill_token_threshold, config.enable_prefix_caching)
+        return cls(
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            config.long_prefill_token_threshold,
+            config.enable_prefix_caching,
+        )
 
     def chunk(self, remaining: int, budget: int) -> int:
         """Prompt tokens a sequence with ``remaining`` of them computes this step."""
@@ -143,8 +147,7 @@ class Scheduler:
                 return batch  # nothing left to preempt: admit no one either
             self._add_to(batch, seq, n, deferred)
             budget -= n
-        while (self.waiting and budget > 0 and len(batch) < cap
-               and len(self.running) < self.config.max_num_seqs):
+        while self.waiting and budget > 0 and len(batch) < cap and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]  # nothing scheduled, no pages (new or preempted)
             if self._waits_for_leader(seq):
                 break
@@ -198,7 +201,7 @@ class Scheduler:
             return
         hashes = chain_hashes(seq.token_ids, ps, full, seq.page_hashes)
         for i in range(seq.num_cached_pages, full):
-            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else ROOT_HASH, seq.token_ids[i * ps:(i + 1) * ps])
+            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else ROOT_HASH, seq.token_ids[i * ps : (i + 1) * ps])
         seq.num_cached_pages = full
 
     def _wanted(self, seq: Sequence, async_scheduling: bool) -> tuple[int, bool] | None:

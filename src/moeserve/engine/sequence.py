@@ -59,7 +59,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_output_tokens(self) -> int:
@@ -69,8 +69,7 @@ class Sequence:
         """Whether it has (with ``pending`` tokens more, would have) reached ``max_tokens`` or
         ``max_model_len``."""
         max_tokens = self.params.max_tokens
-        return (max_tokens is not None and self.num_output_tokens + pending >= max_tokens) or \
-            self.num_tokens + pending >= max_model_len
+        return (max_tokens is not None and self.num_output_tokens + pending >= max_tokens) or self.num_tokens + pending >= max_model_len
 
     @property
     def finished(self) -> bool:
@@ -85,9 +84,15 @@ class Sequence:
         text = self.text.release(done)
         if not (self.new_token_ids or text or done):
             return None
-        delta = SeqDelta(self.index, self.new_token_ids, text,
-                         self.new_logprobs if self.params.logprobs is not None else None,
-                         self.cumulative_logprob, self.finish_reason, self.stop_reason)
+        delta = SeqDelta(
+            self.index,
+            self.new_token_ids,
+            text,
+            self.new_logprobs if self.params.logprobs is not None else None,
+            self.cumulative_logprob,
+            self.finish_reason,
+            self.stop_reason,
+        )
         self.new_token_ids = []
         if self.new_logprobs:
             self.new_logprobs = []

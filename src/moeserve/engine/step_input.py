@@ -46,7 +46,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
             deferred.append((len(ids), seq.seq_id))
             ids.append(0)  # placeholder: the runner copies the token in on the device
         else:
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(seq.token_ids[start : start + n])
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
@@ -56,6 +56,17 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
             sample_ids.append(seq.seq_id)
             sample_params.append(seq.params)
             offsets.append(seq.index)
-    return StepInput(ids, positions, slots, list(batch.num_new_tokens), context_lens,
-                     [list(s.pages) for s in batch.seqs], logits_idx, sample_ids, sample_params,
-                     offsets, list(finished_seq_ids), deferred)
+    return StepInput(
+        ids,
+        positions,
+        slots,
+        list(batch.num_new_tokens),
+        context_lens,
+        [list(s.pages) for s in batch.seqs],
+        logits_idx,
+        sample_ids,
+        sample_params,
+        offsets,
+        list(finished_seq_ids),
+        deferred,
+    )

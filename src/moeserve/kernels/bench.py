@@ -29,8 +29,10 @@ BF16 = torch.bfloat16
 def _row(name: str, ms: float, bytes_: float, flops: float, bw: float, tflops: float, extra: str = "") -> None:
     """``ms``: CUDA-graph replay time of one call (kernel time without Python launch cost)."""
     bound_ms = max(bytes_ / (bw * 1e12), flops / (tflops * 1e12)) * 1e3
-    print(f"{name:<40} {ms * 1e3:8.1f} us  bound {bound_ms * 1e3:7.1f} us ({bound_ms / ms:6.1%})"
-          f" {bytes_ / ms / 1e6:6.0f} GB/s {flops / ms / 1e9:6.1f} TFLOP/s  {extra}")
+    print(
+        f"{name:<40} {ms * 1e3:8.1f} us  bound {bound_ms * 1e3:7.1f} us ({bound_ms / ms:6.1%})"
+        f" {bytes_ / ms / 1e6:6.0f} GB/s {flops / ms / 1e9:6.1f} TFLOP/s  {extra}"
+    )
 
 
 def _time(fn, sweep: bool = False) -> float:
@@ -58,8 +60,7 @@ def _decode_inputs(B: int, H: int, ctx: int, page_size: int = 64, Lk: int = 512,
 
 def bench_decode(args, sweep: bool) -> None:
     print("\n## mla_decode (bf16, Lk 512 + R 64, page 64)")
-    for H, B, ctx in [(16, 1, 4096), (16, 1, 32768), (16, 8, 4096), (16, 32, 4096), (16, 128, 2048),
-                      (128, 1, 4096), (128, 32, 4096)]:
+    for H, B, ctx in [(16, 1, 4096), (16, 1, 32768), (16, 8, 4096), (16, 32, 4096), (16, 128, 2048), (128, 1, 4096), (128, 32, 4096)]:
         inputs = _decode_inputs(B, H, ctx)
         q_lat, q_pe, cache, table, lens, ps, scale = inputs
         if B <= 8:
@@ -70,12 +71,12 @@ def bench_decode(args, sweep: bool) -> None:
         splits = default_num_kv_splits(B, head_blocks, ctx, q_lat.device)
         ms = _time(lambda: mla_decode(*inputs, num_kv_splits=splits, max_context_len=ctx))
         eager = do_bench(lambda: mla_decode(*inputs, num_kv_splits=splits, max_context_len=ctx))
-        _row(f"H{H} B{B} ctx{ctx} splits{splits}", ms, cache_bytes, flops, args.bw, args.tflops,
-             f"eager {eager * 1e3:.0f} us")
+        _row(f"H{H} B{B} ctx{ctx} splits{splits}", ms, cache_bytes, flops, args.bw, args.tflops, f"eager {eager * 1e3:.0f} us")
         if sweep:
             best = (ms, "default")
-            for bh, bn, warps, stages, sp in itertools.product((16, 32, 64) if H > 16 else (16,), (16, 32, 64),
-                                                              (4, 8), (1, 2, 3), (splits, splits * 2)):
+            for bh, bn, warps, stages, sp in itertools.product(
+                (16, 32, 64) if H > 16 else (16,), (16, 32, 64), (4, 8), (1, 2, 3), (splits, splits * 2)
+            ):
                 cfg = dict(BLOCK_H=bh, BLOCK_N=bn, num_warps=warps, num_stages=stages)
                 try:
                     t = _time(lambda: mla_decode(*inputs, num_kv_splits=sp, max_context_len=ctx, config=cfg), True)
@@ -89,21 +90,19 @@ def bench_decode(args, sweep: bool) -> None:
 
 def bench_extend(args, sweep: bool) -> None:
     print("\n## mla_extend (bf16, Dqk 192, Dv 128, causal)")
-    for H, qlens, klens in [(16, [4096], [4096]), (16, [1024] * 4, [1024] * 4), (16, [512, 512], [4096, 2048]),
-                            (128, [2048], [2048])]:
+    for H, qlens, klens in [(16, [4096], [4096]), (16, [1024] * 4, [1024] * 4), (16, [512, 512], [4096, 2048]), (128, [2048], [2048])]:
         cu_q = torch.tensor([0] + qlens, device=DEV).cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + klens, device=DEV).cumsum(0).to(torch.int32)
         q = torch.randn(sum(qlens), H, 192, device=DEV, dtype=BF16)
         k = torch.randn(sum(klens), H, 192, device=DEV, dtype=BF16)
         v = torch.randn(sum(klens), H, 128, device=DEV, dtype=BF16)
         if sum(klens) <= 4096 and H <= 16:
-            _close(mla_extend(q, k, v, cu_q, cu_k, 192 ** -0.5), mla_extend_ref(q, k, v, cu_q, cu_k, 192 ** -0.5),
-                   f"extend {qlens}/{klens}")
+            _close(mla_extend(q, k, v, cu_q, cu_k, 192**-0.5), mla_extend_ref(q, k, v, cu_q, cu_k, 192**-0.5), f"extend {qlens}/{klens}")
         # visible (query, key) pairs
         pairs = sum(n * (L - n) + n * (n + 1) // 2 for n, L in zip(qlens, klens))
         flops = 2 * H * pairs * (192 + 128)
         bytes_ = (q.numel() + k.numel() + v.numel() + sum(qlens) * H * 128) * 2
-        fn = lambda cfg=None: mla_extend(q, k, v, cu_q, cu_k, 192 ** -0.5, max_q_len=max(qlens), config=cfg)  # noqa: E731
+        fn = lambda cfg=None: mla_extend(q, k, v, cu_q, cu_k, 192**-0.5, max_q_len=max(qlens), config=cfg)  # noqa: E731
         ms = _time(fn)
         _row(f"H{H} q{qlens} k{klens}"[:40], ms, bytes_, flops, args.bw, args.tflops, str(extend_config(192, 128)))
         if sweep:
@@ -124,15 +123,14 @@ def bench_moe(args, sweep: bool) -> None:
     print("\n## fused_moe (bf16)")
     shapes = [("moonlight", 2048, 1408, 64, 6, 0, 64), ("v3-ep8", 7168, 2048, 32, 8, 0, 256)]
     for name, hidden, inter, E, K, first, total in shapes:
-        w13 = torch.randn(E, 2 * inter, hidden, device=DEV, dtype=BF16) * hidden ** -0.5
-        w2 = torch.randn(E, hidden, inter, device=DEV, dtype=BF16) * inter ** -0.5
+        w13 = torch.randn(E, 2 * inter, hidden, device=DEV, dtype=BF16) * hidden**-0.5
+        w2 = torch.randn(E, hidden, inter, device=DEV, dtype=BF16) * inter**-0.5
         for T in (1, 8, 32, 128, 512, 2048, 8192):
             x = torch.randn(T, hidden, device=DEV, dtype=BF16)
             ids = torch.rand(T, total, device=DEV).topk(K, dim=-1).indices
             w = torch.rand(T, K, device=DEV)
             if T <= 512:
-                _close(fused_moe(x, w13, w2, w, ids, first), fused_moe_ref(x, w13, w2, w, ids, first),
-                       f"moe {name} T{T}")
+                _close(fused_moe(x, w13, w2, w, ids, first), fused_moe_ref(x, w13, w2, w, ids, first), f"moe {name} T{T}")
             local = ids[(ids >= first) & (ids < first + E)]
             experts = torch.unique(local).numel()
             pairs = local.numel()
@@ -142,8 +140,15 @@ def bench_moe(args, sweep: bool) -> None:
             ref_ms = do_bench(lambda: fused_moe_ref(x, w13, w2, w, ids, first), rep=50) if T <= 2048 else float("nan")
             cfg = moe_config(T * K, E)
             eager = do_bench(lambda: fused_moe(x, w13, w2, w, ids, first))
-            _row(f"{name} T{T} experts{experts}", ms, bytes_, flops, args.bw, args.tflops,
-                 f"eager {eager * 1e3:.0f} us, torch ref {ref_ms * 1e3:.0f} us, BM{cfg['BLOCK_M']}")
+            _row(
+                f"{name} T{T} experts{experts}",
+                ms,
+                bytes_,
+                flops,
+                args.bw,
+                args.tflops,
+                f"eager {eager * 1e3:.0f} us, torch ref {ref_ms * 1e3:.0f} us, BM{cfg['BLOCK_M']}",
+            )
             if sweep and T in (1, 32, 512, 8192):
                 best = (ms, "default")
                 bms = (16, 32) if T * K / E <= 16 else (32, 64, 128)

@@ -46,6 +46,7 @@ AMAX_EPS = 1e-10  # floor of a group's amax, so an all-zero group gets a finite 
 
 # ---- activation quantization ----
 
+
 @triton.jit
 def round_e4m3(y):
     """``y`` (fp32, already within +-448) rounded to the nearest e4m3 value, ties to even, as
@@ -73,24 +74,37 @@ def quantize_tile(h, FP8_MAX_: tl.constexpr, EPS: tl.constexpr, EXACT_ROUND: tl.
 
 
 @triton.jit
-def _group_quant_kernel(X, XQ, XS, M, K, k_pad, stride_x, stride_q, stride_s,
-                        BLOCK_M: tl.constexpr, GROUP_: tl.constexpr, FP8_MAX_: tl.constexpr,
-                        EPS: tl.constexpr, EXACT_ROUND: tl.constexpr):
+def _group_quant_kernel(
+    X,
+    XQ,
+    XS,
+    M,
+    K,
+    k_pad,
+    stride_x,
+    stride_q,
+    stride_s,
+    BLOCK_M: tl.constexpr,
+    GROUP_: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
+):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     g = tl.program_id(1)
     cols = g * GROUP_ + tl.arange(0, GROUP_)  # on the padded (weight) grid
     src = cols - k_pad
     mask_m = offs_m < M
     rows = offs_m.to(tl.int64)
-    h = tl.load(X + rows[:, None] * stride_x + src[None, :],
-                mask=mask_m[:, None] & ((src >= 0) & (src < K))[None, :], other=0.0).to(tl.float32)
+    h = tl.load(X + rows[:, None] * stride_x + src[None, :], mask=mask_m[:, None] & ((src >= 0) & (src < K))[None, :], other=0.0).to(
+        tl.float32
+    )
     q, scale = quantize_tile(h, FP8_MAX_, EPS, EXACT_ROUND)
     tl.store(XQ + rows[:, None] * stride_q + cols[None, :], q, mask=mask_m[:, None] & (cols < K + k_pad)[None, :])
     tl.store(XS + rows * stride_s + g, scale, mask=mask_m)
 
 
-def per_token_group_quant_fp8(x: torch.Tensor, group: int = GROUP, k_pad: int = 0
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8(x: torch.Tensor, group: int = GROUP, k_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [M, K]`` -> (``x_q`` e4m3 ``[M, k_pad + K]``, ``x_scale`` float32
     ``[M, ceil((k_pad + K) / group)]``) with ``x ~= x_q * x_scale`` per token and group; the
     first ``k_pad`` columns of ``x_q`` are zeros (see the module docstring)."""
@@ -105,13 +119,26 @@ def per_token_group_quant_fp8(x: torch.Tensor, group: int = GROUP, k_pad: int = 
         x = x.contiguous()
     block_m = 16 if interpreting() else 8
     _group_quant_kernel[(triton.cdiv(M, block_m), xs.shape[1])](
-        x, xq, xs, M, K, k_pad, x.stride(0), xq.stride(0), xs.stride(0),
-        BLOCK_M=block_m, GROUP_=group, FP8_MAX_=FP8_MAX, EPS=AMAX_EPS, EXACT_ROUND=interpreting(), num_warps=4)
+        x,
+        xq,
+        xs,
+        M,
+        K,
+        k_pad,
+        x.stride(0),
+        xq.stride(0),
+        xs.stride(0),
+        BLOCK_M=block_m,
+        GROUP_=group,
+        FP8_MAX_=FP8_MAX,
+        EPS=AMAX_EPS,
+        EXACT_ROUND=interpreting(),
+        num_warps=4,
+    )
     return xq, xs
 
 
-def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = GROUP, k_pad: int = 0
-                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = GROUP, k_pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The same quantization in torch (the oracle of the kernel, bit for bit)."""
     M, K = x.shape
     kp = K + k_pad
@@ -129,11 +156,34 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group: int = GROUP, k_pad: in
 
 # ---- block-scaled W8A8 GEMM ----
 
+
 @triton.jit
-def _fp8_gemm_kernel(A, AS, B, BS, C, Part, Tickets, M, N, K, steps_per_split,
-                     stride_am, stride_as, stride_bn, stride_bs, stride_cm,
-                     SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr):
+def _fp8_gemm_kernel(
+    A,
+    AS,
+    B,
+    BS,
+    C,
+    Part,
+    Tickets,
+    M,
+    N,
+    K,
+    steps_per_split,
+    stride_am,
+    stride_as,
+    stride_bn,
+    stride_bs,
+    stride_cm,
+    SCALE_BN: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+):
     # Programs walk GROUP_M row tiles down one column of tiles before moving right, so a
     # weight tile is read from L2 by GROUP_M programs in a row.
     pid = tl.program_id(0)
@@ -244,8 +294,14 @@ def gemm_config(m: int, n: int) -> dict:
     return cfg
 
 
-def fp8_block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor,
-                   out_dtype: torch.dtype = torch.bfloat16, config: dict | None = None) -> torch.Tensor:
+def fp8_block_gemm(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    out_dtype: torch.dtype = torch.bfloat16,
+    config: dict | None = None,
+) -> torch.Tensor:
     """``(x_q * x_scale) @ (w * w_scale_inv).T`` -> ``[M, N]`` in ``out_dtype``.
 
     ``x_q [M, Kp]`` e4m3 with per-token, per-128-column scales ``[M, ceil(Kp / 128)]``
@@ -274,22 +330,50 @@ def fp8_block_gemm(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_
     split = triton.cdiv(k_steps, steps)  # no empty split
     if split > 1 and tiles > MAX_SPLIT_TILES:
         split, steps = 1, k_steps
-    part = (torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=x_q.device)
-            if split > 1 else out)
+    part = torch.empty(tiles * split * cfg["BLOCK_M"] * cfg["BLOCK_N"], dtype=torch.float32, device=x_q.device) if split > 1 else out
     tickets = split_tickets(x_q.device) if split > 1 else out
     _fp8_gemm_kernel[(tiles, split)](
-        x_q, x_scale, w, w_scale_inv, out, part, tickets, M, N, kp, steps,
-        x_q.stride(0), x_scale.stride(0), w.stride(0), w_scale_inv.stride(0), out.stride(0),
-        SCALE_BN=scale_bn, GROUP_K=GROUP, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        GROUP_M=cfg["GROUP_M"], EVEN_K=kp % cfg["BLOCK_K"] == 0, SPLIT_K=split,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x_q,
+        x_scale,
+        w,
+        w_scale_inv,
+        out,
+        part,
+        tickets,
+        M,
+        N,
+        kp,
+        steps,
+        x_q.stride(0),
+        x_scale.stride(0),
+        w.stride(0),
+        w_scale_inv.stride(0),
+        out.stride(0),
+        SCALE_BN=scale_bn,
+        GROUP_K=GROUP,
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        GROUP_M=cfg["GROUP_M"],
+        EVEN_K=kp % cfg["BLOCK_K"] == 0,
+        SPLIT_K=split,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     return out
 
 
 # ---- the layer's entry point and its reference ----
 
-def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pad: int = 0,
-               bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
+
+def fp8_linear(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_scale_inv: torch.Tensor,
+    k_pad: int = 0,
+    bias: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """``x [..., K] @ w_real.T (+ bias)`` in x's dtype: activation quantization + the
     block-scaled GEMM, at every batch size (at 1-4 tokens its split-K tiles beat a GEMV on bf16
     activations 2-4x: the FP8 tensor cores take the weight as stored, the GEMV spent its time
@@ -302,8 +386,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pa
     return out.view(*lead, w.shape[0])
 
 
-def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pad: int = 0,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pad: int = 0, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """The oracle: dequantize (in x's dtype), drop the pad columns, ``F.linear``. In float32 on
     the CPU this is exactly transformers on the dequantized weights."""
     weight = dequantize_fp8_block(w, w_scale_inv, dtype=x.dtype)[:, k_pad:]
@@ -312,11 +397,10 @@ def fp8_linear_ref(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, 
 
 def dequantize_groups(x_q: torch.Tensor, x_scale: torch.Tensor, group: int = GROUP) -> torch.Tensor:
     """float32 ``x_q * x_scale`` of ``per_token_group_quant_fp8``'s output."""
-    return x_q.float() * x_scale.repeat_interleave(group, dim=1)[:, :x_q.shape[1]]
+    return x_q.float() * x_scale.repeat_interleave(group, dim=1)[:, : x_q.shape[1]]
 
 
-def fp8_linear_emulated(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pad: int = 0
-                        ) -> torch.Tensor:
+def fp8_linear_emulated(x: torch.Tensor, w: torch.Tensor, w_scale_inv: torch.Tensor, k_pad: int = 0) -> torch.Tensor:
     """What the GEMM path computes, in torch: the activation quantized as the kernel does, then
     float32 products of the exact values. The kernel agrees with it to float32 summation order,
     so a test against it sees any indexing slip that the reference's tolerance would hide."""
@@ -358,6 +442,18 @@ def selfcheck(device: torch.device) -> bool:
     return ok
 
 
-__all__ = ["GEMM_REL_TOL", "GEMM_TILE_TABLE", "dequantize_groups", "fp8_block_gemm", "fp8_linear",
-           "fp8_linear_emulated", "fp8_linear_ref", "gemm_config", "per_token_group_quant_fp8",
-           "per_token_group_quant_fp8_ref", "rel_error", "selfcheck", "split_k_for"]
+__all__ = [
+    "GEMM_REL_TOL",
+    "GEMM_TILE_TABLE",
+    "dequantize_groups",
+    "fp8_block_gemm",
+    "fp8_linear",
+    "fp8_linear_emulated",
+    "fp8_linear_ref",
+    "gemm_config",
+    "per_token_group_quant_fp8",
+    "per_token_group_quant_fp8_ref",
+    "rel_error",
+    "selfcheck",
+    "split_k_for",
+]

@@ -36,8 +36,15 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moeserve.kernels.fp8_linear import (AMAX_EPS, GROUP, dequantize_groups, per_token_group_quant_fp8,
-                                         per_token_group_quant_fp8_ref, quantize_tile, rel_error)
+from moeserve.kernels.fp8_linear import (
+    AMAX_EPS,
+    GROUP,
+    dequantize_groups,
+    per_token_group_quant_fp8,
+    per_token_group_quant_fp8_ref,
+    quantize_tile,
+    rel_error,
+)
 from moeserve.kernels.fused_moe import align_pairs_by_expert
 from moeserve.kernels.limits import GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import moe_experts_by_expert
@@ -49,25 +56,36 @@ MOE_REL_TOL = 0.06  # GEMM path vs the reference, relative Frobenius (measured 4
 
 # ---- the reference ----
 
-def _shared_ref(x: torch.Tensor, sw13: torch.Tensor, ss13: torch.Tensor, sw2: torch.Tensor,
-                ss2: torch.Tensor) -> torch.Tensor:
+
+def _shared_ref(x: torch.Tensor, sw13: torch.Tensor, ss13: torch.Tensor, sw2: torch.Tensor, ss2: torch.Tensor) -> torch.Tensor:
     gate, up = F.linear(x, dequantize_fp8_gate_up(sw13, ss13, dtype=x.dtype)).chunk(2, dim=-1)
     pad = sw2.shape[1] - sw13.shape[0] // 2
     return F.linear(F.silu(gate) * up, dequantize_fp8_block(sw2, ss2, dtype=x.dtype)[:, pad:])
 
 
-def fp8_moe_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
-                w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                shared_w13: torch.Tensor | None = None, shared_w13_scale_inv: torch.Tensor | None = None,
-                shared_w2: torch.Tensor | None = None, shared_w2_scale_inv: torch.Tensor | None = None
-                ) -> torch.Tensor:
+def fp8_moe_ref(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    shared_w13: torch.Tensor | None = None,
+    shared_w13_scale_inv: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_w2_scale_inv: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The oracle: each chosen expert dequantized in x's dtype (one expert's temporary at a
     time), then ``moe_experts_ref``'s computation; plus the shared MLP when given."""
     pad = w2.shape[2] - w13.shape[1] // 2
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (dequantize_fp8_gate_up(w13[e], w13_scale_inv[e], dtype=x.dtype),
-                dequantize_fp8_block(w2[e], w2_scale_inv[e], dtype=x.dtype)[:, pad:])
+        return (
+            dequantize_fp8_gate_up(w13[e], w13_scale_inv[e], dtype=x.dtype),
+            dequantize_fp8_block(w2[e], w2_scale_inv[e], dtype=x.dtype)[:, pad:],
+        )
 
     out = moe_experts_by_expert(x, expert, w13.shape[0], topk_weights, topk_ids, first_expert)
     if shared_w13 is not None:
@@ -75,9 +93,16 @@ def fp8_moe_ref(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor,
     return out
 
 
-def fp8_moe_emulated(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
-                     w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     first_expert: int) -> torch.Tensor:
+def fp8_moe_emulated(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+) -> torch.Tensor:
     """What the grouped-GEMM path computes, in torch: tokens and the intermediate quantized as
     the kernels do, float32 products of the exact values. The kernels agree with it up to
     float32 summation order (and the rare intermediate value that this moves across an e4m3
@@ -91,8 +116,7 @@ def fp8_moe_emulated(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Te
         if not 0 <= e < w13.shape[0]:
             continue
         token_idx, k_pos = torch.where(local_ids == e)
-        gate, up = (xd[token_idx] @ dequantize_fp8_gate_up(w13[e], w13_scale_inv[e], dtype=torch.float32).T
-                    ).chunk(2, dim=-1)
+        gate, up = (xd[token_idx] @ dequantize_fp8_gate_up(w13[e], w13_scale_inv[e], dtype=torch.float32).T).chunk(2, dim=-1)
         hd = dequantize_groups(*per_token_group_quant_fp8_ref(F.silu(gate) * up, GROUP, pad))
         y = hd @ dequantize_fp8_block(w2[e], w2_scale_inv[e], dtype=torch.float32).T
         out.index_add_(0, token_idx, y * topk_weights[token_idx, k_pos, None].float())
@@ -114,14 +138,40 @@ def _check_weights(w13, s13, w2, s2) -> tuple[int, int, int]:
 
 # ---- prefill: grouped block-scaled GEMMs ----
 
+
 @triton.jit
 def _fp8_moe_gate_up_kernel(
-    XQ, XS, W13, S13, InterQ, InterS, SortedPairs, BlockExpert,
-    num_pairs, hidden, inter_size, k_pad, half_scale_rows,
-    stride_xq, stride_xs, stride_we, stride_wn, stride_se, stride_sn, stride_iq, stride_is,
-    TOPK: tl.constexpr, SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    FP8_MAX_: tl.constexpr, EPS: tl.constexpr, EXACT_ROUND: tl.constexpr,
+    XQ,
+    XS,
+    W13,
+    S13,
+    InterQ,
+    InterS,
+    SortedPairs,
+    BlockExpert,
+    num_pairs,
+    hidden,
+    inter_size,
+    k_pad,
+    half_scale_rows,
+    stride_xq,
+    stride_xs,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_iq,
+    stride_is,
+    TOPK: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    FP8_MAX_: tl.constexpr,
+    EPS: tl.constexpr,
+    EXACT_ROUND: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -178,11 +228,30 @@ def _fp8_moe_gate_up_kernel(
 
 @triton.jit
 def _fp8_moe_down_kernel(
-    InterQ, InterS, W2, S2, PairOut, SortedPairs, BlockExpert, TopkWeights,
-    num_pairs, hidden, kp,
-    stride_iq, stride_is, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    InterQ,
+    InterS,
+    W2,
+    S2,
+    PairOut,
+    SortedPairs,
+    BlockExpert,
+    TopkWeights,
+    num_pairs,
+    hidden,
+    kp,
+    stride_iq,
+    stride_is,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_o,
+    SCALE_BN: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -217,8 +286,11 @@ def _fp8_moe_down_kernel(
 
     weight = tl.load(TopkWeights + pair, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
-    tl.store(PairOut + pair.to(tl.int64)[:, None] * stride_o + cols[None, :], acc.to(PairOut.dtype.element_ty),
-             mask=mask_m[:, None] & (cols < hidden)[None, :])
+    tl.store(
+        PairOut + pair.to(tl.int64)[:, None] * stride_o + cols[None, :],
+        acc.to(PairOut.dtype.element_ty),
+        mask=mask_m[:, None] & (cols < hidden)[None, :],
+    )
 
 
 # (largest mean rows per local expert, tiles). Not yet swept on the H200. The gate/up kernel's
@@ -239,9 +311,18 @@ def fp8_moe_config(num_pairs: int, num_local_experts: int) -> dict:
     return dict(next(cfg for limit, cfg in FP8_MOE_TILE_TABLE if m <= limit))
 
 
-def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
-                  w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                  config: dict | None = None, small_batch_gemv: bool = True) -> torch.Tensor:
+def fp8_fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    config: dict | None = None,
+    small_batch_gemv: bool = True,
+) -> torch.Tensor:
     """Routed experts (``fp8_moe_ref`` without shared experts): few pairs go to
     :func:`fp8_moe_gemv` unless ``small_batch_gemv`` is off, the rest to the grouped GEMMs."""
     T, hidden = x.shape
@@ -265,33 +346,107 @@ def fp8_fused_moe(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tenso
     inter_q = torch.empty(capacity, kp, dtype=FP8_DTYPE, device=x.device)
     inter_s = torch.empty(capacity, triton.cdiv(kp, GROUP), dtype=torch.float32, device=x.device)
     _fp8_moe_gate_up_kernel[(capacity // bm, inter_s.shape[1])](
-        x_q, x_s, w13, w13_scale_inv, inter_q, inter_s, sorted_pairs, block_expert,
-        num_pairs, hidden, inter, pad, w13_scale_inv.shape[1] // 2,
-        x_q.stride(0), x_s.stride(0), w13.stride(0), w13.stride(1), w13_scale_inv.stride(0),
-        w13_scale_inv.stride(1), inter_q.stride(0), inter_s.stride(0),
-        TOPK=K, SCALE_BN=scale_bn, GROUP_K=GROUP, BLOCK_M=bm, BLOCK_N=GROUP, BLOCK_K=bk,
-        EVEN_K=hidden % bk == 0, FP8_MAX_=FP8_MAX, EPS=AMAX_EPS, EXACT_ROUND=interpreting(),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        x_q,
+        x_s,
+        w13,
+        w13_scale_inv,
+        inter_q,
+        inter_s,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden,
+        inter,
+        pad,
+        w13_scale_inv.shape[1] // 2,
+        x_q.stride(0),
+        x_s.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale_inv.stride(0),
+        w13_scale_inv.stride(1),
+        inter_q.stride(0),
+        inter_s.stride(0),
+        TOPK=K,
+        SCALE_BN=scale_bn,
+        GROUP_K=GROUP,
+        BLOCK_M=bm,
+        BLOCK_N=GROUP,
+        BLOCK_K=bk,
+        EVEN_K=hidden % bk == 0,
+        FP8_MAX_=FP8_MAX,
+        EPS=AMAX_EPS,
+        EXACT_ROUND=interpreting(),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     pair_out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _fp8_moe_down_kernel[(capacity // bm, triton.cdiv(hidden, bn))](
-        inter_q, inter_s, w2, w2_scale_inv, pair_out, sorted_pairs, block_expert, topk_weights.reshape(-1).contiguous(),
-        num_pairs, hidden, kp,
-        inter_q.stride(0), inter_s.stride(0), w2.stride(0), w2.stride(1), w2_scale_inv.stride(0),
-        w2_scale_inv.stride(1), pair_out.stride(0),
-        SCALE_BN=scale_row_block(hidden, w2_scale_inv.shape[1]), GROUP_K=GROUP, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN_K=kp % bk == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        inter_q,
+        inter_s,
+        w2,
+        w2_scale_inv,
+        pair_out,
+        sorted_pairs,
+        block_expert,
+        topk_weights.reshape(-1).contiguous(),
+        num_pairs,
+        hidden,
+        kp,
+        inter_q.stride(0),
+        inter_s.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale_inv.stride(0),
+        w2_scale_inv.stride(1),
+        pair_out.stride(0),
+        SCALE_BN=scale_row_block(hidden, w2_scale_inv.shape[1]),
+        GROUP_K=GROUP,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN_K=kp % bk == 0,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
+    )
     return pair_out.view(T, K, hidden).sum(dim=1)
 
 
 # ---- decode: GEMV kernels, shared experts as extra slots ----
 
+
 @triton.jit
-def _fp8_gate_up_gemv(X, W13, S13, SW13, SS13, Ids, Inter, first_expert, num_local, hidden, inter_size,
-                      shared_size, half_s, half_ss,
-                      stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_sw, stride_ssn, stride_i,
-                      TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, SCALE_BN: tl.constexpr,
-                      SHARED_SCALE_BN: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+def _fp8_gate_up_gemv(
+    X,
+    W13,
+    S13,
+    SW13,
+    SS13,
+    Ids,
+    Inter,
+    first_expert,
+    num_local,
+    hidden,
+    inter_size,
+    shared_size,
+    half_s,
+    half_ss,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_sw,
+    stride_ssn,
+    stride_i,
+    TOPK: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SHARED_SCALE_BN: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // (TOPK + SHARED_SLOTS)
@@ -335,11 +490,36 @@ def _fp8_gate_up_gemv(X, W13, S13, SW13, SS13, Ids, Inter, first_expert, num_loc
 
 
 @triton.jit
-def _fp8_down_gemv(Inter, W2, S2, SW2, SS2, Ids, Weights, Out, first_expert, num_local, hidden, shared_size,
-                   k_pad, shared_k_pad,
-                   stride_i, stride_we, stride_wh, stride_se, stride_sh, stride_sw, stride_ssh, stride_o,
-                   INTER: tl.constexpr, TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, GROUP_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_down_gemv(
+    Inter,
+    W2,
+    S2,
+    SW2,
+    SS2,
+    Ids,
+    Weights,
+    Out,
+    first_expert,
+    num_local,
+    hidden,
+    shared_size,
+    k_pad,
+    shared_k_pad,
+    stride_i,
+    stride_we,
+    stride_wh,
+    stride_se,
+    stride_sh,
+    stride_sw,
+    stride_ssh,
+    stride_o,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    GROUP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # As kernels.moe_gemv's down kernel (slots and K chunks unrolled, one reduction at the end).
     # BLOCK_N divides 128, so a tile's rows share one row block of w2's scales, and a chunk's
     # block scales fold into the intermediate vector before the weight tile multiplies it.
@@ -396,11 +576,22 @@ def gemv_configs(inter: int) -> tuple[dict, dict]:
     return dict(FP8_GATE_UP_CONFIG), down
 
 
-def fp8_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor, w2: torch.Tensor,
-                 w2_scale_inv: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                 shared_w13: torch.Tensor | None = None, shared_w13_scale_inv: torch.Tensor | None = None,
-                 shared_w2: torch.Tensor | None = None, shared_w2_scale_inv: torch.Tensor | None = None,
-                 gate_up_config: dict | None = None, down_config: dict | None = None) -> torch.Tensor:
+def fp8_moe_gemv(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale_inv: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale_inv: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    shared_w13: torch.Tensor | None = None,
+    shared_w13_scale_inv: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_w2_scale_inv: torch.Tensor | None = None,
+    gate_up_config: dict | None = None,
+    down_config: dict | None = None,
+) -> torch.Tensor:
     """``fp8_moe_ref`` for small T*K (``GEMV_MAX_PAIRS``), the shared experts included when given."""
     T, hidden = x.shape
     E = w13.shape[0]
@@ -433,17 +624,64 @@ def fp8_moe_gemv(x: torch.Tensor, w13: torch.Tensor, w13_scale_inv: torch.Tensor
     weights = topk_weights.reshape(-1).contiguous()
     inter_buf = torch.empty(T * slots, inter, dtype=x.dtype, device=x.device)
     _fp8_gate_up_gemv[(T * slots, triton.cdiv(inter, gu["BLOCK_N"]))](
-        x, w13, w13_scale_inv, sw13, ss13, ids, inter_buf, first_expert, E, hidden, inter, shared_size,
-        w13_scale_inv.shape[1] // 2, ss13.shape[-2] // 2,
-        x.stride(0), w13.stride(0), w13.stride(1), w13_scale_inv.stride(0), w13_scale_inv.stride(1),
-        sw13.stride(-2), ss13.stride(-2), inter_buf.stride(0),
-        TOPK=K, SHARED_SLOTS=shared_slots, SCALE_BN=scale_bn, SHARED_SCALE_BN=shared_bn, GROUP_K=GROUP, **gu)
+        x,
+        w13,
+        w13_scale_inv,
+        sw13,
+        ss13,
+        ids,
+        inter_buf,
+        first_expert,
+        E,
+        hidden,
+        inter,
+        shared_size,
+        w13_scale_inv.shape[1] // 2,
+        ss13.shape[-2] // 2,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13_scale_inv.stride(0),
+        w13_scale_inv.stride(1),
+        sw13.stride(-2),
+        ss13.stride(-2),
+        inter_buf.stride(0),
+        TOPK=K,
+        SHARED_SLOTS=shared_slots,
+        SCALE_BN=scale_bn,
+        SHARED_SCALE_BN=shared_bn,
+        GROUP_K=GROUP,
+        **gu,
+    )
     _fp8_down_gemv[(T, triton.cdiv(hidden, dn["BLOCK_N"]))](
-        inter_buf, w2, w2_scale_inv, sw2, ss2, ids, weights, out, first_expert, E, hidden, shared_size,
-        pad, shared_pad,
-        inter_buf.stride(0), w2.stride(0), w2.stride(1), w2_scale_inv.stride(0), w2_scale_inv.stride(1),
-        sw2.stride(-2), ss2.stride(-2), out.stride(0),
-        INTER=inter, TOPK=K, SHARED_SLOTS=shared_slots, GROUP_K=GROUP, **dn)
+        inter_buf,
+        w2,
+        w2_scale_inv,
+        sw2,
+        ss2,
+        ids,
+        weights,
+        out,
+        first_expert,
+        E,
+        hidden,
+        shared_size,
+        pad,
+        shared_pad,
+        inter_buf.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2_scale_inv.stride(0),
+        w2_scale_inv.stride(1),
+        sw2.stride(-2),
+        ss2.stride(-2),
+        out.stride(0),
+        INTER=inter,
+        TOPK=K,
+        SHARED_SLOTS=shared_slots,
+        GROUP_K=GROUP,
+        **dn,
+    )
     return out
 
 
@@ -463,12 +701,20 @@ def selfcheck(device: torch.device) -> bool:
     ids = torch.randint(0, E + 1, (T, K), generator=g).to(device)  # id E: another rank's
     weights = torch.rand(T, K, generator=g).to(device)
     few = (x[:1], w13, s13, w2, s2, weights[:1], ids[:1], 0)
-    ok = torch.allclose(fp8_moe_gemv(*few, sw13, ss13, sw2, ss2).cpu(),
-                        fp8_moe_ref(*few, sw13, ss13, sw2, ss2).cpu(), atol=1e-4, rtol=1e-4)
+    ok = torch.allclose(fp8_moe_gemv(*few, sw13, ss13, sw2, ss2).cpu(), fp8_moe_ref(*few, sw13, ss13, sw2, ss2).cpu(), atol=1e-4, rtol=1e-4)
     args = (x, w13, s13, w2, s2, weights, ids, 0)
     out = fp8_fused_moe(*args, small_batch_gemv=False)
     return ok and rel_error(out, fp8_moe_emulated(*args)) < 1e-3 and rel_error(out, fp8_moe_ref(*args)) < MOE_REL_TOL
 
 
-__all__ = ["FP8_MOE_TILE_TABLE", "MOE_REL_TOL", "fp8_fused_moe", "fp8_moe_config", "fp8_moe_emulated",
-           "fp8_moe_gemv", "fp8_moe_ref", "gemv_configs", "selfcheck"]
+__all__ = [
+    "FP8_MOE_TILE_TABLE",
+    "MOE_REL_TOL",
+    "fp8_fused_moe",
+    "fp8_moe_config",
+    "fp8_moe_emulated",
+    "fp8_moe_gemv",
+    "fp8_moe_ref",
+    "gemv_configs",
+    "selfcheck",
+]

@@ -46,8 +46,9 @@ from moeserve.kernels.moe_ref import moe_experts_ref
 from moeserve.kernels.utils import dot_args, interpreting, mma
 
 
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+def fused_moe_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int
+) -> torch.Tensor:
     """The oracle: ``moeserve.kernels.moe_ref.moe_experts_ref``."""
     return moe_experts_ref(x, w13, w2, topk_weights, topk_ids, first_expert)
 
@@ -99,11 +100,26 @@ def moe_config(num_pairs: int, num_local_experts: int) -> dict:
 
 @triton.jit
 def _moe_gate_up_kernel(
-    X, W13, Inter, SortedPairs, BlockExpert,
-    num_pairs, hidden, inter_size,
-    stride_x_t, stride_w_e, stride_w_n, stride_w_k, stride_i_m,
-    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    X,
+    W13,
+    Inter,
+    SortedPairs,
+    BlockExpert,
+    num_pairs,
+    hidden,
+    inter_size,
+    stride_x_t,
+    stride_w_e,
+    stride_w_n,
+    stride_w_k,
+    stride_i_m,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -143,17 +159,35 @@ def _moe_gate_up_kernel(
         w_ptrs += BLOCK_K * stride_w_k
 
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up, fused in the epilogue
-    tl.store(Inter + offs_m[:, None].to(tl.int64) * stride_i_m + offs_n[None, :], h.to(Inter.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        Inter + offs_m[:, None].to(tl.int64) * stride_i_m + offs_n[None, :],
+        h.to(Inter.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 @triton.jit
 def _moe_down_kernel(
-    Inter, W2, PairOut, SortedPairs, BlockExpert, TopkWeights,
-    num_pairs, hidden, inter_size,
-    stride_i_m, stride_w_e, stride_w_n, stride_w_k, stride_o_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    Inter,
+    W2,
+    PairOut,
+    SortedPairs,
+    BlockExpert,
+    TopkWeights,
+    num_pairs,
+    hidden,
+    inter_size,
+    stride_i_m,
+    stride_w_e,
+    stride_w_n,
+    stride_w_k,
+    stride_o_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -185,13 +219,23 @@ def _moe_down_kernel(
 
     weight = tl.load(TopkWeights + pair, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
-    tl.store(PairOut + pair[:, None].to(tl.int64) * stride_o_p + offs_n[None, :], acc.to(PairOut.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        PairOut + pair[:, None].to(tl.int64) * stride_o_p + offs_n[None, :],
+        acc.to(PairOut.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, first_expert: int, config: dict | None = None,
-              small_batch_gemv: bool = True) -> torch.Tensor:
+def fused_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    config: dict | None = None,
+    small_batch_gemv: bool = True,
+) -> torch.Tensor:
     """Drop-in replacement for ``moe_experts_ref`` (same arguments, same result); few pairs go
     to :func:`moe_gemv` unless ``small_batch_gemv`` is off."""
     T, hidden = x.shape
@@ -215,22 +259,53 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     inter = torch.empty(capacity, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(capacity // bm, triton.cdiv(inter_size, bn))](
-        x, w13, inter, sorted_pairs, block_expert,
-        num_pairs, hidden, inter_size,
-        x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0),
-        TOPK=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0, **dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        x,
+        w13,
+        inter,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden,
+        inter_size,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        w13.stride(2),
+        inter.stride(0),
+        TOPK=K,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN_K=hidden % bk == 0,
+        **dot,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     pair_out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _moe_down_kernel[(capacity // bm, triton.cdiv(hidden, bn))](
-        inter, w2, pair_out, sorted_pairs, block_expert, weights,
-        num_pairs, hidden, inter_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter_size % bk == 0, **dot,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        inter,
+        w2,
+        pair_out,
+        sorted_pairs,
+        block_expert,
+        weights,
+        num_pairs,
+        hidden,
+        inter_size,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        w2.stride(2),
+        pair_out.stride(0),
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN_K=inter_size % bk == 0,
+        **dot,
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return pair_out.view(T, K, hidden).sum(dim=1)
 
 
-__all__ = ["fused_moe", "fused_moe_ref", "align_pairs_by_expert", "align_pairs_by_expert_ref", "moe_config",
-           "gpu_tile_config"]
+__all__ = ["fused_moe", "fused_moe_ref", "align_pairs_by_expert", "align_pairs_by_expert_ref", "moe_config", "gpu_tile_config"]

@@ -18,8 +18,22 @@ from moeserve.kernels.limits import GEMV_MAX_TOKENS
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Out, T, N, K, stride_x, stride_w, stride_o,
-                 HAS_BIAS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    X,
+    W,
+    Bias,
+    Out,
+    T,
+    N,
+    K,
+    stride_x,
+    stride_w,
+    stride_o,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_t = tl.arange(0, BLOCK_T)
     mask_n = offs_n < N
@@ -30,14 +44,12 @@ def _gemv_kernel(X, W, Bias, Out, T, N, K, stride_x, stride_w, stride_o,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
-        x = tl.load(X + offs_t[:, None] * stride_x + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :],
-                    other=0.0).to(tl.float32)
+        x = tl.load(X + offs_t[:, None] * stride_x + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
         acc += w[None, :, :] * x[:, None, :]
     out = tl.sum(acc, axis=2)
     if HAS_BIAS:
         out += tl.load(Bias + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + offs_t[:, None] * stride_o + offs_n[None, :], out.to(Out.dtype.element_ty),
-             mask=mask_t[:, None] & mask_n[None, :])
+    tl.store(Out + offs_t[:, None] * stride_o + offs_n[None, :], out.to(Out.dtype.element_ty), mask=mask_t[:, None] & mask_n[None, :])
 
 
 def gemv_config(tokens: int, k: int) -> dict:
@@ -47,8 +59,7 @@ def gemv_config(tokens: int, k: int) -> dict:
     return {"BLOCK_N": 2 if k >= 8192 else 4, "BLOCK_K": 1024 if tokens == 1 else 256, "num_warps": 4}
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         config: dict | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, config: dict | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for x [T, K] with T <= GEMV_MAX_TOKENS (rows with a stride are fine)."""
     T, K = x.shape
     N = weight.shape[0]
@@ -58,9 +69,22 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         return out
     cfg = config or gemv_config(T, K)
     _gemv_kernel[(triton.cdiv(N, cfg["BLOCK_N"]),)](
-        x, weight, bias if bias is not None else weight, out, T, N, K, x.stride(0), weight.stride(0), out.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_T=triton.next_power_of_2(max(T, 1)), BLOCK_N=cfg["BLOCK_N"],
-        BLOCK_K=cfg["BLOCK_K"], num_warps=cfg["num_warps"])
+        x,
+        weight,
+        bias if bias is not None else weight,
+        out,
+        T,
+        N,
+        K,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        HAS_BIAS=bias is not None,
+        BLOCK_T=triton.next_power_of_2(max(T, 1)),
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"],
+    )
     return out
 
 

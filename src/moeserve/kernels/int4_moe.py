@@ -67,21 +67,28 @@ PACK = 8  # nibbles per int32 word
 # reference
 
 
-def int4_moe_ref(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
-                 w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 first_expert: int) -> torch.Tensor:
+def int4_moe_ref(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+) -> torch.Tensor:
     """``moe_experts_ref`` over the dequantized experts, one expert in memory at a time (a whole
     rank's dequantized experts would not fit beside the packed ones)."""
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (dequantize_int4(w13_packed[e], w13_scale[e], x.dtype),
-                dequantize_int4(w2_packed[e], w2_scale[e], x.dtype))
+        return (dequantize_int4(w13_packed[e], w13_scale[e], x.dtype), dequantize_int4(w2_packed[e], w2_scale[e], x.dtype))
 
     return moe_experts_by_expert(x, expert, w13_packed.shape[0], topk_weights, topk_ids, first_expert)
 
 
-def _check_shapes(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
-                  w2_scale: torch.Tensor) -> tuple[int, int, int]:
+def _check_shapes(
+    x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor
+) -> tuple[int, int, int]:
     """(E_local, hidden, intermediate) after checking the packed layout; every tensor must be
     contiguous along its last dimension (the kernels index it with unit stride)."""
     hidden = x.shape[1]
@@ -123,10 +130,16 @@ def _nibbles(words):
     One shift a word (the high half is shifted down once, the arithmetic shift's sign bits
     fall outside every mask) and one AND-OR a nibble: about 1.1 integer ops per weight."""
     hi = words >> 16
-    return (_nibble(words, 0xF, 1.0, -8388616.0), _nibble(words, 0xF0, 0.0625, -524296.0),
-            _nibble(words, 0xF00, 0.00390625, -32776.0), _nibble(words, 0xF000, 0.000244140625, -2056.0),
-            _nibble(hi, 0xF, 1.0, -8388616.0), _nibble(hi, 0xF0, 0.0625, -524296.0),
-            _nibble(hi, 0xF00, 0.00390625, -32776.0), _nibble(hi, 0xF000, 0.000244140625, -2056.0))
+    return (
+        _nibble(words, 0xF, 1.0, -8388616.0),
+        _nibble(words, 0xF0, 0.0625, -524296.0),
+        _nibble(words, 0xF00, 0.00390625, -32776.0),
+        _nibble(words, 0xF000, 0.000244140625, -2056.0),
+        _nibble(hi, 0xF, 1.0, -8388616.0),
+        _nibble(hi, 0xF0, 0.0625, -524296.0),
+        _nibble(hi, 0xF00, 0.00390625, -32776.0),
+        _nibble(hi, 0xF000, 0.000244140625, -2056.0),
+    )
 
 
 @triton.jit
@@ -159,8 +172,7 @@ def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _int4_gate_up_rows(x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidden, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _int4_gate_up_rows(x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidden, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Gate and up dot products of ``BLOCK_N`` packed rows with one token's activations.
     ``p_gate`` / ``s_gate``: ``[BLOCK_N, 1]`` pointers to the rows' first word / scale; the up
     rows sit ``up_words`` words (``up_groups`` scales) further on."""
@@ -177,10 +189,14 @@ def _int4_gate_up_rows(x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidde
         mg = mask_n[:, None] & (k0 // 32 + offs_g < hidden // 32)[None, :]
         w_ptrs = p_gate + k0 // 8 + offs_w[None, :]
         s_ptrs = s_gate + k0 // 32 + offs_g[None, :]
-        gate += _int4_row_dots(tl.load(w_ptrs, mask=mw, other=0),
-                               tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K)
-        up += _int4_row_dots(tl.load(w_ptrs + up_words, mask=mw, other=0),
-                             tl.load(s_ptrs + up_groups, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K)
+        gate += _int4_row_dots(tl.load(w_ptrs, mask=mw, other=0), tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K)
+        up += _int4_row_dots(
+            tl.load(w_ptrs + up_words, mask=mw, other=0),
+            tl.load(s_ptrs + up_groups, mask=mg, other=0.0).to(tl.float32),
+            x,
+            BLOCK_N,
+            BLOCK_K,
+        )
     return tl.sum(gate, axis=1), tl.sum(up, axis=1)
 
 
@@ -195,16 +211,35 @@ def _dense_gate_up_rows(x_row, w_gate, up_offset, mask_n, hidden, BLOCK_N: tl.co
         x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         m = mask_n[:, None] & mask_k[None, :]
         gate += tl.sum(tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
-        up += tl.sum(tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :],
-                     axis=1)
+        up += tl.sum(tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
     return gate, up
 
 
 @triton.jit
-def _int4_gate_up_gemv(X, P13, S13, SW13, Ids, Inter, first_expert, num_local, hidden, inter_size, shared_size,
-                       stride_x, stride_pe, stride_pn, stride_se, stride_sn, stride_sw, stride_i,
-                       TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+def _int4_gate_up_gemv(
+    X,
+    P13,
+    S13,
+    SW13,
+    Ids,
+    Inter,
+    first_expert,
+    num_local,
+    hidden,
+    inter_size,
+    shared_size,
+    stride_x,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    stride_sw,
+    stride_i,
+    TOPK: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // (TOPK + SHARED_SLOTS)
@@ -216,24 +251,53 @@ def _int4_gate_up_gemv(X, P13, S13, SW13, Ids, Inter, first_expert, num_local, h
         mine = (e >= 0) & (e < num_local)  # another rank's expert: every load masked off, zeros out
         e = tl.where(mine, e, 0)
         mask_n = offs_n < tl.where(mine, inter_size, 0)
-        gate, up = _int4_gate_up_rows(x_row, P13 + e * stride_pe + offs_n[:, None] * stride_pn,
-                                      S13 + e * stride_se + offs_n[:, None] * stride_sn,
-                                      inter_size * stride_pn, inter_size * stride_sn, mask_n, hidden,
-                                      BLOCK_N, BLOCK_K)
+        gate, up = _int4_gate_up_rows(
+            x_row,
+            P13 + e * stride_pe + offs_n[:, None] * stride_pn,
+            S13 + e * stride_se + offs_n[:, None] * stride_sn,
+            inter_size * stride_pn,
+            inter_size * stride_sn,
+            mask_n,
+            hidden,
+            BLOCK_N,
+            BLOCK_K,
+        )
     else:  # slice j of the shared experts: rows [j * I, (j + 1) * I) of their gate and up
         row0 = (slot - TOPK) * inter_size
         mask_n = offs_n < tl.minimum(inter_size, shared_size - row0)
-        gate, up = _dense_gate_up_rows(x_row, SW13 + (row0 + offs_n[:, None]) * stride_sw, shared_size * stride_sw,
-                                       mask_n, hidden, BLOCK_N, BLOCK_K)
+        gate, up = _dense_gate_up_rows(
+            x_row, SW13 + (row0 + offs_n[:, None]) * stride_sw, shared_size * stride_sw, mask_n, hidden, BLOCK_N, BLOCK_K
+        )
     act = gate / (1.0 + tl.exp(-gate)) * up  # zero on masked rows: the down kernel may read it
     tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
 
 
 @triton.jit
-def _int4_down_gemv(Inter, P2, S2, SW2, Ids, Weights, Out, first_expert, num_local, hidden, shared_size,
-                    stride_i, stride_pe, stride_pn, stride_se, stride_sn, stride_sw, stride_o,
-                    INTER: tl.constexpr, TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _int4_down_gemv(
+    Inter,
+    P2,
+    S2,
+    SW2,
+    Ids,
+    Weights,
+    Out,
+    first_expert,
+    num_local,
+    hidden,
+    shared_size,
+    stride_i,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    stride_sw,
+    stride_o,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # As moe_gemv's down kernel: slots and K chunks unrolled so each slot's loads are
     # independent instructions, 2-D accumulators summed once at the end.
     BLOCK_W: tl.constexpr = BLOCK_K // 8
@@ -261,9 +325,13 @@ def _int4_down_gemv(Inter, P2, S2, SW2, Ids, Weights, Out, first_expert, num_loc
                 v = tl.load(inter_row + offs_k, mask=offs_k < INTER, other=0.0).to(tl.float32) * weight
                 mw = mask_n[:, None] & (k0 // 8 + offs_w < cols // 8)[None, :]
                 mg = mask_n[:, None] & (k0 // 32 + offs_g < cols // 32)[None, :]
-                acc_q += _int4_row_dots(tl.load(p + k0 // 8 + offs_w[None, :], mask=mw, other=0),
-                                        tl.load(s + k0 // 32 + offs_g[None, :], mask=mg, other=0.0).to(tl.float32),
-                                        v, BLOCK_N, BLOCK_K)
+                acc_q += _int4_row_dots(
+                    tl.load(p + k0 // 8 + offs_w[None, :], mask=mw, other=0),
+                    tl.load(s + k0 // 32 + offs_g[None, :], mask=mg, other=0.0).to(tl.float32),
+                    v,
+                    BLOCK_N,
+                    BLOCK_K,
+                )
         else:
             col0 = (slot - TOPK) * INTER
             cols = tl.minimum(INTER, shared_size - col0)
@@ -304,10 +372,20 @@ def _gemv_configs(T: int, gate_up_config: dict | None, down_config: dict | None)
     return gu, dn
 
 
-def int4_moe_gemv(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
-                  w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                  shared_w13: torch.Tensor | None = None, shared_w2: torch.Tensor | None = None,
-                  gate_up_config: dict | None = None, down_config: dict | None = None) -> torch.Tensor:
+def int4_moe_gemv(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    gate_up_config: dict | None = None,
+    down_config: dict | None = None,
+) -> torch.Tensor:
     """``int4_moe_ref`` for small T*K (meant for T*K <= ``GEMV_MAX_PAIRS``: each (token, slot)
     reads its expert's words, so tokens sharing an expert read it twice), plus the shared
     experts' output when their weights are given in the activation dtype: ``shared_w13``
@@ -322,8 +400,9 @@ def int4_moe_gemv(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Te
     else:
         shared_size = shared_w13.shape[0] // 2
         if tuple(shared_w13.shape) != (2 * shared_size, hidden) or tuple(shared_w2.shape) != (hidden, shared_size):
-            raise ValueError(f"shared experts of shapes {tuple(shared_w13.shape)}, {tuple(shared_w2.shape)} "
-                             f"do not match hidden size {hidden}")
+            raise ValueError(
+                f"shared experts of shapes {tuple(shared_w13.shape)}, {tuple(shared_w2.shape)} do not match hidden size {hidden}"
+            )
         assert shared_w13.stride(-1) == 1 and shared_w2.stride(-1) == 1
         shared_slots, sw13, sw2 = triton.cdiv(shared_size, inter_size), shared_w13, shared_w2
     out = torch.empty_like(x)
@@ -335,13 +414,52 @@ def int4_moe_gemv(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Te
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty(T * slots, inter_size, dtype=x.dtype, device=x.device)
     _int4_gate_up_gemv[(T * slots, triton.cdiv(inter_size, gu["BLOCK_N"]))](
-        x, w13_packed, w13_scale, sw13, ids, inter, first_expert, E, hidden, inter_size, shared_size,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
-        sw13.stride(0), inter.stride(0), TOPK=K, SHARED_SLOTS=shared_slots, **gu)
+        x,
+        w13_packed,
+        w13_scale,
+        sw13,
+        ids,
+        inter,
+        first_expert,
+        E,
+        hidden,
+        inter_size,
+        shared_size,
+        x.stride(0),
+        w13_packed.stride(0),
+        w13_packed.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
+        sw13.stride(0),
+        inter.stride(0),
+        TOPK=K,
+        SHARED_SLOTS=shared_slots,
+        **gu,
+    )
     _int4_down_gemv[(T, triton.cdiv(hidden, dn["BLOCK_N"]))](
-        inter, w2_packed, w2_scale, sw2, ids, weights, out, first_expert, E, hidden, shared_size,
-        inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
-        sw2.stride(0), out.stride(0), INTER=inter_size, TOPK=K, SHARED_SLOTS=shared_slots, **dn)
+        inter,
+        w2_packed,
+        w2_scale,
+        sw2,
+        ids,
+        weights,
+        out,
+        first_expert,
+        E,
+        hidden,
+        shared_size,
+        inter.stride(0),
+        w2_packed.stride(0),
+        w2_packed.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
+        sw2.stride(0),
+        out.stride(0),
+        INTER=inter_size,
+        TOPK=K,
+        SHARED_SLOTS=shared_slots,
+        **dn,
+    )
     return out
 
 
@@ -359,17 +477,44 @@ def _dequant_rows(p_ptrs, s_ptrs, mask_w, mask_g, ROWS: tl.constexpr, BLOCK_K: t
     scales = tl.load(s_ptrs, mask=mask_g, other=0.0).to(tl.float32)
     per_word = tl.reshape(tl.join(tl.join(scales, scales), tl.join(scales, scales)), [ROWS, BLOCK_W])
     n0, n1, n2, n3, n4, n5, n6, n7 = _nibbles(words)
-    return _interleave8(n0 * per_word, n1 * per_word, n2 * per_word, n3 * per_word, n4 * per_word,
-                        n5 * per_word, n6 * per_word, n7 * per_word, ROWS, BLOCK_W)
+    return _interleave8(
+        n0 * per_word,
+        n1 * per_word,
+        n2 * per_word,
+        n3 * per_word,
+        n4 * per_word,
+        n5 * per_word,
+        n6 * per_word,
+        n7 * per_word,
+        ROWS,
+        BLOCK_W,
+    )
 
 
 @triton.jit
 def _int4_moe_gate_up_kernel(
-    X, P13, S13, Inter, SortedPairs, BlockExpert,
-    num_pairs, hidden, inter_size,
-    stride_x_t, stride_pe, stride_pn, stride_se, stride_sn, stride_i_m,
-    TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    X,
+    P13,
+    S13,
+    Inter,
+    SortedPairs,
+    BlockExpert,
+    num_pairs,
+    hidden,
+    inter_size,
+    stride_x_t,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    stride_i_m,
+    TOPK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     # Computed transposed, out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ x^T [K, BLOCK_M]: the
     # weight tile is unpacked in registers in its stored row order and is the MMA's first
@@ -417,17 +562,37 @@ def _int4_moe_gate_up_kernel(
         s_ptrs += BLOCK_K // 32
 
     h = acc_gate * tl.sigmoid(acc_gate) * acc_up  # SiLU(gate) * up, fused in the epilogue
-    tl.store(Inter + offs_m[None, :].to(tl.int64) * stride_i_m + offs_n[:, None], h.to(Inter.dtype.element_ty),
-             mask=mask_n[:, None] & mask_m[None, :])
+    tl.store(
+        Inter + offs_m[None, :].to(tl.int64) * stride_i_m + offs_n[:, None],
+        h.to(Inter.dtype.element_ty),
+        mask=mask_n[:, None] & mask_m[None, :],
+    )
 
 
 @triton.jit
 def _int4_moe_down_kernel(
-    Inter, P2, S2, PairOut, SortedPairs, BlockExpert, TopkWeights,
-    num_pairs, hidden, inter_size,
-    stride_i_m, stride_pe, stride_pn, stride_se, stride_sn, stride_o_p,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    Inter,
+    P2,
+    S2,
+    PairOut,
+    SortedPairs,
+    BlockExpert,
+    TopkWeights,
+    num_pairs,
+    hidden,
+    inter_size,
+    stride_i_m,
+    stride_pe,
+    stride_pn,
+    stride_se,
+    stride_sn,
+    stride_o_p,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     # Transposed as the gate/up kernel: out^T [BLOCK_N, BLOCK_M] = W2 [BLOCK_N, I] @ inter^T.
     pid_m = tl.program_id(0)
@@ -466,8 +631,11 @@ def _int4_moe_down_kernel(
 
     weight = tl.load(TopkWeights + pair, mask=mask_m, other=0.0).to(tl.float32)
     acc = acc * weight[None, :]
-    tl.store(PairOut + pair[None, :].to(tl.int64) * stride_o_p + offs_n[:, None], acc.to(PairOut.dtype.element_ty),
-             mask=mask_n[:, None] & mask_m[None, :])
+    tl.store(
+        PairOut + pair[None, :].to(tl.int64) * stride_o_p + offs_n[:, None],
+        acc.to(PairOut.dtype.element_ty),
+        mask=mask_n[:, None] & mask_m[None, :],
+    )
 
 
 # (largest mean rows per local expert, tile); the last row takes everything larger. The
@@ -532,9 +700,18 @@ def int4_moe_config(num_pairs: int, num_local_experts: int) -> dict:
     return int4_gpu_tile_config(num_pairs / max(num_local_experts, 1))
 
 
-def int4_fused_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.Tensor, w2_packed: torch.Tensor,
-                   w2_scale: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int,
-                   config: dict | None = None, small_batch_gemv: bool = True) -> torch.Tensor:
+def int4_fused_moe(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    config: dict | None = None,
+    small_batch_gemv: bool = True,
+) -> torch.Tensor:
     """Drop-in for :func:`int4_moe_ref` at any batch size (routed experts only). At most
     ``GEMV_MAX_PAIRS`` pairs go to :func:`int4_moe_gemv` (no alignment) unless
     ``small_batch_gemv`` is off or a ``config`` is given; otherwise the grouped GEMMs run with
@@ -560,19 +737,53 @@ def int4_fused_moe(x: torch.Tensor, w13_packed: torch.Tensor, w13_scale: torch.T
 
     inter = torch.empty(capacity, inter_size, dtype=x.dtype, device=x.device)
     _int4_moe_gate_up_kernel[(capacity // bm, triton.cdiv(inter_size, bn))](
-        x, w13_packed, w13_scale, inter, sorted_pairs, block_expert,
-        num_pairs, hidden, inter_size,
-        x.stride(0), w13_packed.stride(0), w13_packed.stride(1), w13_scale.stride(0), w13_scale.stride(1),
+        x,
+        w13_packed,
+        w13_scale,
+        inter,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden,
+        inter_size,
+        x.stride(0),
+        w13_packed.stride(0),
+        w13_packed.stride(1),
+        w13_scale.stride(0),
+        w13_scale.stride(1),
         inter.stride(0),
-        TOPK=K, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=hidden % bk == 0, **dot, **launch,
+        TOPK=K,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN_K=hidden % bk == 0,
+        **dot,
+        **launch,
     )
     pair_out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
     _int4_moe_down_kernel[(capacity // bm, triton.cdiv(hidden, bn))](
-        inter, w2_packed, w2_scale, pair_out, sorted_pairs, block_expert, weights,
-        num_pairs, hidden, inter_size,
-        inter.stride(0), w2_packed.stride(0), w2_packed.stride(1), w2_scale.stride(0), w2_scale.stride(1),
+        inter,
+        w2_packed,
+        w2_scale,
+        pair_out,
+        sorted_pairs,
+        block_expert,
+        weights,
+        num_pairs,
+        hidden,
+        inter_size,
+        inter.stride(0),
+        w2_packed.stride(0),
+        w2_packed.stride(1),
+        w2_scale.stride(0),
+        w2_scale.stride(1),
         pair_out.stride(0),
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=inter_size % bk == 0, **dot, **launch,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EVEN_K=inter_size % bk == 0,
+        **dot,
+        **launch,
     )
     return pair_out.view(T, K, hidden).sum(dim=1)
 
@@ -585,25 +796,26 @@ def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
     g = torch.Generator().manual_seed(11)
     T, H, I, E, K, Is, first = 3, 64, 32, 4, 2, 48, 2
     x = torch.randn(T, H, generator=g).to(device, dtype)
-    p13, s13 = quantize_int4(torch.randn(E, 2 * I, H, generator=g) * H ** -0.5)
-    p2, s2 = quantize_int4(torch.randn(E, H, I, generator=g) * I ** -0.5)
+    p13, s13 = quantize_int4(torch.randn(E, 2 * I, H, generator=g) * H**-0.5)
+    p2, s2 = quantize_int4(torch.randn(E, H, I, generator=g) * I**-0.5)
     p13, p2, s13, s2 = p13.to(device), p2.to(device), s13.to(device, dtype), s2.to(device, dtype)
     ids = torch.tensor([[2, 5], [7, 3], [4, 0]], device=device)  # 7 and 0: another rank's experts
     w = (torch.rand(T, K, generator=g) + 0.1).to(device)
-    sw13 = (torch.randn(2 * Is, H, generator=g) * H ** -0.5).to(device, dtype)  # one whole slice, one partial
-    sw2 = (torch.randn(H, Is, generator=g) * Is ** -0.5).to(device, dtype)
+    sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(device, dtype)  # one whole slice, one partial
+    sw2 = (torch.randn(H, Is, generator=g) * Is**-0.5).to(device, dtype)
     ref = int4_moe_ref(x.float(), p13, s13.float(), p2, s2.float(), w, ids, first)
     gate, up = torch.nn.functional.linear(x.float(), sw13.float()).chunk(2, dim=-1)
     shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2.float())
     # The grouped GEMM at the decode-like table row's tile shape (wgmma with 64 weight rows),
     # forced: three tokens would otherwise go to the GEMV.
     tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2)
-    outs = [(int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
-            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
-            (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref)]
+    outs = [
+        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
+        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
+        (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref),
+    ]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol)
-               for o, r in outs)
+    return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
 
 
 def selfcheck(device: torch.device) -> bool:
@@ -615,5 +827,15 @@ def selfcheck(device: torch.device) -> bool:
     return all(_selfcheck_case(device, dtype) for dtype in dtypes)
 
 
-__all__ = ["GEMV_MAX_PAIRS", "INT4_MOE_TILE_TABLE", "fit_int4_shared_memory", "int4_fused_moe", "int4_moe_config",
-           "int4_moe_gemv", "int4_moe_ref", "int4_moe_tile_configs", "int4_moe_tile_limits", "selfcheck"]
+__all__ = [
+    "GEMV_MAX_PAIRS",
+    "INT4_MOE_TILE_TABLE",
+    "fit_int4_shared_memory",
+    "int4_fused_moe",
+    "int4_moe_config",
+    "int4_moe_gemv",
+    "int4_moe_ref",
+    "int4_moe_tile_configs",
+    "int4_moe_tile_limits",
+    "selfcheck",
+]

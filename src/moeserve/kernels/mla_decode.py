@@ -52,8 +52,15 @@ def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
     return tl.cdiv(tl.maximum(tl.cdiv(ctx_len, num_splits), shortest), BLOCK_N) * BLOCK_N
 
 
-def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
-                   context_lens: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
+def mla_decode_ref(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> torch.Tensor:
     """Reference: one sequence at a time, fp32 softmax. Shapes as :func:`mla_decode`."""
     Lk = q_latent.shape[-1]
     out = torch.empty_like(q_latent)
@@ -68,16 +75,40 @@ def mla_decode_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tens
 
 @triton.jit
 def _mla_decode_split_kernel(
-    QLat, QPe, Cache, PageTable, ContextLens, Out, PartOut, PartLse,
-    stride_qlat_b, stride_qlat_h, stride_qpe_b, stride_qpe_h,
-    stride_cache, stride_pt_b,
-    stride_out_b, stride_out_h,
-    stride_po_b, stride_po_h, stride_po_s,
-    stride_pl_b, stride_pl_h,
-    num_heads, page_size, num_splits, qk_scale_log2,
-    LK: tl.constexpr, R: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT_OUT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    QLat,
+    QPe,
+    Cache,
+    PageTable,
+    ContextLens,
+    Out,
+    PartOut,
+    PartLse,
+    stride_qlat_b,
+    stride_qlat_h,
+    stride_qpe_b,
+    stride_qpe_h,
+    stride_cache,
+    stride_pt_b,
+    stride_out_b,
+    stride_out_h,
+    stride_po_b,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_b,
+    stride_pl_h,
+    num_heads,
+    page_size,
+    num_splits,
+    qk_scale_log2,
+    LK: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_LK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DIRECT_OUT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     b = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -97,10 +128,12 @@ def _mla_decode_split_kernel(
     cache_dtype = Cache.dtype.element_ty
 
     # Queries of the head block, cast to the cache dtype so both tl.dot operands agree.
-    q_lat = tl.load(QLat + b * stride_qlat_b + offs_h[:, None] * stride_qlat_h + offs_c[None, :],
-                    mask=mask_h[:, None] & mask_c[None, :], other=0.0).to(cache_dtype)
-    q_pe = tl.load(QPe + b * stride_qpe_b + offs_h[:, None] * stride_qpe_h + offs_r[None, :],
-                   mask=mask_h[:, None] & mask_r[None, :], other=0.0).to(cache_dtype)
+    q_lat = tl.load(
+        QLat + b * stride_qlat_b + offs_h[:, None] * stride_qlat_h + offs_c[None, :], mask=mask_h[:, None] & mask_c[None, :], other=0.0
+    ).to(cache_dtype)
+    q_pe = tl.load(
+        QPe + b * stride_qpe_b + offs_h[:, None] * stride_qpe_h + offs_r[None, :], mask=mask_h[:, None] & mask_r[None, :], other=0.0
+    ).to(cache_dtype)
 
     # Online softmax in base 2: scores are pre-multiplied by scale * log2(e) and exp2 is used.
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -133,21 +166,39 @@ def _mla_decode_split_kernel(
     has_tokens = l_i > 0.0  # an empty split (short context) leaves l_i == 0
     acc = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     if DIRECT_OUT:
-        tl.store(Out + b * stride_out_b + offs_h[:, None] * stride_out_h + offs_c[None, :],
-                 acc.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_c[None, :])
+        tl.store(
+            Out + b * stride_out_b + offs_h[:, None] * stride_out_h + offs_c[None, :],
+            acc.to(Out.dtype.element_ty),
+            mask=mask_h[:, None] & mask_c[None, :],
+        )
     else:
         lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-        tl.store(PartOut + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_c[None, :],
-                 acc, mask=mask_h[:, None] & mask_c[None, :])
+        tl.store(
+            PartOut + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_c[None, :],
+            acc,
+            mask=mask_h[:, None] & mask_c[None, :],
+        )
         tl.store(PartLse + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=mask_h)
 
 
 @triton.jit
 def _mla_decode_merge_kernel(
-    PartOut, PartLse, Out,
-    stride_po_b, stride_po_h, stride_po_s, stride_pl_b, stride_pl_h, stride_out_b, stride_out_h,
-    ContextLens, num_splits,
-    LK: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
+    PartOut,
+    PartLse,
+    Out,
+    stride_po_b,
+    stride_po_h,
+    stride_po_s,
+    stride_pl_b,
+    stride_pl_h,
+    stride_out_b,
+    stride_out_h,
+    ContextLens,
+    num_splits,
+    LK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     """One program per (sequence, head, BLOCK_C latent columns): merge the splits that hold
@@ -171,8 +222,11 @@ def _mla_decode_merge_kernel(
         offs = s0 + tl.arange(0, CHUNK)
         lse = tl.load(lse_row + offs, mask=offs < used, other=float("-inf"))
         w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)  # an empty split weighs nothing
-        part = tl.load(PartOut + b * stride_po_b + h * stride_po_h + offs[:, None] * stride_po_s + offs_c[None, :],
-                       mask=(w > 0.0)[:, None] & mask_c[None, :], other=0.0)
+        part = tl.load(
+            PartOut + b * stride_po_b + h * stride_po_h + offs[:, None] * stride_po_s + offs_c[None, :],
+            mask=(w > 0.0)[:, None] & mask_c[None, :],
+            other=0.0,
+        )
         acc += w[:, None] * part
         total += w
     out = tl.sum(acc, axis=0)
@@ -221,9 +275,18 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_table: torch.Tensor,
-               context_lens: torch.Tensor, page_size: int, scale: float, num_kv_splits: int | None = None,
-               max_context_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+def mla_decode(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    page_table: torch.Tensor,
+    context_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    num_kv_splits: int | None = None,
+    max_context_len: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Paged MLA decode over the latent cache.
 
     q_latent: [B, H, Lk] (``q_nope`` absorbed through ``w_uk``); q_pe: [B, H, R];
@@ -263,29 +326,71 @@ def mla_decode(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, 
 
     block_lk, block_r = pow2_at_least(Lk), pow2_at_least(R)
     _mla_decode_split_kernel[(B, head_blocks, num_kv_splits)](
-        q_latent, q_pe, cache, page_table, context_lens, out, part_out, part_lse,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1),
-        cache.stride(0), page_table.stride(0),
-        out.stride(0), out.stride(1),
-        *po_strides, *pl_strides,
-        H, page_size, num_kv_splits, scale * LOG2E,
-        LK=Lk, R=R, BLOCK_LK=block_lk, BLOCK_R=block_r, BLOCK_H=block_h, BLOCK_N=cfg["BLOCK_N"],
-        DIRECT_OUT=direct, **dot_args(cache.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q_latent,
+        q_pe,
+        cache,
+        page_table,
+        context_lens,
+        out,
+        part_out,
+        part_lse,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        *po_strides,
+        *pl_strides,
+        H,
+        page_size,
+        num_kv_splits,
+        scale * LOG2E,
+        LK=Lk,
+        R=R,
+        BLOCK_LK=block_lk,
+        BLOCK_R=block_r,
+        BLOCK_H=block_h,
+        BLOCK_N=cfg["BLOCK_N"],
+        DIRECT_OUT=direct,
+        **dot_args(cache.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     if not direct:
         block_c = min(128, block_lk)
         _mla_decode_merge_kernel[(B, H, triton.cdiv(Lk, block_c))](
-            part_out, part_lse, out, *po_strides, *pl_strides, out.stride(0), out.stride(1),
-            context_lens, num_kv_splits, LK=Lk, BLOCK_C=block_c, BLOCK_N=cfg["BLOCK_N"],
-            BLOCK_S=triton.next_power_of_2(num_kv_splits), CHUNK=8, num_warps=4,
+            part_out,
+            part_lse,
+            out,
+            *po_strides,
+            *pl_strides,
+            out.stride(0),
+            out.stride(1),
+            context_lens,
+            num_kv_splits,
+            LK=Lk,
+            BLOCK_C=block_c,
+            BLOCK_N=cfg["BLOCK_N"],
+            BLOCK_S=triton.next_power_of_2(num_kv_splits),
+            CHUNK=8,
+            num_warps=4,
         )
     return out
 
 
-def mla_prefix_absorbed_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor,
-                            page_tables: torch.Tensor, cu_q: torch.Tensor, prefix_lens: torch.Tensor,
-                            page_size: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_prefix_absorbed_ref(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    cu_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`mla_prefix_absorbed`: one row at a time, fp32."""
     Lk = q_latent.shape[-1]
     out = q_latent.new_zeros(q_latent.shape, dtype=torch.float32)
@@ -297,8 +402,9 @@ def mla_prefix_absorbed_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: t
         pos = torch.arange(P, device=cache.device)
         c = cache[page_tables[e, pos // page_size].long() * page_size + pos % page_size].float()
         q = slice(cq[e], cq[e + 1])
-        scores = (torch.einsum("thc,lc->thl", q_latent[q].float(), c[:, :Lk])
-                  + torch.einsum("thr,lr->thl", q_pe[q].float(), c[:, Lk:])) * scale
+        scores = (
+            torch.einsum("thc,lc->thl", q_latent[q].float(), c[:, :Lk]) + torch.einsum("thr,lr->thl", q_pe[q].float(), c[:, Lk:])
+        ) * scale
         lse[q] = torch.logsumexp(scores, dim=-1) * LOG2E
         out[q] = torch.softmax(scores, dim=-1) @ c[:, :Lk]
     return out, lse
@@ -306,12 +412,37 @@ def mla_prefix_absorbed_ref(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: t
 
 @triton.jit
 def _mla_prefix_absorbed_kernel(
-    QLat, QPe, Cache, PageTable, CuQ, PrefixLens, PartOut, PartLse,
-    stride_qlat_t, stride_qlat_h, stride_qpe_t, stride_qpe_h, stride_cache, stride_pt_b,
-    stride_po_s, stride_po_t, stride_po_h, stride_pl_s, stride_pl_t,
-    num_heads, page_size, num_splits, qk_scale_log2,
-    LK: tl.constexpr, R: tl.constexpr, BLOCK_LK: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    QLat,
+    QPe,
+    Cache,
+    PageTable,
+    CuQ,
+    PrefixLens,
+    PartOut,
+    PartLse,
+    stride_qlat_t,
+    stride_qlat_h,
+    stride_qpe_t,
+    stride_qpe_h,
+    stride_cache,
+    stride_pt_b,
+    stride_po_s,
+    stride_po_t,
+    stride_po_h,
+    stride_pl_s,
+    stride_pl_t,
+    num_heads,
+    page_size,
+    num_splits,
+    qk_scale_log2,
+    LK: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_LK: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     """One program per (extend row, block of BLOCK_ROWS (token, head) pairs of it, split of its
     prefix). Every query of a row sees the whole prefix, so the row's tokens x heads are packed
@@ -338,10 +469,16 @@ def _mla_prefix_absorbed_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     cache_dtype = Cache.dtype.element_ty
-    q_lat = tl.load(QLat + tok[:, None] * stride_qlat_t + head[:, None] * stride_qlat_h + offs_c[None, :],
-                    mask=mask_row[:, None] & mask_c[None, :], other=0.0).to(cache_dtype)
-    q_pe = tl.load(QPe + tok[:, None] * stride_qpe_t + head[:, None] * stride_qpe_h + offs_r[None, :],
-                   mask=mask_row[:, None] & mask_r[None, :], other=0.0).to(cache_dtype)
+    q_lat = tl.load(
+        QLat + tok[:, None] * stride_qlat_t + head[:, None] * stride_qlat_h + offs_c[None, :],
+        mask=mask_row[:, None] & mask_c[None, :],
+        other=0.0,
+    ).to(cache_dtype)
+    q_pe = tl.load(
+        QPe + tok[:, None] * stride_qpe_t + head[:, None] * stride_qpe_h + offs_r[None, :],
+        mask=mask_row[:, None] & mask_r[None, :],
+        other=0.0,
+    ).to(cache_dtype)
 
     m_i = tl.full([BLOCK_ROWS], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_ROWS], dtype=tl.float32)
@@ -369,8 +506,11 @@ def _mla_prefix_absorbed_kernel(
     has_tokens = l_i > 0.0  # an empty split leaves l_i == 0
     acc = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
     lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
-    tl.store(PartOut + split * stride_po_s + tok[:, None] * stride_po_t + head[:, None] * stride_po_h
-             + offs_c[None, :], acc, mask=mask_row[:, None] & mask_c[None, :])
+    tl.store(
+        PartOut + split * stride_po_s + tok[:, None] * stride_po_t + head[:, None] * stride_po_h + offs_c[None, :],
+        acc,
+        mask=mask_row[:, None] & mask_c[None, :],
+    )
     tl.store(PartLse + split * stride_pl_s + tok * stride_pl_t + head, lse, mask=mask_row)
 
 
@@ -387,10 +527,20 @@ def merge_split_lse(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[tor
     return out, top + torch.log2(total)
 
 
-def mla_prefix_absorbed(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, page_tables: torch.Tensor,
-                        cu_q: torch.Tensor, prefix_lens: torch.Tensor, page_size: int, scale: float,
-                        max_q_len: int, max_prefix_len: int, num_kv_splits: int | None = None,
-                        config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_prefix_absorbed(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    cu_q: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    page_size: int,
+    scale: float,
+    max_q_len: int,
+    max_prefix_len: int,
+    num_kv_splits: int | None = None,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend queries over their row's cached prefix, in the weight-absorbed latent form.
 
     q_latent: [T, H, Lk] (``q_nope @ w_uk``); q_pe: [T, H, R]; cache, page_size as
@@ -412,21 +562,50 @@ def mla_prefix_absorbed(q_latent: torch.Tensor, q_pe: torch.Tensor, cache: torch
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(E, row_blocks, max_prefix_len, q_latent.device)
     if not (T and E and max_prefix_len):
-        return (q_latent.new_zeros(T, H, Lk, dtype=torch.float32),
-                q_latent.new_full((T, H), float("-inf"), dtype=torch.float32))
+        return (q_latent.new_zeros(T, H, Lk, dtype=torch.float32), q_latent.new_full((T, H), float("-inf"), dtype=torch.float32))
     # every (split, token, head) is written: each token belongs to one row, each row to a program
     part_out = q_latent.new_empty(num_kv_splits, T, H, Lk, dtype=torch.float32)
     part_lse = q_latent.new_empty(num_kv_splits, T, H, dtype=torch.float32)
     _mla_prefix_absorbed_kernel[(E, row_blocks, num_kv_splits)](
-        q_latent, q_pe, cache, page_tables, cu_q, prefix_lens, part_out, part_lse,
-        q_latent.stride(0), q_latent.stride(1), q_pe.stride(0), q_pe.stride(1), cache.stride(0),
-        page_tables.stride(0), *part_out.stride()[:3], *part_lse.stride()[:2],
-        H, page_size, num_kv_splits, scale * LOG2E,
-        LK=Lk, R=R, BLOCK_LK=pow2_at_least(Lk), BLOCK_R=pow2_at_least(R), BLOCK_ROWS=block_rows,
-        BLOCK_N=cfg["BLOCK_N"], **dot_args(cache.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        q_latent,
+        q_pe,
+        cache,
+        page_tables,
+        cu_q,
+        prefix_lens,
+        part_out,
+        part_lse,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_pe.stride(0),
+        q_pe.stride(1),
+        cache.stride(0),
+        page_tables.stride(0),
+        *part_out.stride()[:3],
+        *part_lse.stride()[:2],
+        H,
+        page_size,
+        num_kv_splits,
+        scale * LOG2E,
+        LK=Lk,
+        R=R,
+        BLOCK_LK=pow2_at_least(Lk),
+        BLOCK_R=pow2_at_least(R),
+        BLOCK_ROWS=block_rows,
+        BLOCK_N=cfg["BLOCK_N"],
+        **dot_args(cache.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return merge_split_lse(part_out, part_lse)
 
 
-__all__ = ["mla_decode", "mla_decode_ref", "mla_prefix_absorbed", "mla_prefix_absorbed_ref", "merge_split_lse",
-           "default_num_kv_splits", "decode_config"]
+__all__ = [
+    "mla_decode",
+    "mla_decode_ref",
+    "mla_prefix_absorbed",
+    "mla_prefix_absorbed_ref",
+    "merge_split_lse",
+    "default_num_kv_splits",
+    "decode_config",
+]

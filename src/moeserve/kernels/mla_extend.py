@@ -38,8 +38,9 @@ from moeserve.kernels.utils import dot_args, interpreting, mma, pow2_at_least
 LOG2E = 1.4426950408889634
 
 
-def attention_lse_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                      scale: float, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def attention_lse_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float, causal: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference: one sequence at a time in fp32. Returns the output [T, H, Dv] (fp32) and each
     query's base-2 log-sum-exp [T, H] (-inf where it sees no key). ``causal=False``: every
     query sees every key of its sequence."""
@@ -47,7 +48,7 @@ def attention_lse_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     lse = q.new_full((q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32)
     cq, ck = cu_q.tolist(), cu_k.tolist()
     for b in range(len(cq) - 1):
-        qs, ks = q[cq[b]:cq[b + 1]].float(), k[ck[b]:ck[b + 1]].float()
+        qs, ks = q[cq[b] : cq[b + 1]].float(), k[ck[b] : ck[b + 1]].float()
         n, L = qs.shape[0], ks.shape[0]
         if n == 0 or L == 0:
             continue
@@ -56,25 +57,52 @@ def attention_lse_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
             q_pos = torch.arange(L - n, L, device=q.device)
             mask = torch.arange(L, device=q.device)[None, :] > q_pos[:, None]
             scores = scores.masked_fill(mask[None], float("-inf"))
-        lse[cq[b]:cq[b + 1]] = (torch.logsumexp(scores, dim=-1) * LOG2E).transpose(0, 1)
+        lse[cq[b] : cq[b + 1]] = (torch.logsumexp(scores, dim=-1) * LOG2E).transpose(0, 1)
         probs = torch.softmax(scores, dim=-1)
-        out[cq[b]:cq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v[ck[b]:ck[b + 1]].float())
+        out[cq[b] : cq[b + 1]] = torch.einsum("hqk,khd->qhd", probs, v[ck[b] : ck[b + 1]].float())
     return out, lse
 
 
-def mla_extend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-                   scale: float) -> torch.Tensor:
+def mla_extend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float) -> torch.Tensor:
     """Reference of :func:`mla_extend` (causal, fp32 softmax), in q's dtype."""
     return attention_lse_ref(q, k, v, cu_q, cu_k, scale)[0].to(q.dtype)
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q_nope, q_rope, q_pos, KN, KR, V, k_start, n0, kv_end, h,
-                 stride_kn_t, stride_kn_h, stride_kr_t, stride_kr_h, stride_v_t, stride_v_h, qk_scale_log2,
-                 D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DV: tl.constexpr,
-                 BLOCK_NOPE: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr):
+def _attend_tile(
+    acc,
+    l_i,
+    m_i,
+    q_nope,
+    q_rope,
+    q_pos,
+    KN,
+    KR,
+    V,
+    k_start,
+    n0,
+    kv_end,
+    h,
+    stride_kn_t,
+    stride_kn_h,
+    stride_kr_t,
+    stride_kr_h,
+    stride_v_t,
+    stride_v_h,
+    qk_scale_log2,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
     """One BLOCK_N tile of keys/values folded into the online softmax. ``MASKED``: the tile may
     cross the causal diagonal (``CAUSAL``) or the end of the keys; otherwise every key is
     visible to every query of the block and no mask is computed at all."""
@@ -88,14 +116,18 @@ def _attend_tile(acc, l_i, m_i, q_nope, q_rope, q_pos, KN, KR, V, k_start, n0, k
     offs_dv = tl.arange(0, BLOCK_DV)
     # (offs < D) masks are all-true at real shapes, and Triton sees that they are constant
     # along d, so the loads stay vectorised; they matter only for tiny test head dims.
-    k_nope = tl.load(KN + rows[:, None] * stride_kn_t + h * stride_kn_h + offs_dn[None, :],
-                     mask=mask_n[:, None] & (offs_dn < D_NOPE)[None, :], other=0.0)
+    k_nope = tl.load(
+        KN + rows[:, None] * stride_kn_t + h * stride_kn_h + offs_dn[None, :], mask=mask_n[:, None] & (offs_dn < D_NOPE)[None, :], other=0.0
+    )
     s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     s = mma(q_nope, tl.trans(k_nope), s, DOT_PRECISION, DOT_UPCAST)
     if D_ROPE > 0:
         offs_dr = tl.arange(0, BLOCK_ROPE)
-        k_rope = tl.load(KR + rows[:, None] * stride_kr_t + h * stride_kr_h + offs_dr[None, :],
-                         mask=mask_n[:, None] & (offs_dr < D_ROPE)[None, :], other=0.0)
+        k_rope = tl.load(
+            KR + rows[:, None] * stride_kr_t + h * stride_kr_h + offs_dr[None, :],
+            mask=mask_n[:, None] & (offs_dr < D_ROPE)[None, :],
+            other=0.0,
+        )
         s = mma(q_rope, tl.trans(k_rope), s, DOT_PRECISION, DOT_UPCAST)
     s = s * qk_scale_log2
     if MASKED:
@@ -110,8 +142,9 @@ def _attend_tile(acc, l_i, m_i, q_nope, q_rope, q_pos, KN, KR, V, k_start, n0, k
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    v = tl.load(V + rows[:, None] * stride_v_t + h * stride_v_h + offs_dv[None, :],
-                mask=mask_n[:, None] & (offs_dv < DV)[None, :], other=0.0)
+    v = tl.load(
+        V + rows[:, None] * stride_v_t + h * stride_v_h + offs_dv[None, :], mask=mask_n[:, None] & (offs_dv < DV)[None, :], other=0.0
+    )
     acc = acc * alpha[:, None]
     acc = mma(p.to(v.dtype), v, acc, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_new
@@ -119,14 +152,42 @@ def _attend_tile(acc, l_i, m_i, q_nope, q_rope, q_pos, KN, KR, V, k_start, n0, k
 
 @triton.jit
 def _mla_extend_kernel(
-    QN, QR, KN, KR, V, Out, Lse, CuQ, CuK,
-    stride_qn_t, stride_qn_h, stride_qr_t, stride_qr_h, stride_kn_t, stride_kn_h, stride_kr_t, stride_kr_h,
-    stride_v_t, stride_v_h, stride_o_t, stride_o_h, stride_lse_t, stride_lse_h,
+    QN,
+    QR,
+    KN,
+    KR,
+    V,
+    Out,
+    Lse,
+    CuQ,
+    CuK,
+    stride_qn_t,
+    stride_qn_h,
+    stride_qr_t,
+    stride_qr_h,
+    stride_kn_t,
+    stride_kn_h,
+    stride_kr_t,
+    stride_kr_h,
+    stride_v_t,
+    stride_v_h,
+    stride_o_t,
+    stride_o_h,
+    stride_lse_t,
+    stride_lse_h,
     qk_scale_log2,
-    D_NOPE: tl.constexpr, D_ROPE: tl.constexpr, DV: tl.constexpr,
-    BLOCK_NOPE: tl.constexpr, BLOCK_ROPE: tl.constexpr, BLOCK_DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_UPCAST: tl.constexpr,
+    D_NOPE: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_NOPE: tl.constexpr,
+    BLOCK_ROPE: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
 ):
     """``CAUSAL``: write the block's output (and its lse if ``STORE_LSE``). Otherwise (prefix
     merge): every key is visible, and the result is merged into ``Out`` / ``Lse`` in place."""
@@ -161,12 +222,16 @@ def _mla_extend_kernel(
     offs_dn = tl.arange(0, BLOCK_NOPE)
     offs_dv = tl.arange(0, BLOCK_DV)
     tok = (q_start + offs_m).to(tl.int64)
-    q_nope = tl.load(QN + tok[:, None] * stride_qn_t + h * stride_qn_h + offs_dn[None, :],
-                     mask=mask_m[:, None] & (offs_dn < D_NOPE)[None, :], other=0.0)
+    q_nope = tl.load(
+        QN + tok[:, None] * stride_qn_t + h * stride_qn_h + offs_dn[None, :], mask=mask_m[:, None] & (offs_dn < D_NOPE)[None, :], other=0.0
+    )
     if D_ROPE > 0:
         offs_dr = tl.arange(0, BLOCK_ROPE)
-        q_rope = tl.load(QR + tok[:, None] * stride_qr_t + h * stride_qr_h + offs_dr[None, :],
-                         mask=mask_m[:, None] & (offs_dr < D_ROPE)[None, :], other=0.0)
+        q_rope = tl.load(
+            QR + tok[:, None] * stride_qr_t + h * stride_qr_h + offs_dr[None, :],
+            mask=mask_m[:, None] & (offs_dr < D_ROPE)[None, :],
+            other=0.0,
+        )
     else:
         q_rope = q_nope  # unused
 
@@ -174,15 +239,75 @@ def _mla_extend_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     for n0 in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q_nope, q_rope, q_pos, KN, KR, V, k_start, n0, kv_end, h,
-                                     stride_kn_t, stride_kn_h, stride_kr_t, stride_kr_h, stride_v_t, stride_v_h,
-                                     qk_scale_log2, D_NOPE, D_ROPE, DV, BLOCK_NOPE, BLOCK_ROPE, BLOCK_DV,
-                                     BLOCK_M, BLOCK_N, False, CAUSAL, DOT_PRECISION, DOT_UPCAST)
+        acc, l_i, m_i = _attend_tile(
+            acc,
+            l_i,
+            m_i,
+            q_nope,
+            q_rope,
+            q_pos,
+            KN,
+            KR,
+            V,
+            k_start,
+            n0,
+            kv_end,
+            h,
+            stride_kn_t,
+            stride_kn_h,
+            stride_kr_t,
+            stride_kr_h,
+            stride_v_t,
+            stride_v_h,
+            qk_scale_log2,
+            D_NOPE,
+            D_ROPE,
+            DV,
+            BLOCK_NOPE,
+            BLOCK_ROPE,
+            BLOCK_DV,
+            BLOCK_M,
+            BLOCK_N,
+            False,
+            CAUSAL,
+            DOT_PRECISION,
+            DOT_UPCAST,
+        )
     for n0 in range(full_end, kv_end, BLOCK_N):
-        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q_nope, q_rope, q_pos, KN, KR, V, k_start, n0, kv_end, h,
-                                     stride_kn_t, stride_kn_h, stride_kr_t, stride_kr_h, stride_v_t, stride_v_h,
-                                     qk_scale_log2, D_NOPE, D_ROPE, DV, BLOCK_NOPE, BLOCK_ROPE, BLOCK_DV,
-                                     BLOCK_M, BLOCK_N, True, CAUSAL, DOT_PRECISION, DOT_UPCAST)
+        acc, l_i, m_i = _attend_tile(
+            acc,
+            l_i,
+            m_i,
+            q_nope,
+            q_rope,
+            q_pos,
+            KN,
+            KR,
+            V,
+            k_start,
+            n0,
+            kv_end,
+            h,
+            stride_kn_t,
+            stride_kn_h,
+            stride_kr_t,
+            stride_kr_h,
+            stride_v_t,
+            stride_v_h,
+            qk_scale_log2,
+            D_NOPE,
+            D_ROPE,
+            DV,
+            BLOCK_NOPE,
+            BLOCK_ROPE,
+            BLOCK_DV,
+            BLOCK_M,
+            BLOCK_N,
+            True,
+            CAUSAL,
+            DOT_PRECISION,
+            DOT_UPCAST,
+        )
 
     o_ptrs = Out + tok[:, None] * stride_o_t + h * stride_o_h + offs_dv[None, :]
     o_mask = mask_m[:, None] & (offs_dv < DV)[None, :]
@@ -237,9 +362,21 @@ def _head_strides(t: torch.Tensor) -> tuple[int, int]:
     return (t.stride(0), 0) if t.dim() == 2 else (t.stride(0), t.stride(1))
 
 
-def _launch(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor, v: torch.Tensor,
-            out: torch.Tensor, lse: torch.Tensor | None, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float,
-            max_q_len: int | None, causal: bool, config: dict | None) -> None:
+def _launch(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    max_q_len: int | None,
+    causal: bool,
+    config: dict | None,
+) -> None:
     T, H, d_nope = q_nope.shape
     d_rope, dv = q_pe.shape[-1], v.shape[-1]
     assert k_nope.shape[1:] == (H, d_nope) and v.shape[:2] == k_nope.shape[:2], (q_nope.shape, k_nope.shape, v.shape)
@@ -254,21 +391,54 @@ def _launch(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe
     lse_arg, lse_strides = (lse, lse.stride()) if lse is not None else (out, (0, 0))
     grid = (triton.cdiv(max_q_len, cfg["BLOCK_M"]), H, B)
     _mla_extend_kernel[grid](
-        q_nope, q_pe, k_nope, k_pe, v, out, lse_arg, cu_q, cu_k,
-        *_head_strides(q_nope), *_head_strides(q_pe), *_head_strides(k_nope), *_head_strides(k_pe),
-        *_head_strides(v), out.stride(0), out.stride(1), *lse_strides,
+        q_nope,
+        q_pe,
+        k_nope,
+        k_pe,
+        v,
+        out,
+        lse_arg,
+        cu_q,
+        cu_k,
+        *_head_strides(q_nope),
+        *_head_strides(q_pe),
+        *_head_strides(k_nope),
+        *_head_strides(k_pe),
+        *_head_strides(v),
+        out.stride(0),
+        out.stride(1),
+        *lse_strides,
         scale * LOG2E,
-        D_NOPE=d_nope, D_ROPE=d_rope, DV=dv, BLOCK_NOPE=pow2_at_least(d_nope),
-        BLOCK_ROPE=pow2_at_least(d_rope), BLOCK_DV=pow2_at_least(dv),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], CAUSAL=causal, STORE_LSE=lse is not None,
-        **dot_args(q_nope.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        D_NOPE=d_nope,
+        D_ROPE=d_rope,
+        DV=dv,
+        BLOCK_NOPE=pow2_at_least(d_nope),
+        BLOCK_ROPE=pow2_at_least(d_rope),
+        BLOCK_DV=pow2_at_least(dv),
+        BLOCK_M=cfg["BLOCK_M"],
+        BLOCK_N=cfg["BLOCK_N"],
+        CAUSAL=causal,
+        STORE_LSE=lse is not None,
+        **dot_args(q_nope.dtype),
+        num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
 
 
-def mla_extend_split(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
-                     v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float,
-                     max_q_len: int | None = None, return_lse: bool = False, out_dtype: torch.dtype | None = None,
-                     config: dict | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def mla_extend_split(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    max_q_len: int | None = None,
+    return_lse: bool = False,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Causal ragged-batch attention with q and k in their two MLA parts.
 
     q_nope: [T, H, nope]; q_pe: [T, H, rope]; k_nope: [Tk, H, nope]; k_pe: [Tk, rope] (shared by
@@ -287,9 +457,20 @@ def mla_extend_split(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
     return (out, lse) if return_lse else out
 
 
-def mla_prefix_merge(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Tensor, k_pe: torch.Tensor,
-                     v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor, scale: float, out: torch.Tensor,
-                     lse: torch.Tensor, max_q_len: int | None = None, config: dict | None = None) -> None:
+def mla_prefix_merge(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    k_nope: torch.Tensor,
+    k_pe: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    max_q_len: int | None = None,
+    config: dict | None = None,
+) -> None:
     """Attend every query of sequence b to keys ``cu_k[b]:cu_k[b+1]`` (a piece of its cached
     prefix: all visible, no mask) and merge the result into ``out`` [T, H, Dv] (float32) and
     ``lse`` [T, H] (base 2) in place. A sequence with no keys in the piece is left as it was.
@@ -299,8 +480,16 @@ def mla_prefix_merge(q_nope: torch.Tensor, q_pe: torch.Tensor, k_nope: torch.Ten
     _launch(q_nope, q_pe, k_nope, k_pe, v, out, lse, cu_q, cu_k, scale, max_q_len, False, config)
 
 
-def mla_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
-               scale: float, max_q_len: int | None = None, config: dict | None = None) -> torch.Tensor:
+def mla_extend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    scale: float,
+    max_q_len: int | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
     """Causal ragged-batch attention (non-absorbed MLA prefill / extend) on whole heads.
 
     q: [T, H, Dqk]; k: [Tk, H, Dqk]; v: [Tk, H, Dv]; cu_q, cu_k: [B + 1] int32 offsets of each
@@ -311,9 +500,9 @@ def mla_extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Te
     Dqk = q.shape[-1]
     assert k.shape[1:] == q.shape[1:] and v.shape[:2] == k.shape[:2], (q.shape, k.shape, v.shape)
     head = min(split_head_dim(Dqk)[0], Dqk)
-    return mla_extend_split(q[..., :head], q[..., head:], k[..., :head], k[..., head:], v, cu_q, cu_k, scale,
-                            max_q_len=max_q_len, config=config)
+    return mla_extend_split(
+        q[..., :head], q[..., head:], k[..., :head], k[..., head:], v, cu_q, cu_k, scale, max_q_len=max_q_len, config=config
+    )
 
 
-__all__ = ["mla_extend", "mla_extend_split", "mla_prefix_merge", "mla_extend_ref", "attention_lse_ref",
-           "extend_config", "split_head_dim"]
+__all__ = ["mla_extend", "mla_extend_split", "mla_prefix_merge", "mla_extend_ref", "attention_lse_ref", "extend_config", "split_head_dim"]

@@ -76,8 +76,9 @@ def align_capacity(num_pairs: int, num_local_experts: int, block_m: int) -> int:
     return triton.cdiv(num_pairs + min(num_pairs, num_local_experts) * (block_m - 1), block_m) * block_m
 
 
-def align_pairs_by_expert_ref(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs_by_expert_ref(
+    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference (the module docstring has the contract): 37 aten ops, one a stable sort."""
     E = num_local_experts
     num_pairs = topk_ids.numel()
@@ -111,6 +112,7 @@ def align_pairs_by_expert_ref(topk_ids: torch.Tensor, num_local_experts: int, fi
 # Scratch (one int32 buffer, never initialised): table [NC, E] | offsets [NC, E] |
 # pad_start [E] | pad_end [E] | count [E] | rank [P].
 
+
 @triton.jit
 def _local_expert(Ids, offs, num_pairs, first_expert, num_experts):
     """(local expert, is a pair of this rank) of the pairs ``offs``."""
@@ -120,8 +122,7 @@ def _local_expert(Ids, offs, num_pairs, first_expert, num_experts):
 
 
 @triton.jit
-def _count_rank_kernel(Ids, Scratch, num_pairs, first_expert, num_experts, num_chunks, chunk,
-                       SUB_: tl.constexpr, BINS: tl.constexpr):
+def _count_rank_kernel(Ids, Scratch, num_pairs, first_expert, num_experts, num_chunks, chunk, SUB_: tl.constexpr, BINS: tl.constexpr):
     c = tl.program_id(0)
     start = c * chunk
     num_sub = tl.minimum(chunk, num_pairs - start + SUB_ - 1) // SUB_  # sub-blocks holding pairs
@@ -147,8 +148,7 @@ def _count_rank_kernel(Ids, Scratch, num_pairs, first_expert, num_experts, num_c
 
 
 @triton.jit
-def _prefix_kernel(Scratch, num_experts, num_chunks, BLOCK_M: tl.constexpr, CHUNKS_P: tl.constexpr,
-                   EXPERTS_B: tl.constexpr):
+def _prefix_kernel(Scratch, num_experts, num_chunks, BLOCK_M: tl.constexpr, CHUNKS_P: tl.constexpr, EXPERTS_B: tl.constexpr):
     table_size = num_chunks * num_experts
     Offsets = Scratch + table_size
     PadStart = Scratch + 2 * table_size
@@ -173,9 +173,24 @@ def _prefix_kernel(Scratch, num_experts, num_chunks, BLOCK_M: tl.constexpr, CHUN
 
 
 @triton.jit
-def _scatter_kernel(Ids, Scratch, SortedPairs, BlockExpert, num_pairs, first_expert, num_experts, num_chunks,
-                    chunk, num_blocks, SUB_: tl.constexpr, BLOCK_M: tl.constexpr, BINS: tl.constexpr,
-                    EXPERTS_B: tl.constexpr, BLOCKS: tl.constexpr, NO_RUN: tl.constexpr):
+def _scatter_kernel(
+    Ids,
+    Scratch,
+    SortedPairs,
+    BlockExpert,
+    num_pairs,
+    first_expert,
+    num_experts,
+    num_chunks,
+    chunk,
+    num_blocks,
+    SUB_: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BINS: tl.constexpr,
+    EXPERTS_B: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    NO_RUN: tl.constexpr,
+):
     pid = tl.program_id(0)
     table_size = num_chunks * num_experts
     PadStart = Scratch + 2 * table_size
@@ -209,12 +224,12 @@ def _scatter_kernel(Ids, Scratch, SortedPairs, BlockExpert, num_pairs, first_exp
         run_count = tl.load(Count + expert, mask=used & block_mask, other=0)  # 0 for unused: all padding
         rows = first_row[:, None] + in_block[None, :]
         padding = (rows - run_start[:, None]) >= run_count[:, None]
-        tl.store(SortedPairs + rows, tl.zeros([BLOCKS, BLOCK_M], dtype=tl.int32) + num_pairs,
-                 mask=padding & block_mask[:, None])
+        tl.store(SortedPairs + rows, tl.zeros([BLOCKS, BLOCK_M], dtype=tl.int32) + num_pairs, mask=padding & block_mask[:, None])
 
 
-def align_pairs_by_expert(topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs_by_expert(
+    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Group the flattened (token, k) pairs by local expert in ``block_m``-aligned runs: three
     Triton launches, no host sync (the module docstring has the contract and the kernels).
     Row for row equal to :func:`align_pairs_by_expert_ref`."""
@@ -225,8 +240,7 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_local_experts: int, first_
     capacity = align_capacity(P, E, block_m)
     num_blocks = capacity // block_m
     if P == 0:
-        return (torch.empty(0, dtype=torch.int32, device=device),
-                torch.empty(0, dtype=torch.int32, device=device))
+        return (torch.empty(0, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.int32, device=device))
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -243,15 +257,28 @@ def align_pairs_by_expert(topk_ids: torch.Tensor, num_local_experts: int, first_
     sorted_pairs, block_expert = out[:capacity], out[capacity:]
     scratch = torch.empty(2 * num_chunks * E + 3 * E + P, dtype=torch.int32, device=device)
 
-    _count_rank_kernel[(num_chunks,)](ids, scratch, P, first_expert, E, num_chunks, chunk,
-                                      SUB_=SUB, BINS=bins, num_warps=4)
-    _prefix_kernel[(1,)](scratch, E, num_chunks, BLOCK_M=block_m, CHUNKS_P=chunks_p, EXPERTS_B=experts_b,
-                         num_warps=8)
+    _count_rank_kernel[(num_chunks,)](ids, scratch, P, first_expert, E, num_chunks, chunk, SUB_=SUB, BINS=bins, num_warps=4)
+    _prefix_kernel[(1,)](scratch, E, num_chunks, BLOCK_M=block_m, CHUNKS_P=chunks_p, EXPERTS_B=experts_b, num_warps=8)
     grid = max(num_chunks, min(triton.cdiv(num_blocks, BLOCKS_PER_STEP), MAX_CHUNKS))
-    _scatter_kernel[(grid,)](ids, scratch, sorted_pairs, block_expert, P, first_expert, E, num_chunks, chunk,
-                             num_blocks, SUB_=SUB, BLOCK_M=block_m, BINS=bins, EXPERTS_B=min(bins, 128),
-                             BLOCKS=BLOCKS_PER_STEP, NO_RUN=INT32_MAX,
-                             num_warps=4)
+    _scatter_kernel[(grid,)](
+        ids,
+        scratch,
+        sorted_pairs,
+        block_expert,
+        P,
+        first_expert,
+        E,
+        num_chunks,
+        chunk,
+        num_blocks,
+        SUB_=SUB,
+        BLOCK_M=block_m,
+        BINS=bins,
+        EXPERTS_B=min(bins, 128),
+        BLOCKS=BLOCKS_PER_STEP,
+        NO_RUN=INT32_MAX,
+        num_warps=4,
+    )
     return sorted_pairs, block_expert
 
 

@@ -29,9 +29,27 @@ from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS  # T*K up to this uses the G
 
 
 @triton.jit
-def _gate_up_gemv(X, W13, SW13, Ids, Inter, first_expert, num_local, hidden, inter_size, shared_size,
-                  stride_x, stride_we, stride_wn, stride_sw, stride_i,
-                  TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gate_up_gemv(
+    X,
+    W13,
+    SW13,
+    Ids,
+    Inter,
+    first_expert,
+    num_local,
+    hidden,
+    inter_size,
+    shared_size,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_sw,
+    stride_i,
+    TOPK: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // (TOPK + SHARED_SLOTS)
@@ -60,16 +78,34 @@ def _gate_up_gemv(X, W13, SW13, Ids, Inter, first_expert, num_local, hidden, int
         x = tl.load(X + token * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         m = mask_n[:, None] & mask_k[None, :]
         gate += tl.sum(tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
-        up += tl.sum(tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :],
-                     axis=1)
+        up += tl.sum(tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :], axis=1)
     act = gate / (1.0 + tl.exp(-gate)) * up  # zero past ``rows``: the down kernel may read it
     tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
 
 
 @triton.jit
-def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidden, shared_size,
-               stride_i, stride_we, stride_wh, stride_sw, stride_o, INTER: tl.constexpr,
-               TOPK: tl.constexpr, SHARED_SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_gemv(
+    Inter,
+    W2,
+    SW2,
+    Ids,
+    Weights,
+    Out,
+    first_expert,
+    num_local,
+    hidden,
+    shared_size,
+    stride_i,
+    stride_we,
+    stride_wh,
+    stride_sw,
+    stride_o,
+    INTER: tl.constexpr,
+    TOPK: tl.constexpr,
+    SHARED_SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # Slots and K chunks are both unrolled (INTER is a compile-time constant), so the loads of
     # every slot are independent instructions the compiler can issue ahead of the arithmetic:
     # at one token each program has little else to hide memory latency with.
@@ -106,15 +142,22 @@ def _down_gemv(Inter, W2, SW2, Ids, Weights, Out, first_expert, num_local, hidde
 # 4 x 512 with 8 warps at one token (49 us a layer against 73.5 us for the unfused layout and a
 # 33 us bound), 32 x 512 with 4 warps at four (117 us against 145 us).
 GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 128, "num_warps": 8}
-DOWN_CONFIGS = {1: {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8},
-                2: {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}}
+DOWN_CONFIGS = {1: {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 8}, 2: {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 4}}
 DOWN_CONFIG_MORE = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 4}
 
 
-def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-             topk_ids: torch.Tensor, first_expert: int, shared_w13: torch.Tensor | None = None,
-             shared_w2: torch.Tensor | None = None, gate_up_config: dict | None = None,
-             down_config: dict | None = None) -> torch.Tensor:
+def moe_gemv(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    gate_up_config: dict | None = None,
+    down_config: dict | None = None,
+) -> torch.Tensor:
     """``moe_experts_ref`` for small T*K (see ``GEMV_MAX_PAIRS``), plus the shared experts'
     output when their weights are given: ``shared_w13`` [2 * Is, hidden] (gate rows then up
     rows, as ``DenseMLP.gate_up_proj``) and ``shared_w2`` [hidden, Is]."""
@@ -140,13 +183,46 @@ def moe_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     weights = topk_weights.reshape(-1).contiguous()
     inter = torch.empty(T * slots, inter_size, dtype=x.dtype, device=x.device)
     _gate_up_gemv[(T * slots, triton.cdiv(inter_size, gu["BLOCK_N"]))](
-        x, w13, sw13, ids, inter, first_expert, E, hidden, inter_size, shared_size,
-        x.stride(0), w13.stride(0), w13.stride(1), sw13.stride(0), inter.stride(0),
-        TOPK=K, SHARED_SLOTS=shared_slots, **gu)
+        x,
+        w13,
+        sw13,
+        ids,
+        inter,
+        first_expert,
+        E,
+        hidden,
+        inter_size,
+        shared_size,
+        x.stride(0),
+        w13.stride(0),
+        w13.stride(1),
+        sw13.stride(0),
+        inter.stride(0),
+        TOPK=K,
+        SHARED_SLOTS=shared_slots,
+        **gu,
+    )
     _down_gemv[(T, triton.cdiv(hidden, dn["BLOCK_N"]))](
-        inter, w2, sw2, ids, weights, out, first_expert, E, hidden, shared_size,
-        inter.stride(0), w2.stride(0), w2.stride(1), sw2.stride(0), out.stride(0), INTER=inter_size,
-        TOPK=K, SHARED_SLOTS=shared_slots, **dn)
+        inter,
+        w2,
+        sw2,
+        ids,
+        weights,
+        out,
+        first_expert,
+        E,
+        hidden,
+        shared_size,
+        inter.stride(0),
+        w2.stride(0),
+        w2.stride(1),
+        sw2.stride(0),
+        out.stride(0),
+        INTER=inter_size,
+        TOPK=K,
+        SHARED_SLOTS=shared_slots,
+        **dn,
+    )
     return out
 
 

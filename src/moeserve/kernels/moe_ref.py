@@ -11,8 +11,9 @@ import torch.nn.functional as F
 from moeserve.kernels.limits import GEMV_MAX_PAIRS  # noqa: F401 - re-exported
 
 
-def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                    topk_ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+def moe_experts_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int
+) -> torch.Tensor:
     """Reference routed-expert computation over this rank's experts.
 
     x: [T, hidden]; w13: [E_local, 2 * I_local, hidden] (gate rows then up rows);
@@ -21,8 +22,9 @@ def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     return moe_experts_by_expert(x, lambda e: (w13[e], w2[e]), w13.shape[0], topk_weights, topk_ids, first_expert)
 
 
-def moe_experts_by_expert(x: torch.Tensor, expert_weights, num_local: int, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor, first_expert: int) -> torch.Tensor:
+def moe_experts_by_expert(
+    x: torch.Tensor, expert_weights, num_local: int, topk_weights: torch.Tensor, topk_ids: torch.Tensor, first_expert: int
+) -> torch.Tensor:
     """``moe_experts_ref`` with each chosen expert's ``(w13, w2)`` from ``expert_weights(e)``:
     quantized formats dequantize one expert at a time, so the temporary is one expert's size."""
     out = torch.zeros_like(x)

@@ -23,18 +23,26 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * h.to(x.dtype)
 
 
-def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     new_residual = x + residual
     return rmsnorm_ref(new_residual, weight, eps), new_residual
 
 
 @triton.jit
 def _rmsnorm_kernel(
-    X, Residual, Weight, Out, ResidualOut,
-    stride_x, stride_r, stride_o, stride_ro,
-    n_cols, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    X,
+    Residual,
+    Weight,
+    Out,
+    ResidualOut,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -52,8 +60,7 @@ def _rmsnorm_kernel(
     tl.store(Out + row * stride_o + offs, (w * h).to(Out.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     shape = x.shape
     n = shape[-1]
     assert weight.shape == (n,) and weight.is_contiguous()
@@ -72,9 +79,20 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         # Enough warps that each thread holds a few 16-byte vectors of the row, no more.
         num_warps = min(max(block * x.element_size() // 512, 1), 16)
         _rmsnorm_kernel[(rows,)](
-            x2, r2, weight, out, new_res,
-            x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0),
-            n, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            x2,
+            r2,
+            weight,
+            out,
+            new_res,
+            x2.stride(0),
+            r2.stride(0),
+            out.stride(0),
+            new_res.stride(0),
+            n,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=num_warps,
         )
     return out.view(shape), (new_res.view(shape) if residual is not None else None)
 
@@ -84,8 +102,7 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return _launch(x, None, weight, eps)[0]
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns ``(rmsnorm(x + residual) * weight, x + residual)``; inputs are not modified."""
     normed, new_residual = _launch(x, residual, weight, eps)
     return normed, new_residual

@@ -23,11 +23,33 @@ MAX_BLOCK_L = 512  # the latent is written in blocks of at most this many elemen
 
 
 @triton.jit
-def _rope_cache_kernel(QPe, KPe, Latent, NormW, Cos, Sin, Cache, Slots, QOut,
-                       stride_qt, stride_qh, stride_kt, stride_lt, stride_ct, stride_cs, stride_ot, stride_oh,
-                       num_heads, kv_lora_rank, eps,
-                       HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_L: tl.constexpr, INTERLEAVE: tl.constexpr,
-                       NORM: tl.constexpr):
+def _rope_cache_kernel(
+    QPe,
+    KPe,
+    Latent,
+    NormW,
+    Cos,
+    Sin,
+    Cache,
+    Slots,
+    QOut,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_lt,
+    stride_ct,
+    stride_cs,
+    stride_ot,
+    stride_oh,
+    num_heads,
+    kv_lora_rank,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_L: tl.constexpr,
+    INTERLEAVE: tl.constexpr,
+    NORM: tl.constexpr,
+):
     t = tl.program_id(0).to(tl.int64)
     i = tl.arange(0, HALF)
     if INTERLEAVE:
@@ -74,9 +96,18 @@ def _rope_cache_kernel(QPe, KPe, Latent, NormW, Cos, Sin, Cache, Slots, QOut,
     tl.store(o + HALF + i[None, :], (q2 * cos[None, :] + q1 * sin[None, :]).to(QOut.dtype.element_ty), mask=mh)
 
 
-def rope_and_cache(q_pe: torch.Tensor, k_pe: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, interleave: bool,
-                   norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> torch.Tensor:
+def rope_and_cache(
+    q_pe: torch.Tensor,
+    k_pe: torch.Tensor,
+    latent: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    interleave: bool,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """q_pe [T, H, R], k_pe [T, R], latent [T, Lk] (views are fine: last dim contiguous),
     cos/sin [T, R/2], cache [num_slots, Lk + R], slots [T] -> rotated q_pe [T, H, R]; the
     latent and rotated key are written to ``cache[slots]``. With ``norm_weight`` [Lk] the
@@ -93,11 +124,33 @@ def rope_and_cache(q_pe: torch.Tensor, k_pe: torch.Tensor, latent: torch.Tensor,
     if T == 0:
         return out
     _rope_cache_kernel[(T,)](
-        q_pe, k_pe, latent, latent if norm_weight is None else norm_weight, cos, sin, cache, slots, out,
-        q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), latent.stride(0), cos.stride(0), cache.stride(0),
-        out.stride(0), out.stride(1), H, Lk, eps,
-        HALF=half, BLOCK_H=triton.next_power_of_2(H), BLOCK_L=min(triton.next_power_of_2(Lk), MAX_BLOCK_L),
-        INTERLEAVE=interleave, NORM=norm_weight is not None, num_warps=4)
+        q_pe,
+        k_pe,
+        latent,
+        latent if norm_weight is None else norm_weight,
+        cos,
+        sin,
+        cache,
+        slots,
+        out,
+        q_pe.stride(0),
+        q_pe.stride(1),
+        k_pe.stride(0),
+        latent.stride(0),
+        cos.stride(0),
+        cache.stride(0),
+        out.stride(0),
+        out.stride(1),
+        H,
+        Lk,
+        eps,
+        HALF=half,
+        BLOCK_H=triton.next_power_of_2(H),
+        BLOCK_L=min(triton.next_power_of_2(Lk), MAX_BLOCK_L),
+        INTERLEAVE=interleave,
+        NORM=norm_weight is not None,
+        num_warps=4,
+    )
     return out
 
 
@@ -110,7 +163,7 @@ def selfcheck(device: torch.device) -> bool:
     T, H, R, L = 3, 2, 8, 24
     q = torch.randn(T, H, R, generator=g).to(device)
     kv = torch.randn(T, 40 + L + R, generator=g).to(device)  # strided rows, as a split of the projection
-    lat, k = kv[:, 40:40 + L], kv[:, 40 + L:]
+    lat, k = kv[:, 40 : 40 + L], kv[:, 40 + L :]
     w = (torch.rand(L, generator=g) + 0.5).to(device)
     cos, sin = (torch.rand(T, R // 2, generator=g).to(device) for _ in range(2))
     cache = torch.zeros(8, L + R, device=device)
@@ -118,5 +171,4 @@ def selfcheck(device: torch.device) -> bool:
     out = rope_and_cache(q, k, lat, cos, sin, cache, slots, False, norm_weight=w, eps=1e-6)
     ref_cache = torch.cat([rmsnorm_ref(lat, w, 1e-6), apply_rope(k, cos, sin, False)], dim=-1)
     ref_q = apply_rope(q, cos[:, None], sin[:, None], False)
-    return all(torch.allclose(a.cpu(), b.cpu(), atol=1e-4, rtol=1e-4)
-               for a, b in ((out, ref_q), (cache[slots], ref_cache)))
+    return all(torch.allclose(a.cpu(), b.cpu(), atol=1e-4, rtol=1e-4) for a, b in ((out, ref_q), (cache[slots], ref_cache)))

@@ -27,19 +27,35 @@ from moeserve.kernels.utils import num_sms
 
 
 @triton.jit
-def _route_row(Logits, Bias, OutW, OutIds, row, stride_l, scaling,
-               E: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
-               TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
-               SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, MASK_NEG_INF: tl.constexpr,
-               NORM: tl.constexpr):
+def _route_row(
+    Logits,
+    Bias,
+    OutW,
+    OutIds,
+    row,
+    stride_l,
+    scaling,
+    E: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    MASK_NEG_INF: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Route token ``row`` (int64) from its logits. The loads skip L1 (``.cg``): in the fused
     kernel other SMs wrote these logits during this launch, and L1 is not coherent."""
     g = tl.arange(0, BLOCK_G)
     j = tl.arange(0, BLOCK_S)
     valid = (g[:, None] < N_GROUP) & (j[None, :] < GROUP_SIZE)
     expert = g[:, None] * GROUP_SIZE + j[None, :]
-    logits = tl.load(Logits + row * stride_l + expert, mask=valid, other=float("-inf"),
-                     cache_modifier=".cg").to(tl.float32)
+    logits = tl.load(Logits + row * stride_l + expert, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
     if SIGMOID:
         scores = 1.0 / (1.0 + tl.exp(-logits))
     else:
@@ -90,34 +106,87 @@ def _route_row(Logits, Bias, OutW, OutIds, row, stride_l, scaling,
 
 
 @triton.jit
-def _route_kernel(Logits, Bias, OutW, OutIds, stride_l, scaling, E: tl.constexpr, N_GROUP: tl.constexpr,
-                  GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr,
-                  GROUP_TOP2: tl.constexpr, MASK_NEG_INF: tl.constexpr, NORM: tl.constexpr):
-    _route_row(Logits, Bias, OutW, OutIds, tl.program_id(0).to(tl.int64), stride_l, scaling,
-               E, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOPK, BLOCK_TOPK, BLOCK_G, BLOCK_S,
-               SIGMOID, HAS_BIAS, GROUP_TOP2, MASK_NEG_INF, NORM)
+def _route_kernel(
+    Logits,
+    Bias,
+    OutW,
+    OutIds,
+    stride_l,
+    scaling,
+    E: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    MASK_NEG_INF: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    _route_row(
+        Logits,
+        Bias,
+        OutW,
+        OutIds,
+        tl.program_id(0).to(tl.int64),
+        stride_l,
+        scaling,
+        E,
+        N_GROUP,
+        GROUP_SIZE,
+        TOPK_GROUP,
+        TOPK,
+        BLOCK_TOPK,
+        BLOCK_G,
+        BLOCK_S,
+        SIGMOID,
+        HAS_BIAS,
+        GROUP_TOP2,
+        MASK_NEG_INF,
+        NORM,
+    )
 
 
-def _route_meta(E: int, has_bias: bool, top_k: int, n_group: int, topk_group: int, scoring: str, method: str,
-                norm_topk_prob: bool) -> dict:
+def _route_meta(E: int, has_bias: bool, top_k: int, n_group: int, topk_group: int, scoring: str, method: str, norm_topk_prob: bool) -> dict:
     """The compile-time arguments of :func:`_route_row` for one model's routing."""
     grouped = method in ("noaux_tc", "group_limited_greedy") and topk_group < n_group
     groups, size = (n_group, E // n_group) if grouped else (1, E)
-    return {"E": E, "N_GROUP": groups, "GROUP_SIZE": size, "TOPK_GROUP": topk_group if grouped else groups,
-            "TOPK": top_k, "BLOCK_TOPK": triton.next_power_of_2(top_k), "BLOCK_G": triton.next_power_of_2(groups),
-            "BLOCK_S": triton.next_power_of_2(size), "SIGMOID": scoring == "sigmoid", "HAS_BIAS": has_bias,
-            "GROUP_TOP2": method == "noaux_tc", "MASK_NEG_INF": method == "noaux_tc",
-            "NORM": bool(norm_topk_prob and top_k > 1)}
+    return {
+        "E": E,
+        "N_GROUP": groups,
+        "GROUP_SIZE": size,
+        "TOPK_GROUP": topk_group if grouped else groups,
+        "TOPK": top_k,
+        "BLOCK_TOPK": triton.next_power_of_2(top_k),
+        "BLOCK_G": triton.next_power_of_2(groups),
+        "BLOCK_S": triton.next_power_of_2(size),
+        "SIGMOID": scoring == "sigmoid",
+        "HAS_BIAS": has_bias,
+        "GROUP_TOP2": method == "noaux_tc",
+        "MASK_NEG_INF": method == "noaux_tc",
+        "NORM": bool(norm_topk_prob and top_k > 1),
+    }
 
 
 def _route_outputs(T: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(T, top_k, dtype=torch.float32, device=device),
-            torch.empty(T, top_k, dtype=torch.int64, device=device))
+    return (torch.empty(T, top_k, dtype=torch.float32, device=device), torch.empty(T, top_k, dtype=torch.int64, device=device))
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
-          scoring: str, method: str, norm_topk_prob: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring: str,
+    method: str,
+    norm_topk_prob: bool,
+    scaling: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [T, E]`` float32 -> (weights [T, top_k] float32, ids [T, top_k] int64), as
     ``Router.forward`` computes them (see its docstring for the methods)."""
     T, E = logits.shape
@@ -126,17 +195,37 @@ def route(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: 
     if T == 0:
         return weights, ids
     _route_kernel[(T,)](
-        logits, bias if bias is not None else logits, weights, ids, logits.stride(0), float(scaling),
+        logits,
+        bias if bias is not None else logits,
+        weights,
+        ids,
+        logits.stride(0),
+        float(scaling),
         **_route_meta(E, bias is not None, top_k, n_group, topk_group, scoring, method, norm_topk_prob),
-        num_warps=4)
+        num_warps=4,
+    )
     return weights, ids
 
 
 # ---- logits: F.linear(x.float(), weight) ----
 
+
 @triton.jit
-def _logits_tile(X, W, t0, e0, T, stride_x, stride_w, E: tl.constexpr, H: tl.constexpr,
-                 BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+def _logits_tile(
+    X,
+    W,
+    t0,
+    e0,
+    T,
+    stride_x,
+    stride_w,
+    E: tl.constexpr,
+    H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
     """fp32 ``x[t0:t0+BLOCK_T] @ w[e0:e0+BLOCK_E].T`` -> [BLOCK_T, BLOCK_E]; x is widened in registers.
 
     ``USE_DOT``: ``tl.dot`` in IEEE fp32 (many tokens: each weight tile is reused BLOCK_T times).
@@ -166,25 +255,60 @@ def _logits_tile(X, W, t0, e0, T, stride_x, stride_w, E: tl.constexpr, H: tl.con
 
 
 @triton.jit
-def _logits_kernel(X, W, Logits, T, stride_x, stride_w, stride_l, E: tl.constexpr, H: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr):
+def _logits_kernel(
+    X,
+    W,
+    Logits,
+    T,
+    stride_x,
+    stride_w,
+    stride_l,
+    E: tl.constexpr,
+    H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,
+):
     t0 = tl.program_id(0) * BLOCK_T
     e0 = tl.program_id(1) * BLOCK_E
     acc = _logits_tile(X, W, t0, e0, T, stride_x, stride_w, E, H, BLOCK_T, BLOCK_E, BLOCK_K, USE_DOT)
     offs_t = t0 + tl.arange(0, BLOCK_T)
     offs_e = e0 + tl.arange(0, BLOCK_E)
-    tl.store(Logits + offs_t[:, None].to(tl.int64) * stride_l + offs_e[None, :], acc,
-             mask=(offs_t[:, None] < T) & (offs_e[None, :] < E))
+    tl.store(Logits + offs_t[:, None].to(tl.int64) * stride_l + offs_e[None, :], acc, mask=(offs_t[:, None] < T) & (offs_e[None, :] < E))
 
 
 @triton.jit
-def _route_hidden_kernel(X, W, Logits, Counters, Bias, OutW, OutIds, T, stride_x, stride_w, stride_l, scaling,
-                         H: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-                         E: tl.constexpr, N_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr,
-                         TOPK_GROUP: tl.constexpr, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                         BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr, SIGMOID: tl.constexpr,
-                         HAS_BIAS: tl.constexpr, GROUP_TOP2: tl.constexpr, MASK_NEG_INF: tl.constexpr,
-                         NORM: tl.constexpr):
+def _route_hidden_kernel(
+    X,
+    W,
+    Logits,
+    Counters,
+    Bias,
+    OutW,
+    OutIds,
+    T,
+    stride_x,
+    stride_w,
+    stride_l,
+    scaling,
+    H: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    E: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOPK: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SIGMOID: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    GROUP_TOP2: tl.constexpr,
+    MASK_NEG_INF: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """Program (t, b): logits of token t for expert block b; the last of token t's programs to
     finish routes token t and sets its counter back to 0 (for the next call / graph replay)."""
     t = tl.program_id(0)
@@ -198,9 +322,28 @@ def _route_hidden_kernel(X, W, Logits, Counters, Bias, OutW, OutIds, T, stride_x
     done = tl.atomic_add(Counters + t, 1, sem="acq_rel", scope="gpu")
     if done == tl.num_programs(1) - 1:
         tl.debug_barrier()
-        _route_row(Logits, Bias, OutW, OutIds, t.to(tl.int64), stride_l, scaling,
-                   E, N_GROUP, GROUP_SIZE, TOPK_GROUP, TOPK, BLOCK_TOPK, BLOCK_G, BLOCK_S,
-                   SIGMOID, HAS_BIAS, GROUP_TOP2, MASK_NEG_INF, NORM)
+        _route_row(
+            Logits,
+            Bias,
+            OutW,
+            OutIds,
+            t.to(tl.int64),
+            stride_l,
+            scaling,
+            E,
+            N_GROUP,
+            GROUP_SIZE,
+            TOPK_GROUP,
+            TOPK,
+            BLOCK_TOPK,
+            BLOCK_G,
+            BLOCK_S,
+            SIGMOID,
+            HAS_BIAS,
+            GROUP_TOP2,
+            MASK_NEG_INF,
+            NORM,
+        )
         tl.store(Counters + t, 0)
 
 
@@ -264,9 +407,18 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     return buf
 
 
-def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int,
-                 topk_group: int, scoring_func: str, topk_method: str, norm_topk_prob: bool,
-                 routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def route_hidden(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    scoring_func: str,
+    topk_method: str,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`route` of ``F.linear(x.float(), weight)``: hidden states x [T, H] and the float32
     router weight [E, H] -> (weights [T, top_k] float32, ids [T, top_k] int64).
 
@@ -278,21 +430,44 @@ def route_hidden(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     T, H = x.shape
     E = weight.shape[0]
     if T > FUSE_MAX_T:
-        return route(F.linear(x.float(), weight), bias, top_k, n_group, topk_group, scoring_func, topk_method,
-                     norm_topk_prob, routed_scaling_factor)
+        return route(
+            F.linear(x.float(), weight), bias, top_k, n_group, topk_group, scoring_func, topk_method, norm_topk_prob, routed_scaling_factor
+        )
     cfg = logits_config(T, E, H, x.device)
     counters = _counters(x.device) if T else None
     if counters is None:  # no tokens, or a graph capture before any eager call
-        return route(router_logits(x, weight, cfg), bias, top_k, n_group, topk_group, scoring_func, topk_method,
-                     norm_topk_prob, routed_scaling_factor)
+        return route(
+            router_logits(x, weight, cfg),
+            bias,
+            top_k,
+            n_group,
+            topk_group,
+            scoring_func,
+            topk_method,
+            norm_topk_prob,
+            routed_scaling_factor,
+        )
     logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
     weights, ids = _route_outputs(T, top_k, x.device)
     _route_hidden_kernel[(T, triton.cdiv(E, cfg["BLOCK_E"]))](
-        x, weight, logits, counters, bias if bias is not None else weight, weights, ids, T,
-        x.stride(0), weight.stride(0), logits.stride(0), float(routed_scaling_factor),
-        H=H, BLOCK_E=cfg["BLOCK_E"], BLOCK_K=cfg["BLOCK_K"],
+        x,
+        weight,
+        logits,
+        counters,
+        bias if bias is not None else weight,
+        weights,
+        ids,
+        T,
+        x.stride(0),
+        weight.stride(0),
+        logits.stride(0),
+        float(routed_scaling_factor),
+        H=H,
+        BLOCK_E=cfg["BLOCK_E"],
+        BLOCK_K=cfg["BLOCK_K"],
         **_route_meta(E, bias is not None, top_k, n_group, topk_group, scoring_func, topk_method, norm_topk_prob),
-        num_warps=cfg["num_warps"])
+        num_warps=cfg["num_warps"],
+    )
     return weights, ids
 
 
@@ -318,7 +493,9 @@ def selfcheck_route_hidden(device: torch.device) -> bool:
         ref_w = 2.0 * ref_w / ref_w.sum(-1, keepdim=True)
         ids_sorted, order = ids.sort(dim=1)
         ref_sorted, ref_order = ref_ids.sort(dim=1)
-        if not (torch.equal(ids_sorted.cpu(), ref_sorted.cpu())
-                and torch.allclose(w.gather(1, order).cpu(), ref_w.gather(1, ref_order).cpu(), atol=1e-4, rtol=1e-4)):
+        if not (
+            torch.equal(ids_sorted.cpu(), ref_sorted.cpu())
+            and torch.allclose(w.gather(1, order).cpu(), ref_w.gather(1, ref_order).cpu(), atol=1e-4, rtol=1e-4)
+        ):
             return False
     return True

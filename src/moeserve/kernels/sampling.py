@@ -35,8 +35,14 @@ def argmax_logsumexp_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 @triton.jit
 def _partials_kernel(
-    X, PartMax, PartIdx, PartSum,
-    stride_x, n_cols, chunk, num_chunks,
+    X,
+    PartMax,
+    PartIdx,
+    PartSum,
+    stride_x,
+    n_cols,
+    chunk,
+    num_chunks,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -66,8 +72,13 @@ def _partials_kernel(
 
 @triton.jit
 def _merge_kernel(
-    PartMax, PartIdx, PartSum, Ids, Lse,
-    n_cols, num_chunks,
+    PartMax,
+    PartIdx,
+    PartSum,
+    Ids,
+    Lse,
+    n_cols,
+    num_chunks,
     BLOCK_C: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -107,7 +118,7 @@ def argmax_logsumexp(logits: torch.Tensor, chunk: int | None = None) -> tuple[to
     lse = torch.empty(B, dtype=torch.float32, device=logits.device)
     if B == 0:
         return ids, lse
-    assert 0 < V < 2 ** 31
+    assert 0 < V < 2**31
     chunk = chunk or default_chunk(B, V, logits.device)
     block = min(MAX_BLOCK, triton.next_power_of_2(min(chunk, V)))
     chunk = triton.cdiv(chunk, block) * block
@@ -116,12 +127,27 @@ def argmax_logsumexp(logits: torch.Tensor, chunk: int | None = None) -> tuple[to
     part_idx = torch.empty(B, num_chunks, dtype=torch.int32, device=logits.device)
     part_sum = torch.empty_like(part_max)
     _partials_kernel[(B, num_chunks)](
-        logits, part_max, part_idx, part_sum, logits.stride(0), V, chunk, num_chunks,
-        BLOCK=block, num_warps=4,
+        logits,
+        part_max,
+        part_idx,
+        part_sum,
+        logits.stride(0),
+        V,
+        chunk,
+        num_chunks,
+        BLOCK=block,
+        num_warps=4,
     )
     _merge_kernel[(B,)](
-        part_max, part_idx, part_sum, ids, lse, V, num_chunks,
-        BLOCK_C=triton.next_power_of_2(num_chunks), num_warps=1,
+        part_max,
+        part_idx,
+        part_sum,
+        ids,
+        lse,
+        V,
+        num_chunks,
+        BLOCK_C=triton.next_power_of_2(num_chunks),
+        num_warps=1,
     )
     return ids, lse
 
@@ -137,8 +163,7 @@ def selfcheck(device: torch.device) -> bool:
     x = x.to(device)
     ids, lse = argmax_logsumexp(x, chunk=64)
     ref_ids, ref_lse = argmax_logsumexp_ref(x)
-    return (torch.equal(ids.cpu(), ref_ids.cpu())
-            and torch.allclose(lse.cpu(), ref_lse.cpu(), atol=1e-5, rtol=1e-5, equal_nan=False))
+    return torch.equal(ids.cpu(), ref_ids.cpu()) and torch.allclose(lse.cpu(), ref_lse.cpu(), atol=1e-5, rtol=1e-5, equal_nan=False)
 
 
 __all__ = ["argmax_logsumexp", "argmax_logsumexp_ref", "default_chunk", "selfcheck"]

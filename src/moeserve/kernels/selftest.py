@@ -79,8 +79,7 @@ def check_moe_gemv(device: torch.device) -> bool:
     gate, up = torch.nn.functional.linear(x, sw13).chunk(2, dim=-1)
     shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2)
     ref = moe_experts_ref(x, w13, w2, w, ids, 0)
-    return (_close(moe_gemv(x, w13, w2, w, ids, 0), ref)
-            and _close(moe_gemv(x, w13, w2, w, ids, 0, sw13, sw2), ref + shared))
+    return _close(moe_gemv(x, w13, w2, w, ids, 0), ref) and _close(moe_gemv(x, w13, w2, w, ids, 0, sw13, sw2), ref + shared)
 
 
 def check_gemv(device: torch.device) -> bool:
@@ -114,9 +113,15 @@ def check_fp8_moe(device: torch.device) -> bool:
 
 
 CHECKS: dict[str, Callable[[torch.device], bool]] = {
-    "rmsnorm": check_rmsnorm, "router": check_router, "rope_cache": check_rope_cache, "moe_gemv": check_moe_gemv,
-    "gemv": check_gemv, "sampling": check_sampling, "int4_moe": check_int4_moe,
-    "fp8_linear": check_fp8_linear, "fp8_moe": check_fp8_moe,
+    "rmsnorm": check_rmsnorm,
+    "router": check_router,
+    "rope_cache": check_rope_cache,
+    "moe_gemv": check_moe_gemv,
+    "gemv": check_gemv,
+    "sampling": check_sampling,
+    "int4_moe": check_int4_moe,
+    "fp8_linear": check_fp8_linear,
+    "fp8_moe": check_fp8_moe,
 }
 
 
@@ -134,6 +139,11 @@ def working_kernels(device: torch.device, names: set[str] | None = None) -> set[
             else:
                 log.warning("kernel %s disagrees with its reference on %s: keeping the torch path", name, device)
         except Exception as e:  # noqa: BLE001 - a compile error here must not stop the server
-            log.warning("kernel %s is unavailable on %s (%s: %s): keeping the torch path", name, device,
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            log.warning(
+                "kernel %s is unavailable on %s (%s: %s): keeping the torch path",
+                name,
+                device,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
     return ok

@@ -32,8 +32,7 @@ def dot_args(dtype: torch.dtype) -> dict:
     (numpy has no bf16), so under the interpreter bf16 operands are widened to fp32 first;
     exact, since every bf16 value is an fp32 value and the GPU accumulates in fp32 too.
     """
-    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
-                DOT_UPCAST=interpreting() and dtype == torch.bfloat16)
+    return dict(DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32", DOT_UPCAST=interpreting() and dtype == torch.bfloat16)
 
 
 @triton.jit

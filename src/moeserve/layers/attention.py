@@ -32,6 +32,7 @@ class MLAAttention(nn.Module):
         self.kv_lora_rank = c.kv_lora_rank
         self.scale = c.softmax_scale
         q_out = c.num_attention_heads * c.qk_head_dim
+
         # The weight format of each projection (quant.linear); kv_b_proj, read as w_uk / w_uv by
         # the absorbed attention, is dequantized at load when the checkpoint has it in FP8.
         def quant(proj: str, dequantize: bool = False):
@@ -44,14 +45,12 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, eps=1e-6)
             self.q_b_proj = ColumnParallelLinear(c.q_lora_rank, [q_out], quant=quant("q_b_proj"))
         self.q_lora = c.q_lora_rank is not None
-        self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_latent_dim, bias=c.attention_bias,
-                                                   quant=quant("kv_a_proj_with_mqa"))
+        self.kv_a_proj_with_mqa = ReplicatedLinear(c.hidden_size, c.kv_latent_dim, bias=c.attention_bias, quant=quant("kv_a_proj_with_mqa"))
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, eps=1e-6)
         self.kv_b_proj = ColumnParallelLinear(
-            c.kv_lora_rank, [c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)],
-            quant=quant("kv_b_proj", dequantize=True))
-        self.o_proj = RowParallelLinear(c.num_attention_heads * c.v_head_dim, c.hidden_size,
-                                        bias=c.attention_bias, quant=quant("o_proj"))
+            c.kv_lora_rank, [c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim)], quant=quant("kv_b_proj", dequantize=True)
+        )
+        self.o_proj = RowParallelLinear(c.num_attention_heads * c.v_head_dim, c.hidden_size, bias=c.attention_bias, quant=quant("o_proj"))
         self.rotary = rotary
         self.pool: StageKVPool | None = None
         self.backend: AttentionBackend | None = None
@@ -103,8 +102,7 @@ class MLAAttention(nn.Module):
         if names == {"fp8"}:
             from moeserve.quant.fp8 import BLOCK
 
-            return (not any(p.fp8_layout.per_row or p.k_pad for p in projs)
-                    and projs[0].weight.shape[0] % BLOCK == 0)
+            return not any(p.fp8_layout.per_row or p.k_pad for p in projs) and projs[0].weight.shape[0] % BLOCK == 0
         return not any(p.method.quantized for p in projs)
 
     def _fused_input_projection(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -115,14 +113,13 @@ class MLAAttention(nn.Module):
 
     def mla_weights(self) -> MLAWeights:
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return MLAWeights(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim:], w_kv=w)
+        return MLAWeights(w_uk=w[:, : self.nope_dim], w_uv=w[:, self.nope_dim :], w_kv=w)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         T = hidden.shape[0]
         if self.input_fused:
             kv_dim = self.kv_lora_rank + self.rope_dim
-            q_in, kv = self._fused_input_projection(hidden).split(
-                [self.fused_in_weight.shape[0] - kv_dim, kv_dim], dim=-1)
+            q_in, kv = self._fused_input_projection(hidden).split([self.fused_in_weight.shape[0] - kv_dim, kv_dim], dim=-1)
         else:
             first, kv_a = self._input_projections()
             q_in, kv = first(hidden), kv_a(hidden)
@@ -136,8 +133,18 @@ class MLAAttention(nn.Module):
 
             cos, sin = self.rotary.cos_sin(positions, q.dtype)
             norm = self.kv_a_layernorm
-            q_pe = rope_and_cache(q_pe, k_pe, latent, cos, sin, self.pool.layer(self.layer_id), ctx.slot_mapping,
-                                  self.rotary.interleave, norm_weight=norm.weight, eps=norm.eps)
+            q_pe = rope_and_cache(
+                q_pe,
+                k_pe,
+                latent,
+                cos,
+                sin,
+                self.pool.layer(self.layer_id),
+                ctx.slot_mapping,
+                self.rotary.interleave,
+                norm_weight=norm.weight,
+                eps=norm.eps,
+            )
         else:
             q_pe, k_pe = self.rotary(positions, q_pe, k_pe)
             self.pool.write(self.layer_id, ctx.slot_mapping, self.kv_a_layernorm(latent), k_pe)

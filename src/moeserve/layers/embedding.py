@@ -25,10 +25,9 @@ class _VocabShard(nn.Module):
     def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: object = None) -> None:
         name = getattr(param, "checkpoint_name", "")
         if tuple(loaded.shape) != (self.vocab_size, param.shape[1]):
-            raise ValueError(f"tensor {name or '?'} has shape {tuple(loaded.shape)}, "
-                             f"expected {(self.vocab_size, param.shape[1])}")
+            raise ValueError(f"tensor {name or '?'} has shape {tuple(loaded.shape)}, expected {(self.vocab_size, param.shape[1])}")
         n = self.end - self.start
-        copy_checked(param.data[:n], loaded[self.start:self.end], name)
+        copy_checked(param.data[:n], loaded[self.start : self.end], name)
 
 
 class VocabParallelEmbedding(_VocabShard):

@@ -22,17 +22,14 @@ def _divide(n: int, parts: int, what: str) -> int:
     return n // parts
 
 
-
-
-
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str = "") -> None:
     if loaded.dtype == torch.float8_e4m3fn and param.dtype != loaded.dtype:
-        raise ValueError(f"tensor {name or '?'} is float8_e4m3fn, but this layer loads a plain weight (no FP8 "
-                         "quantization config, or no weight_scale_inv beside it in the checkpoint)")
-    if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(
-            f"tensor {name or '?'} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+            f"tensor {name or '?'} is float8_e4m3fn, but this layer loads a plain weight (no FP8 "
+            "quantization config, or no weight_scale_inv beside it in the checkpoint)"
         )
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"tensor {name or '?'} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}")
     param.data.copy_(loaded.to(param.dtype))
 
 
@@ -74,8 +71,9 @@ class _MethodLinear(nn.Module):
 class ReplicatedLinear(_MethodLinear):
     """Every rank holds the whole weight (small projections, the router)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 dtype: torch.dtype | None = None, quant: LinearMethod | None = None):
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = False, dtype: torch.dtype | None = None, quant: LinearMethod | None = None
+    ):
         super().__init__()
         self._init_method(LinearShard(((out_features, 0, out_features),), in_features, 0, in_features), quant, dtype)
         self.bias = None
@@ -95,8 +93,7 @@ class ColumnParallelLinear(_MethodLinear):
     """Output features split over the TP group; ``output_sizes`` lists the fused pieces
     (e.g. gate and up) so that each piece is split separately."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 quant: LinearMethod | None = None):
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, quant: LinearMethod | None = None):
         super().__init__()
         g = tp_group()
         self.output_sizes = output_sizes
@@ -114,17 +111,17 @@ class ColumnParallelLinear(_MethodLinear):
         g = tp_group()
         pieces = [shard] if shard is not None else list(range(len(self.output_sizes)))
         if shard is None and loaded.shape[0] != sum(self.output_sizes):
-            raise ValueError(f"tensor {getattr(param, 'checkpoint_name', '?')} has {loaded.shape[0]} rows, "
-                             f"expected {sum(self.output_sizes)}")
+            raise ValueError(
+                f"tensor {getattr(param, 'checkpoint_name', '?')} has {loaded.shape[0]} rows, expected {sum(self.output_sizes)}"
+            )
         src_offset = 0
         for i in pieces:
             full, local = self.output_sizes[i], self.local_sizes[i]
             dst_offset = sum(self.local_sizes[:i])
-            block = loaded if shard is not None else loaded[src_offset:src_offset + full]
+            block = loaded if shard is not None else loaded[src_offset : src_offset + full]
             src_offset += full
             if block.shape[0] != full:
-                raise ValueError(f"tensor {getattr(param, 'checkpoint_name', '?')} has {block.shape[0]} rows, "
-                                 f"expected {full}")
+                raise ValueError(f"tensor {getattr(param, 'checkpoint_name', '?')} has {block.shape[0]} rows, expected {full}")
             part = block.narrow(0, g.rank * local, local)
             copy_checked(param.data.narrow(0, dst_offset, local), part, getattr(param, "checkpoint_name", ""))
 
@@ -136,8 +133,7 @@ class RowParallelLinear(_MethodLinear):
     """Input features split over the TP group; the partial outputs are summed by an
     all-reduce unless the caller defers it (``reduce=False``) to fuse reductions."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True,
-                 quant: LinearMethod | None = None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, reduce: bool = True, quant: LinearMethod | None = None):
         super().__init__()
         g = tp_group()
         self.in_local = _divide(in_features, g.size, "input size")
@@ -154,8 +150,7 @@ class RowParallelLinear(_MethodLinear):
         g = tp_group()
         name = getattr(param, "checkpoint_name", "")
         if loaded.dim() != 2 or loaded.shape[1] != self.in_local * g.size:
-            raise ValueError(f"tensor {name or '?'} has shape {tuple(loaded.shape)}, "
-                             f"expected ({param.shape[0]}, {self.in_local * g.size})")
+            raise ValueError(f"tensor {name or '?'} has shape {tuple(loaded.shape)}, expected ({param.shape[0]}, {self.in_local * g.size})")
         copy_checked(param, loaded.narrow(1, g.rank * self.in_local, self.in_local), name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -20,14 +20,13 @@ class DenseMLP(nn.Module):
     ``config`` and ``prefix`` (the module's checkpoint name) pick the weight format of its
     linears (``quant.linear``); without them the weights are plain."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = True,
-                 config: ModelConfig | None = None, prefix: str = ""):
+    def __init__(self, hidden_size: int, intermediate_size: int, reduce: bool = True, config: ModelConfig | None = None, prefix: str = ""):
         super().__init__()
+
         def quant(proj: str):
             return linear_method(config, f"{prefix}.{proj}") if config is not None else None
 
-        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size],
-                                                 quant=quant("gate_proj"))
+        self.gate_up_proj = ColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], quant=quant("gate_proj"))
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, reduce=reduce, quant=quant("down_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,15 +44,13 @@ class Router(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
-        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size,
-                                               dtype=torch.float32), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(config.n_routed_experts, config.hidden_size, dtype=torch.float32), requires_grad=False)
         self.weight.weight_loader = replicated_loader
         self.weight.keep_fp32 = True
         self.use_kernel = False  # set by the runner on the fast path
         self.e_score_correction_bias = None
         if config.topk_method == "noaux_tc":
-            self.e_score_correction_bias = nn.Parameter(
-                torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False)
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False)
             self.e_score_correction_bias.weight_loader = replicated_loader
             self.e_score_correction_bias.keep_fp32 = True
 
@@ -63,9 +60,18 @@ class Router(nn.Module):
         if self.use_kernel:  # logits and the same choice in one Triton launch (moeserve.kernels.router)
             from moeserve.kernels.router import route_hidden
 
-            return route_hidden(x, self.weight, self.e_score_correction_bias, c.num_experts_per_tok, c.n_group,
-                                c.topk_group, c.scoring_func, c.topk_method, c.norm_topk_prob,
-                                c.routed_scaling_factor)
+            return route_hidden(
+                x,
+                self.weight,
+                self.e_score_correction_bias,
+                c.num_experts_per_tok,
+                c.n_group,
+                c.topk_group,
+                c.scoring_func,
+                c.topk_method,
+                c.norm_topk_prob,
+                c.routed_scaling_factor,
+            )
         logits = F.linear(x.float(), self.weight.float())
         scores = logits.sigmoid() if c.scoring_func == "sigmoid" else logits.softmax(dim=-1)
         E, G = c.n_routed_experts, c.n_group
@@ -145,9 +151,13 @@ class MoE(nn.Module):
         self.experts = RoutedExperts(config)
         self.shared_experts = None
         if config.n_shared_experts:
-            self.shared_experts = DenseMLP(config.hidden_size,
-                                           config.moe_intermediate_size * config.n_shared_experts,
-                                           reduce=False, config=config, prefix=f"{prefix}.shared_experts")
+            self.shared_experts = DenseMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                reduce=False,
+                config=config,
+                prefix=f"{prefix}.shared_experts",
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)

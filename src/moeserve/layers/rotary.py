@@ -65,12 +65,10 @@ class RotaryEmbedding(nn.Module):
         self._cache = (positions, dtype, cos, sin)
         return cos, sin
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, H, d], k: [T, d] -> rotated (same shapes)."""
         cos, sin = self.cos_sin(positions, q.dtype)
-        return apply_rope(q, cos[:, None, :], sin[:, None, :], self.interleave), apply_rope(
-            k, cos, sin, self.interleave)
+        return apply_rope(q, cos[:, None, :], sin[:, None, :], self.interleave), apply_rope(k, cos, sin, self.interleave)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -12,5 +12,4 @@ def model_class(architecture: str) -> type[DeepseekForCausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:
-        raise ValueError(f"unsupported architecture {architecture!r} "
-                         f"(supported: {', '.join(MODEL_REGISTRY)})") from None
+        raise ValueError(f"unsupported architecture {architecture!r} (supported: {', '.join(MODEL_REGISTRY)})") from None

@@ -21,6 +21,7 @@ from moeserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from moeserve.layers.moe import MoE, DenseMLP
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding
+
 # The checkpoint's tensor list (engine/model_runner.py also imports checkpoint_tensor_shapes from here).
 from moeserve.models.deepseek_weights import check_quantized_modules, checkpoint_tensor_shapes
 
@@ -30,13 +31,15 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = MLAAttention(config, layer_id, rotary)
         mlp = f"model.layers.{layer_id}.mlp"
-        self.mlp = MoE(config, mlp) if config.is_moe_layer(layer_id) else DenseMLP(
-            config.hidden_size, config.intermediate_size, config=config, prefix=mlp)
+        self.mlp = (
+            MoE(config, mlp)
+            if config.is_moe_layer(layer_id)
+            else DenseMLP(config.hidden_size, config.intermediate_size, config=config, prefix=mlp)
+        )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual, normed = hidden, self.input_layernorm(hidden)
         else:
@@ -56,9 +59,13 @@ class DeepseekModel(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, rotary) for i in stage.layers()})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.rotary.new_forward()
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
@@ -79,8 +86,7 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, stage: StageRange | None = None,
-                 is_first: bool = True, is_last: bool = True):
+    def __init__(self, config: ModelConfig, stage: StageRange | None = None, is_first: bool = True, is_last: bool = True):
         super().__init__()
         check_quantized_modules(config)
         self.config = config
@@ -96,15 +102,21 @@ class DeepseekForCausalLM(nn.Module):
     def bind(self, pool: StageKVPool | None, backend: AttentionBackend) -> None:
         """Point every attention layer at the KV pool (``None`` lets go of the current one)."""
         if pool is not None and pool.stage != self.stage:
-            raise ValueError(f"KV pool covers layers [{pool.stage.start_layer}, {pool.stage.end_layer}) "
-                             f"but the model stage owns [{self.stage.start_layer}, {self.stage.end_layer})")
+            raise ValueError(
+                f"KV pool covers layers [{pool.stage.start_layer}, {pool.stage.end_layer}) "
+                f"but the model stage owns [{self.stage.start_layer}, {self.stage.end_layer})"
+            )
         for layer in self.model.layers.values():
             layer.self_attn.pool = pool
             layer.self_attn.backend = backend
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
-                hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        hidden: torch.Tensor | None = None,
+        residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         return self.model(input_ids, positions, hidden, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -187,12 +199,15 @@ class DeepseekForCausalLM(nn.Module):
 
         for module_name, module in self.named_modules():
             if isinstance(module, RoutedExperts) and not isinstance(module.method, UnquantizedExperts):
-                owned = [f"{module_name}.{e}.{p}_proj" for e in range(module.first_expert,
-                                                                       module.first_expert + module.num_local)
-                         for p in PROJECTIONS]
+                owned = [
+                    f"{module_name}.{e}.{p}_proj"
+                    for e in range(module.first_expert, module.first_expert + module.num_local)
+                    for p in PROJECTIONS
+                ]
                 fused = f"{module_name}.gate_up_proj" in checkpoint_names  # transformers-5 layout: plain
-                if fused or (any(f"{n}.weight" in checkpoint_names for n in owned)
-                             and not any(f"{n}{_SCALE}" in checkpoint_names for n in owned)):
+                if fused or (
+                    any(f"{n}.weight" in checkpoint_names for n in owned) and not any(f"{n}{_SCALE}" in checkpoint_names for n in owned)
+                ):
                     module.use_plain_weights()
                     self.plain_modules.update(owned)
                     for attr, p in module.named_parameters(recurse=False):
@@ -210,9 +225,11 @@ class DeepseekForCausalLM(nn.Module):
             if not plain:
                 continue
             if len(plain) != len(sources):
-                raise ValueError(f"checkpoint tensors {', '.join(f'{s}.weight' for s in sources)} are fused into one "
-                                 f"layer, but only {plain[0]}.weight has no weight_scale_inv beside it: they must be "
-                                 "both FP8 or both plain")
+                raise ValueError(
+                    f"checkpoint tensors {', '.join(f'{s}.weight' for s in sources)} are fused into one "
+                    f"layer, but only {plain[0]}.weight has no weight_scale_inv beside it: they must be "
+                    "both FP8 or both plain"
+                )
             module.use_plain_weights()
             self.plain_modules.update(sources)
             for attr, p in module.named_parameters(recurse=False):

@@ -195,11 +195,17 @@ def check_quantized_modules(config: ModelConfig) -> None:
         return
     # The linears of one dense and one MoE layer (the others are named alike), and lm_head.
     layers = {config.is_moe_layer(i): i for i in reversed(range(config.num_hidden_layers))}
-    linears = [s.name.removesuffix(".weight") for i in sorted(layers.values()) for s in layer_tensors(config, i)
-               if s.kind is Kind.LINEAR and s.component != ROUTED_EXPERTS]
+    linears = [
+        s.name.removesuffix(".weight")
+        for i in sorted(layers.values())
+        for s in layer_tensors(config, i)
+        if s.kind is Kind.LINEAR and s.component != ROUTED_EXPERTS
+    ]
     linears.append("lm_head")
     quantized = [m for m in linears if not q.ignores(m)]
     if quantized:
-        raise ValueError(f"this {q.method} checkpoint quantizes {', '.join(quantized[:4])}"
-                         f"{' and more' if len(quantized) > 4 else ''}; moeserve runs quantized routed experts "
-                         "only (the rest bf16, as Kimi K2.x publishes its INT4 checkpoints)")
+        raise ValueError(
+            f"this {q.method} checkpoint quantizes {', '.join(quantized[:4])}"
+            f"{' and more' if len(quantized) > 4 else ''}; moeserve runs quantized routed experts "
+            "only (the rest bf16, as Kimi K2.x publishes its INT4 checkpoints)"
+        )

@@ -41,9 +41,13 @@ def _free_port() -> int:  # noqa: D103 - a port for the rendezvous of a single-h
 
 class MultiProcessExecutor:
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
-        self.layout = Layout.build(model_config.num_hidden_layers, config.tensor_parallel_size,
-                                   config.pipeline_parallel_size, config.expert_parallel_size,
-                                   config.pp_layer_partition)
+        self.layout = Layout.build(
+            model_config.num_hidden_layers,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+            config.expert_parallel_size,
+            config.pp_layer_partition,
+        )
         self.layout.check_model(model_config)
         self.page_size = config.page_size
         world, nodes = self.layout.world_size, config.nnodes
@@ -86,8 +90,9 @@ class MultiProcessExecutor:
         self.settings: ResolvedSettings = self.infos[0].settings
         if any(i.settings != self.settings for i in self.infos):
             self.shutdown(force=True)
-            raise RankFailure(f"the ranks resolved different settings (does every node run the same flags?): "
-                              f"{[i.settings for i in self.infos]}")
+            raise RankFailure(
+                f"the ranks resolved different settings (does every node run the same flags?): {[i.settings for i in self.infos]}"
+            )
         self._pending: deque[int] = deque()
         self._next_id = 0
 
@@ -107,8 +112,10 @@ class MultiProcessExecutor:
                     except (EOFError, OSError):
                         if rank in self.procs:
                             continue  # the sentinel reports the death with the exit code
-                        self._fail(f"rank {rank} (stage {self.layout.stage_of(rank)}) on another node "
-                                   f"closed its connection (the process or its node died)")
+                        self._fail(
+                            f"rank {rank} (stage {self.layout.stage_of(rank)}) on another node "
+                            f"closed its connection (the process or its node died)"
+                        )
                     if msg[0] == "error":
                         self._fail(f"rank {msg[1]} (stage {msg[2]}) failed:\n{msg[3]}")
                     if want_rank is None or rank == want_rank:
@@ -149,15 +156,18 @@ class MultiProcessExecutor:
 
     def describe(self) -> list[str]:
         L = self.layout
-        lines = [f"layout {L.name}: tp={L.tp} pp={L.pp} ep={L.ep}, {L.world_size} ranks, "
-                 f"{self.settings.max_in_flight} micro-batch(es) in flight"]
+        lines = [
+            f"layout {L.name}: tp={L.tp} pp={L.pp} ep={L.ep}, {L.world_size} ranks, {self.settings.max_in_flight} micro-batch(es) in flight"
+        ]
         for s in range(L.pp):
             lines.append("  " + L.describe_stage(s))
         for i in self.infos:
             experts = f", experts [{i.experts[0]}, {i.experts[1]})" if i.experts else ""
-            lines.append(f"  rank {i.rank}: stage {i.stage} tp_rank {i.tp_rank}, layers [{i.layers[0]}, "
-                         f"{i.layers[1]}){experts}, weights {_size(i.weight_bytes)}, "
-                         f"KV {self.kv_capacity_pages * self.page_size} tokens")
+            lines.append(
+                f"  rank {i.rank}: stage {i.stage} tp_rank {i.tp_rank}, layers [{i.layers[0]}, "
+                f"{i.layers[1]}){experts}, weights {_size(i.weight_bytes)}, "
+                f"KV {self.kv_capacity_pages * self.page_size} tokens"
+            )
         return lines
 
     def shutdown(self, force: bool = False) -> None:

@@ -21,8 +21,9 @@ from moeserve.parallel.worker import worker_main
 log = logging.getLogger("moeserve")
 
 
-def spawn_rank(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig, init: str,
-               local_rank: int, conns: list | None) -> mp.process.BaseProcess:
+def spawn_rank(
+    rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig, init: str, local_rank: int, conns: list | None
+) -> mp.process.BaseProcess:
     """Start one rank. With ``conns`` it talks to this process over a pipe (stored at
     ``conns[rank]``); without, it dials node 0 itself."""
     ctx = mp.get_context("spawn")
@@ -31,8 +32,9 @@ def spawn_rank(rank: int, layout: Layout, model_config: ModelConfig, config: Eng
         target: object = child
     else:
         parent, child, target = None, None, (config.master_addr, config.master_port + 1)
-    p = ctx.Process(target=worker_main, name=f"moeserve-rank{rank}", daemon=True,
-                    args=(rank, layout, model_config, config, target, init, local_rank))
+    p = ctx.Process(
+        target=worker_main, name=f"moeserve-rank{rank}", daemon=True, args=(rank, layout, model_config, config, target, init, local_rank)
+    )
     p.start()
     if conns is not None:
         child.close()
@@ -67,8 +69,13 @@ def stop_processes(procs: list[mp.process.BaseProcess]) -> None:
 
 def run_worker_node(model_config: ModelConfig, config: EngineConfig) -> int:
     """A node other than 0: run this node's ranks until they stop; if one fails, stop the rest."""
-    layout = Layout.build(model_config.num_hidden_layers, config.tensor_parallel_size,
-                          config.pipeline_parallel_size, config.expert_parallel_size, config.pp_layer_partition)
+    layout = Layout.build(
+        model_config.num_hidden_layers,
+        config.tensor_parallel_size,
+        config.pipeline_parallel_size,
+        config.expert_parallel_size,
+        config.pp_layer_partition,
+    )
     layout.check_model(model_config)
     if layout.world_size % config.nnodes:
         raise ValueError(f"{layout.world_size} ranks cannot be split evenly over {config.nnodes} nodes")
@@ -76,8 +83,14 @@ def run_worker_node(model_config: ModelConfig, config: EngineConfig) -> int:
     first = config.node_rank * per_node
     init = f"tcp://{config.master_addr}:{config.master_port}"
     procs = [spawn_rank(r, layout, model_config, config, init, r - first, None) for r in range(first, first + per_node)]
-    log.info("node %d: ranks %d..%d started, engine at %s:%d", config.node_rank, first, first + per_node - 1,
-             config.master_addr, config.master_port)
+    log.info(
+        "node %d: ranks %d..%d started, engine at %s:%d",
+        config.node_rank,
+        first,
+        first + per_node - 1,
+        config.master_addr,
+        config.master_port,
+    )
     code = 0
     try:
         pending = list(procs)

@@ -22,8 +22,7 @@ def dial_engine(address: tuple[str, int], rank: int, timeout: float = 600.0) -> 
             break
         except (ConnectionRefusedError, OSError):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"rank {rank}: node 0 did not open {address[0]}:{address[1]} "
-                                   f"within {timeout:.0f} s") from None
+                raise RuntimeError(f"rank {rank}: node 0 did not open {address[0]}:{address[1]} within {timeout:.0f} s") from None
             time.sleep(0.2)
     conn.send(("hello", rank))
     return conn

@@ -59,13 +59,19 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
-def worker_main(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig,
-                conn: Connection | tuple[str, int], init_method: str, local_rank: int) -> None:
+def worker_main(
+    rank: int,
+    layout: Layout,
+    model_config: ModelConfig,
+    config: EngineConfig,
+    conn: Connection | tuple[str, int],
+    init_method: str,
+    local_rank: int,
+) -> None:
     """``conn``: the pipe to the engine, or node 0's step address to dial (ranks of other nodes)."""
     _exit_with_parent()
     stage = layout.stage_of(rank)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} (stage {stage}): "
-                                                   "%(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} (stage {stage}): %(message)s")
     if isinstance(conn, tuple):
         from moeserve.parallel.step_link import dial_engine
 
@@ -79,8 +85,9 @@ def worker_main(rank: int, layout: Layout, model_config: ModelConfig, config: En
             os._exit(1)
 
 
-def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig, conn: Connection,
-         init_method: str, local_rank: int) -> None:
+def _run(
+    rank: int, layout: Layout, model_config: ModelConfig, config: EngineConfig, conn: Connection, init_method: str, local_rank: int
+) -> None:
     from moeserve.engine.model_runner import ModelRunner
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.world_size))
@@ -88,8 +95,9 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
     if cuda:
         torch.cuda.set_device(local_rank)
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank,
-                            world_size=layout.world_size, timeout=timedelta(minutes=30))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timedelta(minutes=30)
+    )
     stage_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
     stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
     set_tp_group(TPGroup(size=layout.tp, rank=tp_rank, group=stage_groups[stage], ep_size=layout.ep))
@@ -100,15 +108,27 @@ def _run(rank: int, layout: Layout, model_config: ModelConfig, config: EngineCon
     pages = torch.tensor([runner.num_pages], device=runner.device)
     dist.all_reduce(pages, op=dist.ReduceOp.MIN)
     runner.resize_kv(int(pages.item()))
-    settings = resolve_settings(config, model_config.max_position_embeddings, layout.pp,
-                                runner.num_pages * runner.page_size)
+    settings = resolve_settings(config, model_config.max_position_embeddings, layout.pp, runner.num_pages * runner.page_size)
     runner.capture_graphs(settings.max_model_len)
     experts = None
     first_moe = next((m for m in runner.model.modules() if m.__class__.__name__ == "RoutedExperts"), None)
     if first_moe is not None:
         experts = (first_moe.first_expert, first_moe.first_expert + first_moe.num_local)
-    conn.send(("ready", RankInfo(rank, stage, tp_rank, (runner.stage.start_layer, runner.stage.end_layer),
-                                 runner.weight_bytes, runner.num_pages, experts, settings)))
+    conn.send(
+        (
+            "ready",
+            RankInfo(
+                rank,
+                stage,
+                tp_rank,
+                (runner.stage.start_layer, runner.stage.end_layer),
+                runner.weight_bytes,
+                runner.num_pages,
+                experts,
+                settings,
+            ),
+        )
+    )
 
     if settings.async_scheduling:
         _serve_async_scheduling(conn, runner, rank, tp_rank, stage_groups[0], layout.stage_ranks(0)[0])
@@ -145,16 +165,20 @@ def _serve_async_scheduling(conn: Connection, runner, rank: int, tp_rank: int, g
         out, _ = runner.forward(ids, ctx)
         pending = runner.sample_async(step, out) if tp_rank == 0 else None
         if step.sample_seq_ids:
-            tokens = pending.sample.tokens if pending is not None else torch.empty(
-                len(step.sample_seq_ids), dtype=torch.long, device=runner.device)
+            tokens = (
+                pending.sample.tokens
+                if pending is not None
+                else torch.empty(len(step.sample_seq_ids), dtype=torch.long, device=runner.device)
+            )
             dist.broadcast(tokens, src=sampling_rank, group=group)
             if pending is None:
                 runner.keep_samples(step, tokens)
         in_flight.append(pending)
 
 
-def _serve_pipeline(conn: Connection, runner, rank: int, layout: Layout, tp_rank: int, is_first: bool,
-                    is_last: bool, hidden_size: int) -> None:
+def _serve_pipeline(
+    conn: Connection, runner, rank: int, layout: Layout, tp_rank: int, is_first: bool, is_last: bool, hidden_size: int
+) -> None:
     """Steps in order, hidden states passed stage to stage; up to pp micro-batches in flight."""
     prev_rank = rank - layout.tp if not is_first else None
     next_rank = rank + layout.tp if not is_last else None

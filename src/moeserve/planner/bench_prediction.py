@@ -50,24 +50,26 @@ def prefill_time_s(cfg: ModelConfig, hw: Hardware, world: int, num_prompts: int,
     return linear / (world * hw.matmul_flops_per_s(fp8)) + attention / (world * hw.flops_per_s)
 
 
-def serving_tpot_ms(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, input_len: int, output_len: int,
-                    kv_dtype_bytes: int = 2) -> float:
+def serving_tpot_ms(
+    cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, input_len: int, output_len: int, kv_dtype_bytes: int = 2
+) -> float:
     """Mean TPOT of a closed-loop serving benchmark: the decode cycle plus the prefills that join it."""
     partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
-    cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, concurrency,
-                        input_len + output_len / 2, kv_dtype_bytes).cycle_ms
+    cycle = decode_step(
+        cfg, hw, layout.tp, layout.pp, layout.ep, partition, concurrency, input_len + output_len / 2, kv_dtype_bytes
+    ).cycle_ms
     joins = concurrency / output_len if input_len else 0.0  # new requests per decode step
     return cycle + joins * prefill_time_s(cfg, hw, layout.world_size, 1, input_len) * 1e3
 
 
-def predict_bench(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, num_prompts: int,
-                  input_len: int, output_len: int) -> BenchPrediction:
+def predict_bench(
+    cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, num_prompts: int, input_len: int, output_len: int
+) -> BenchPrediction:
     if min(concurrency, num_prompts, input_len, output_len) < 1:
         raise ValueError("concurrency, num_prompts, input_len and output_len must be positive")
     prefill = prefill_time_s(cfg, hw, layout.world_size, num_prompts, input_len)
     batch = min(concurrency, num_prompts)
     partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
-    cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, batch,
-                        input_len + output_len / 2)
+    cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, batch, input_len + output_len / 2)
     decode_s = math.ceil(num_prompts / concurrency) * (output_len - 1) * cycle.cycle_ms / 1e3
     return BenchPrediction(num_prompts * output_len / (prefill + decode_s), cycle.cycle_ms, prefill, decode_s)

@@ -63,8 +63,9 @@ class Measurement:
 
     @property
     def has_prefill(self) -> bool:
-        return bool(self.prefill_tok_s and self.prefill_seqs and self.input_len
-                    and self.prefill_seqs * self.input_len >= MIN_PREFILL_TOKENS)
+        return bool(
+            self.prefill_tok_s and self.prefill_seqs and self.input_len and self.prefill_seqs * self.input_len >= MIN_PREFILL_TOKENS
+        )
 
     @property
     def prefill_s(self) -> float:
@@ -268,8 +269,9 @@ def fit_constants(
 
     def predict(theta: np.ndarray) -> np.ndarray:
         h = hw.with_constants(_constants(prior, theta))
-        return np.log([predict_cycle_ms(cfg, h, m, default_kv_len) for cfg, m in items]
-                      + [predict_prefill_s(cfg, h, m) for cfg, m in prefills])
+        return np.log(
+            [predict_cycle_ms(cfg, h, m, default_kv_len) for cfg, m in items] + [predict_prefill_s(cfg, h, m) for cfg, m in prefills]
+        )
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         return np.concatenate([predict(theta) - measured, math.sqrt(prior_weight) * theta])
@@ -339,7 +341,11 @@ def load_measurements(
 
 
 def calibrate_from_files(
-    paths: list[str], hw: Hardware, fallback_cfg: ModelConfig, fallback_name: str, default_kv_len: float,
+    paths: list[str],
+    hw: Hardware,
+    fallback_cfg: ModelConfig,
+    fallback_name: str,
+    default_kv_len: float,
     holdout: list[str] | None = None,
 ) -> Calibration:
     """Read every file, pair each measurement with its model's config, fit. Skips runs on other GPUs.
@@ -358,9 +364,11 @@ def calibrate_from_files(
     return replace(cal, warnings=tuple(warnings), holdout=held)
 
 
-def holdout_rows(items: list[tuple[ModelConfig, Measurement]], hw: Hardware, fitted: CostConstants,
-                 default_kv_len: float) -> tuple[CalibrationRow, ...]:
+def holdout_rows(
+    items: list[tuple[ModelConfig, Measurement]], hw: Hardware, fitted: CostConstants, default_kv_len: float
+) -> tuple[CalibrationRow, ...]:
     """Runs predicted with the priors (before) and with ``fitted`` constants (after), not fitted to."""
     after = hw.with_constants(fitted)
-    return tuple(CalibrationRow(m, predict_cycle_ms(cfg, hw, m, default_kv_len), predict_cycle_ms(cfg, after, m, default_kv_len))
-                 for cfg, m in items)
+    return tuple(
+        CalibrationRow(m, predict_cycle_ms(cfg, hw, m, default_kv_len), predict_cycle_ms(cfg, after, m, default_kv_len)) for cfg, m in items
+    )

@@ -118,15 +118,17 @@ def work_terms(hw: Hardware, work: Work, tp: int, eager: bool = False) -> Terms:
     return terms + Terms(comm=comm)
 
 
-def layer_terms(cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float,
-                kv_dtype_bytes: int = 2, eager: bool = False) -> Terms:
+def layer_terms(
+    cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float, kv_dtype_bytes: int = 2, eager: bool = False
+) -> Terms:
     """One layer's terms (layers of one kind cost the same: computed once per kind)."""
     return _layer_terms(cfg, hw, representative_layer(cfg, layer_id), tp, ep, batch, kv_len, kv_dtype_bytes, eager)
 
 
 @lru_cache(maxsize=65536)
-def _layer_terms(cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float,
-                 kv_dtype_bytes: int, eager: bool) -> Terms:
+def _layer_terms(
+    cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float, kv_dtype_bytes: int, eager: bool
+) -> Terms:
     work = layer_work(cfg, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes, hw.routing_skew, hw.engine)
     return work_terms(hw, work, tp, eager)
 
@@ -161,15 +163,15 @@ class Load:
     flops: float
 
 
-def layer_load(cfg: ModelConfig, layer_id: int, tp: int, ep: int, batch: int, kv_len: float,
-               kv_dtype_bytes: int = 2) -> Load:
+def layer_load(cfg: ModelConfig, layer_id: int, tp: int, ep: int, batch: int, kv_len: float, kv_dtype_bytes: int = 2) -> Load:
     """Bytes read and FLOPs of one decode step of ``batch`` tokens on the busiest rank of one layer."""
     work = layer_work(cfg, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes)
     return Load(work.weight_bytes + work.kv_bytes, work.flops)
 
 
-def layer_time_s(cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float,
-                 kv_dtype_bytes: int = 2) -> tuple[float, float, bool]:
+def layer_time_s(
+    cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float, kv_dtype_bytes: int = 2
+) -> tuple[float, float, bool]:
     """(GPU-work seconds, communication seconds, memory bound?) of one layer."""
     t = layer_terms(cfg, hw, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes)
     return t.work, t.comm, t.weights + t.kv >= t.compute
@@ -185,8 +187,20 @@ def p2p_s(hw: Hardware, nbytes: float) -> float:
     return collectives.send_s(hw, nbytes)
 
 
-def stage_terms(cfg: ModelConfig, hw: Hardware, tp: int, ep: int, start: int, end: int, batch: int, kv_len: float,
-                first: bool, last: bool, kv_dtype_bytes: int = 2, eager: bool = False) -> Terms:
+def stage_terms(
+    cfg: ModelConfig,
+    hw: Hardware,
+    tp: int,
+    ep: int,
+    start: int,
+    end: int,
+    batch: int,
+    kv_len: float,
+    first: bool,
+    last: bool,
+    kv_dtype_bytes: int = 2,
+    eager: bool = False,
+) -> Terms:
     """One micro-batch of ``batch`` sequences through layers [start, end) of a stage."""
     terms = extras_terms(cfg, hw, tp, batch, first, last, eager)
     kinds: dict[int, int] = {}
@@ -242,7 +256,14 @@ class StepTime:
 
 
 def decode_step(
-    cfg: ModelConfig, hw: Hardware, tp: int, pp: int, ep: int, partition: list[int], batch: int, kv_len: float,
+    cfg: ModelConfig,
+    hw: Hardware,
+    tp: int,
+    pp: int,
+    ep: int,
+    partition: list[int],
+    batch: int,
+    kv_len: float,
     kv_dtype_bytes: int = 2,
 ) -> StepTime:
     """Cost of one decode cycle for ``batch`` sequences with ``kv_len`` cached tokens each."""
@@ -251,8 +272,7 @@ def decode_step(
     mb = math.ceil(batch / m)
     ranges = stage_layer_ranges(partition)
     eager = runs_eager(hw, pp)
-    stages = [stage_terms(cfg, hw, tp, ep, a, b, mb, kv_len, s == 0, s == pp - 1, kv_dtype_bytes, eager)
-              for s, (a, b) in enumerate(ranges)]
+    stages = [stage_terms(cfg, hw, tp, ep, a, b, mb, kv_len, s == 0, s == pp - 1, kv_dtype_bytes, eager) for s, (a, b) in enumerate(ranges)]
     stage_s = [t.total for t in stages]
     send = p2p_s(hw, mb * cfg.hidden_size * ACT_BYTES * 2) if pp > 1 else 0.0
     # Sampled token ids go back from the last stage to stage 0: latency only.

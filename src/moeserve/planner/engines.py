@@ -51,7 +51,10 @@ class EngineProfile:
 
 ENGINES: dict[str, EngineProfile] = {
     "moeserve": EngineProfile(
-        "moeserve", 32, 73.0, "nccl",
+        "moeserve",
+        32,
+        73.0,
+        "nccl",
         "kernels/moe_gemv.py below 32 pairs (shared experts as extra slots, top-k sum and SiLU*mul fused: 2 "
         "kernels a layer, profile_b1_final.txt); above, the fused MoE's alignment at 256 tokens "
         "(profile_b256.txt): radix sort 28.8 us + scans, scatters, searchsorted, index and elementwise kernels "
@@ -65,7 +68,10 @@ ENGINES: dict[str, EngineProfile] = {
         moe_shape="moeserve",
     ),
     "vllm": EngineProfile(
-        "vllm", 0, KERNEL_FLOOR_US[KernelKind.MOE_ALIGN], "custom",
+        "vllm",
+        0,
+        KERNEL_FLOOR_US[KernelKind.MOE_ALIGN],
+        "custom",
         "vLLM / SGLang / TensorRT-LLM fused MoE: one moe_align_block_size kernel and its scan every step; "
         "custom one-shot / two-shot all-reduce",
     ),

@@ -44,8 +44,7 @@ def stage_inventory(plan: Plan, lp: LayoutPlan, micro_batch: int) -> list[StageI
     kv_bytes = lp.settings.kv_dtype_bytes
     out = []
     for s, (a, b) in enumerate(stage_layer_ranges(lp.partition)):
-        works = [layer_work(cfg, i, tp, ep, micro_batch, plan.workload.kv_len, kv_bytes, hw.routing_skew, hw.engine)
-                 for i in range(a, b)]
+        works = [layer_work(cfg, i, tp, ep, micro_batch, plan.workload.kv_len, kv_bytes, hw.routing_skew, hw.engine) for i in range(a, b)]
         works.append(stage_extras_work(cfg, tp, micro_batch, s == 0, s == lp.layout.pp - 1))
         calls: dict[str, tuple[int, float, str]] = {}
         for w in works:
@@ -53,17 +52,19 @@ def stage_inventory(plan: Plan, lp: LayoutPlan, micro_batch: int) -> list[StageI
                 t = collective_s(hw, c.op, c.nbytes, tp)
                 n, _, _ = calls.get(c.name, (0, 0.0, ""))
                 calls[c.name] = (n + 1, t.seconds, f"{t.algorithm}, {c.nbytes / 1e3:.1f} KB")
-        out.append(StageInventory(
-            stage=s,
-            layers=b - a,
-            kernels=sum(len(w.kernels) for w in works),
-            weight_bytes=sum(w.weight_bytes for w in works),
-            routed_bytes=sum(w.routed_bytes for w in works),
-            routed_equivalent_bytes=sum(w.routed_equivalent_bytes for w in works),
-            kv_bytes=sum(w.kv_bytes for w in works),
-            flops=sum(w.flops for w in works),
-            collectives=calls,
-        ))
+        out.append(
+            StageInventory(
+                stage=s,
+                layers=b - a,
+                kernels=sum(len(w.kernels) for w in works),
+                weight_bytes=sum(w.weight_bytes for w in works),
+                routed_bytes=sum(w.routed_bytes for w in works),
+                routed_equivalent_bytes=sum(w.routed_equivalent_bytes for w in works),
+                kv_bytes=sum(w.kv_bytes for w in works),
+                flops=sum(w.flops for w in works),
+                collectives=calls,
+            )
+        )
     return out
 
 
@@ -85,8 +86,9 @@ def explain_rows(plan: Plan, lp: LayoutPlan, step: StepTime) -> list[tuple[str, 
     routed_equivalent = sum(s.routed_equivalent_bytes for s in path) * times
     shape_note = ""
     if routed and abs(routed_equivalent / routed - 1) > 1e-9:
-        shape_note = (f"; {routed / 1e9:.2f} GB of it routed experts at x {routed / routed_equivalent:.2f} "
-                      f"for their kernels' shape (INT4, shape.py)")
+        shape_note = (
+            f"; {routed / 1e9:.2f} GB of it routed experts at x {routed / routed_equivalent:.2f} for their kernels' shape (INT4, shape.py)"
+        )
     kv = sum(s.kv_bytes for s in path) * times
     kernels = sum(s.kernels for s in path) * times
     gpu = "a GPU of each stage" if len(path) > 1 else "one GPU"
@@ -99,18 +101,20 @@ def explain_rows(plan: Plan, lp: LayoutPlan, step: StepTime) -> list[tuple[str, 
     comm = "; ".join(f"{n} x {name} {sec * 1e6:.1f} us ({alg})" for name, (n, sec, alg) in calls.items()) or "none"
     floors = ", ".join(f"{k.value} {v:g}" for k, v in _floors(hw).items())
     detail = {
-        "weights": f"{weights / 1e9:.2f} GB on {gpu} at {hw.hbm_tbps:g} TB/s x {hw.constants.hbm_efficiency:.2f}"
-                   + shape_note,
+        "weights": f"{weights / 1e9:.2f} GB on {gpu} at {hw.hbm_tbps:g} TB/s x {hw.constants.hbm_efficiency:.2f}" + shape_note,
         "kv": f"{kv / 1e9:.2f} GB of MLA latents ({plan.workload.kv_len:.0f} tokens x {step.batch} seqs, "
-              f"{lp.settings.kv_dtype_bytes} B/value) at {hw.hbm_tbps:g} TB/s x {hw.constants.attention_efficiency:.2f}",
+        f"{lp.settings.kv_dtype_bytes} B/value) at {hw.hbm_tbps:g} TB/s x {hw.constants.attention_efficiency:.2f}",
         "compute": f"kernels whose FLOPs outlast their bytes, at {hw.constants.flops_efficiency:.2f} of peak",
         "launch": f"{kernels} kernels (us each: {floors})",
         "comm": comm,
-        "send": (f"{lp.layout.pp - 1} x hidden+residual {step.micro_batch_size * plan.model.hidden_size * ACT_BYTES * 2 / 1e3:.1f} KB "
-                 f"({p2p_s(hw, step.micro_batch_size * plan.model.hidden_size * ACT_BYTES * 2) * 1e6:.1f} us) + token ids back"
-                 if lp.layout.pp > 1 else "none"),
-        "overhead": f"{hw.constants.step_overhead_ms:g} ms a step" + (f" x {step.micro_batches} micro-batches"
-                                                                      if terms["overhead"] > hw.constants.step_overhead_ms * 1.01 else ""),
+        "send": (
+            f"{lp.layout.pp - 1} x hidden+residual {step.micro_batch_size * plan.model.hidden_size * ACT_BYTES * 2 / 1e3:.1f} KB "
+            f"({p2p_s(hw, step.micro_batch_size * plan.model.hidden_size * ACT_BYTES * 2) * 1e6:.1f} us) + token ids back"
+            if lp.layout.pp > 1
+            else "none"
+        ),
+        "overhead": f"{hw.constants.step_overhead_ms:g} ms a step"
+        + (f" x {step.micro_batches} micro-batches" if terms["overhead"] > hw.constants.step_overhead_ms * 1.01 else ""),
     }
     return [(TERM_LABELS[k], v, detail[k]) for k, v in terms.items()]
 
@@ -127,8 +131,10 @@ def _pipeline_line(step: StepTime) -> str:
     if step.micro_batches <= 1 and len(step.stage_ms) <= 1:
         return ""
     stages = ", ".join(f"{t:.2f}" for t in step.stage_ms)
-    return (f"{step.micro_batches} micro-batch(es) of {step.micro_batch_size}; one micro-batch per stage: {stages} ms; "
-            f"the busiest GPU idles {step.bubble_fraction:.0%} of the cycle")
+    return (
+        f"{step.micro_batches} micro-batch(es) of {step.micro_batch_size}; one micro-batch per stage: {stages} ms; "
+        f"the busiest GPU idles {step.bubble_fraction:.0%} of the cycle"
+    )
 
 
 def explain_json(plan: Plan, lp: LayoutPlan) -> dict[str, Any]:
@@ -149,8 +155,7 @@ def render_explain(plan: Plan, lp: LayoutPlan, console: Console) -> None:
     console.print(f"workload: {plan.workload.describe()}")
     console.print(f"memory: {lp.why}")
     for title, step in (("one request", lp.single), (f"{lp.concurrency} requests", lp.aggregate)):
-        table = Table(title=f"{title}: {step.cycle_ms:.2f} ms a step = {step.tok_s:,.1f} tok/s", header_style="bold",
-                      title_justify="left")
+        table = Table(title=f"{title}: {step.cycle_ms:.2f} ms a step = {step.tok_s:,.1f} tok/s", header_style="bold", title_justify="left")
         table.add_column("term")
         table.add_column("ms", justify="right")
         table.add_column("share", justify="right")

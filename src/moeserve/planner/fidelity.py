@@ -34,11 +34,11 @@ def _config(name: str) -> ModelConfig:
     return load_model_config(name)
 
 
-def hardware(gpu: str, gpus: int, interconnect: str, allreduce: str, memory_gb: float | None = None,
-             hw: Hardware | None = None) -> Hardware:
+def hardware(
+    gpu: str, gpus: int, interconnect: str, allreduce: str, memory_gb: float | None = None, hw: Hardware | None = None
+) -> Hardware:
     """The preset with the run's GPU count and all-reduce; ``hw``'s constants when given (calibrated)."""
-    base = resolve_hardware(gpus, gpu=gpu, memory_gb=memory_gb, interconnect=interconnect, allreduce=allreduce,
-                            engine="vllm")
+    base = resolve_hardware(gpus, gpu=gpu, memory_gb=memory_gb, interconnect=interconnect, allreduce=allreduce, engine="vllm")
     return base if hw is None else base.with_constants(hw.constants)
 
 
@@ -50,14 +50,14 @@ def _layout(name: str) -> Layout:
     return Layout(*parse_layout(name))
 
 
-def rate(cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, input_len: int, output_len: int,
-         kv_bytes: int, serving: bool) -> float:
+def rate(
+    cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, input_len: int, output_len: int, kv_bytes: int, serving: bool
+) -> float:
     """Predicted aggregate output tok/s: decode only, or a serving benchmark's ``concurrency / TPOT``."""
     if serving:
         return concurrency / serving_tpot_ms(cfg, hw, layout, concurrency, input_len, output_len, kv_bytes) * 1e3
     partition = resolve_partition(cfg, layout.pp, None)
-    return decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, concurrency,
-                       input_len + output_len / 2, kv_bytes).tok_s
+    return decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, concurrency, input_len + output_len / 2, kv_bytes).tok_s
 
 
 @dataclass(frozen=True)
@@ -164,28 +164,38 @@ def report() -> str:
         unit = "ms" if p.point.metric == "tpot_ms" else "tok/s"
         metric = "TPOT" if p.point.metric == "tpot_ms" else "decode tok/s"
         miss = "" if p.within else " **x**"
-        lines.append(f"| {p.point.source} | {p.point.layout} | {p.point.label} | {metric} | "
-                     f"{p.point.measured:,.2f} {unit} | {p.predicted:,.2f} {unit} | {p.error * 100:+.1f} %{miss} |")
+        lines.append(
+            f"| {p.point.source} | {p.point.layout} | {p.point.label} | {metric} | "
+            f"{p.point.measured:,.2f} {unit} | {p.predicted:,.2f} {unit} | {p.error * 100:+.1f} %{miss} |"
+        )
     lines.append("")
-    lines.append(f"**{sum(p.within for p in preds)} of {len(preds)} points ({hit_rate(preds):.0%}) within "
-                 f"±{TOLERANCE * 100:.0f} %** (target: 80 %).")
+    lines.append(
+        f"**{sum(p.within for p in preds)} of {len(preds)} points ({hit_rate(preds):.0%}) within ±{TOLERANCE * 100:.0f} %** (target: 80 %)."
+    )
     lines.append("")
-    lines.append("By source: " + "; ".join(f"{src} {n} of {m} within (mean {mean * 100:+.1f} %)"
-                                           for src, (n, m, mean) in by_source(preds).items()) + ".")
+    lines.append(
+        "By source: "
+        + "; ".join(f"{src} {n} of {m} within (mean {mean * 100:+.1f} %)" for src, (n, m, mean) in by_source(preds).items())
+        + "."
+    )
     lines.append("")
     lines.append("| finding (source) | planner's prediction | winner ranked first or within 5 %? |")
     lines.append("|---|---|---|")
     for r in check_rankings():
         pred = ", ".join(f"{k} {v:,.1f}" for k, v in r.predicted.items())
-        lines.append(f"| {r.claim.finding} ({r.claim.source}) | {pred} "
-                     f"({'tok/s' if r.claim.metric == 'single' else 'tok/s per GPU'}) | "
-                     f"{'yes' if r.agrees else 'no'} ({r.shortfall * 100:.1f} % below the best) |")
+        lines.append(
+            f"| {r.claim.finding} ({r.claim.source}) | {pred} "
+            f"({'tok/s' if r.claim.metric == 'single' else 'tok/s per GPU'}) | "
+            f"{'yes' if r.agrees else 'no'} ({r.shortfall * 100:.1f} % below the best) |"
+        )
     lines.append("")
     lines.append("| KV cache (source) | reported tokens | planned tokens | error |")
     lines.append("|---|---:|---:|---:|")
     for k in (check_kv(k) for k in KV_CAPACITIES):
-        lines.append(f"| {k.capacity.layout} on {k.capacity.gpus} GPUs ({k.capacity.source}) | {k.capacity.tokens:,} | "
-                     f"{k.predicted:,} | {k.error * 100:+.1f} % |")
+        lines.append(
+            f"| {k.capacity.layout} on {k.capacity.gpus} GPUs ({k.capacity.source}) | {k.capacity.tokens:,} | "
+            f"{k.predicted:,} | {k.error * 100:+.1f} % |"
+        )
     return "\n".join(lines)
 
 

@@ -206,11 +206,7 @@ def resolve_hardware(
     else:
         base_link = preset.pcie_gbps
     base = constants or CostConstants(link_latency_us=LINK_LATENCY_US[interconnect])
-    overrides = {
-        k: v
-        for k, v in (("link_latency_us", link_latency_us), ("step_overhead_ms", step_overhead_ms))
-        if v is not None
-    }
+    overrides = {k: v for k, v in (("link_latency_us", link_latency_us), ("step_overhead_ms", step_overhead_ms)) if v is not None}
     hw = Hardware(
         gpu=preset.name,
         gpus=gpus,

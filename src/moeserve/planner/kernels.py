@@ -147,8 +147,9 @@ class _Layer:
 def _gemv(layer: _Layer, name: str, tokens: int, *suffixes: str, fraction: float = 1.0) -> list[Kernel]:
     """A (fused) GEMV over the tensors ending in ``suffixes``, with its FP8 input quantization."""
     fp8 = layer.fp8(suffixes[0])
-    kernel = Kernel(name, KernelKind.GEMV, layer.bytes(*suffixes) * fraction,
-                    flops=2 * _padded(tokens) * layer.numel(*suffixes) * fraction, fp8=fp8)
+    kernel = Kernel(
+        name, KernelKind.GEMV, layer.bytes(*suffixes) * fraction, flops=2 * _padded(tokens) * layer.numel(*suffixes) * fraction, fp8=fp8
+    )
     return ([Kernel(f"{name} fp8 quant", KernelKind.ELEMENTWISE)] if fp8 else []) + [kernel]
 
 
@@ -161,28 +162,51 @@ def _attention(cfg: ModelConfig, layer: _Layer, tp: int, batch: int, kv_len: flo
     else:
         ks += _gemv(layer, "q+kv_a", batch, "q_proj.weight", "kv_a_proj_with_mqa.weight")
     k_share = cfg.qk_nope_head_dim / (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    ks.append(Kernel("w_uk", KernelKind.GEMV, layer.bytes("kv_b_proj.weight") * k_share,
-                     flops=2 * batch * layer.numel("kv_b_proj.weight") * k_share))
+    ks.append(
+        Kernel(
+            "w_uk", KernelKind.GEMV, layer.bytes("kv_b_proj.weight") * k_share, flops=2 * batch * layer.numel("kv_b_proj.weight") * k_share
+        )
+    )
     ks.append(Kernel("rope+kv_write", KernelKind.ELEMENTWISE))
     heads = cfg.num_attention_heads / tp
-    ks.append(Kernel("mla_decode", KernelKind.ATTENTION,
-                     kv_bytes=batch * kv_len * cfg.kv_latent_dim * kv_dtype_bytes,
-                     flops=2 * batch * heads * kv_len * (cfg.kv_latent_dim + cfg.kv_lora_rank)))
-    ks.append(Kernel("w_uv", KernelKind.GEMV, layer.bytes("kv_b_proj.weight") * (1 - k_share),
-                     flops=2 * batch * layer.numel("kv_b_proj.weight") * (1 - k_share)))
+    ks.append(
+        Kernel(
+            "mla_decode",
+            KernelKind.ATTENTION,
+            kv_bytes=batch * kv_len * cfg.kv_latent_dim * kv_dtype_bytes,
+            flops=2 * batch * heads * kv_len * (cfg.kv_latent_dim + cfg.kv_lora_rank),
+        )
+    )
+    ks.append(
+        Kernel(
+            "w_uv",
+            KernelKind.GEMV,
+            layer.bytes("kv_b_proj.weight") * (1 - k_share),
+            flops=2 * batch * layer.numel("kv_b_proj.weight") * (1 - k_share),
+        )
+    )
     ks += _gemv(layer, "o_proj", batch, "o_proj.weight")
     return ks
 
 
 def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engine: EngineProfile) -> list[Kernel]:
-    ks = [Kernel("router", KernelKind.ROUTER, layer.bytes("mlp.gate.weight", "e_score_correction_bias"),
-                 flops=2 * batch * layer.numel("mlp.gate.weight"))]
+    ks = [
+        Kernel(
+            "router",
+            KernelKind.ROUTER,
+            layer.bytes("mlp.gate.weight", "e_score_correction_bias"),
+            flops=2 * batch * layer.numel("mlp.gate.weight"),
+        )
+    ]
     cov = busiest_group(cfg.n_routed_experts, cfg.num_experts_per_tok, batch, ep, skew)
     # The switch looks at all of the step's (token, expert) pairs, local or not (kernels/limits.py GEMV_MAX_PAIRS)
     gemv_path = batch * cfg.num_experts_per_tok <= engine.moe_gemv_max_pairs
     fused = gemv_path and engine.gemv_path_fuses_shared
-    shared = {"gate_up": ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"),
-              "down": ("shared_experts.down_proj.weight",)} if cfg.n_shared_experts else {}
+    shared = (
+        {"gate_up": ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"), "down": ("shared_experts.down_proj.weight",)}
+        if cfg.n_shared_experts
+        else {}
+    )
     if shared and not fused:
         ks += _gemv(layer, "shared gate_up", batch, *shared["gate_up"])
         ks.append(Kernel("shared act", KernelKind.ELEMENTWISE))
@@ -196,8 +220,7 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
     efficiency = 1.0
     if layer.int4("experts.{e}.gate_proj.weight"):  # the kernel-shape term: measured for INT4 experts only
         slice_bytes = layer.bytes(*(f"experts.{{e}}{s}" for _, ss in parts for s in ss)) / cov.local_experts
-        efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cfg.num_experts_per_tok,
-                                             engine.moe_shape, gemv_path)
+        efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cfg.num_experts_per_tok, engine.moe_shape, gemv_path)
     for part, suffixes in parts:
         names = [f"experts.{{e}}{s}" for s in suffixes]
         routed, flops = layer.bytes(*names) * touched, 2 * layer.numel(*names) * padded
@@ -207,8 +230,9 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
             flops += 2 * batch * layer.numel(*shared[part])
         if fp8:
             ks.append(Kernel(f"experts {part} fp8 quant", KernelKind.ELEMENTWISE))
-        ks.append(Kernel(f"experts {part}", KernelKind.MOE, weights, flops=flops, fp8=fp8, routed_bytes=routed,
-                         routed_efficiency=efficiency))
+        ks.append(
+            Kernel(f"experts {part}", KernelKind.MOE, weights, flops=flops, fp8=fp8, routed_bytes=routed, routed_efficiency=efficiency)
+        )
         if part == "gate_up" and not fused:
             ks.append(Kernel("experts act", KernelKind.ELEMENTWISE))
     if not fused:
@@ -217,9 +241,11 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
 
 
 def _dense_mlp(layer: _Layer, batch: int) -> list[Kernel]:
-    return (_gemv(layer, "gate_up", batch, "mlp.gate_proj.weight", "mlp.up_proj.weight")
-            + [Kernel("act", KernelKind.ELEMENTWISE)]
-            + _gemv(layer, "down", batch, "mlp.down_proj.weight"))
+    return (
+        _gemv(layer, "gate_up", batch, "mlp.gate_proj.weight", "mlp.up_proj.weight")
+        + [Kernel("act", KernelKind.ELEMENTWISE)]
+        + _gemv(layer, "down", batch, "mlp.down_proj.weight")
+    )
 
 
 @lru_cache(maxsize=65536)
@@ -230,8 +256,17 @@ def representative_layer(cfg: ModelConfig, layer_id: int) -> int:
 
 
 @lru_cache(maxsize=65536)
-def layer_work(cfg: ModelConfig, layer_id: int, tp: int, ep: int, batch: int, kv_len: float,
-               kv_dtype_bytes: int = 2, skew: float = 0.0, engine: str = "moeserve") -> Work:
+def layer_work(
+    cfg: ModelConfig,
+    layer_id: int,
+    tp: int,
+    ep: int,
+    batch: int,
+    kv_len: float,
+    kv_dtype_bytes: int = 2,
+    skew: float = 0.0,
+    engine: str = "moeserve",
+) -> Work:
     """Kernels and collectives of one decode step of ``batch`` tokens on the busiest rank of a layer.
 
     Every sequence reads its own ``kv_len`` cached tokens, also when requests share a prompt through the
@@ -247,8 +282,9 @@ def layer_work(cfg: ModelConfig, layer_id: int, tp: int, ep: int, batch: int, kv
     hidden = batch * cfg.hidden_size * ACT_BYTES
     # One all-reduce after attention, one after the MLP / MoE block (for EP too: attention is TP-split
     # and so are the shared experts, so partial sums must be reduced over the whole tp group anyway).
-    collectives = (Collective("attention all-reduce", "all_reduce", hidden),
-                   Collective("mlp all-reduce", "all_reduce", hidden)) if tp > 1 else ()
+    collectives = (
+        (Collective("attention all-reduce", "all_reduce", hidden), Collective("mlp all-reduce", "all_reduce", hidden)) if tp > 1 else ()
+    )
     return Work(tuple(kernels), collectives)
 
 
@@ -265,8 +301,9 @@ def stage_extras_work(cfg: ModelConfig, tp: int, batch: int, first: bool, last: 
         sizes = global_sizes(cfg, tp, 0, first=False, last=True)
         head = sizes.get(lm_head_tensor(cfg).component)
         kernels.append(Kernel("final_norm", KernelKind.ELEMENTWISE))
-        kernels.append(Kernel("lm_head", KernelKind.GEMV, head.bytes if head else 0.0,
-                              flops=2 * _padded(batch) * (head.numel if head else 0)))
+        kernels.append(
+            Kernel("lm_head", KernelKind.GEMV, head.bytes if head else 0.0, flops=2 * _padded(batch) * (head.numel if head else 0))
+        )
         if tp > 1:
             collectives.append(Collective("logits all-gather", "all_gather", batch * cfg.vocab_size * ACT_BYTES))
         kernels.append(Kernel("sampling", KernelKind.SAMPLING))

@@ -26,6 +26,8 @@ def not_modelled(cfg: ModelConfig, hw: Hardware) -> list[str]:
         )
     if hw.gpus > 1:
         notes.append("decode context parallelism (vLLM --decode-context-parallel-size) is not modelled")
-    notes.append("the table is decode only: prefill and chunked-prefill stalls are counted by `moeserve sweep`'s "
-                 "prediction (planner/bench_prediction.py), not here")
+    notes.append(
+        "the table is decode only: prefill and chunked-prefill stalls are counted by `moeserve sweep`'s "
+        "prediction (planner/bench_prediction.py), not here"
+    )
     return notes

@@ -85,8 +85,7 @@ def _spec_size(cfg: ModelConfig, spec: TensorSpec, tp: int, ep: int, tp_rank: in
     shape, copies = shard(spec, tp, ep, tp_rank)
     fmt = weight_format(cfg, spec, dtype_bytes, quantized)
     split_dim = 1 if spec.split in (Split.ROW, Split.EXPERT_ROW) else 0
-    return Size(math.prod(shape) * copies,
-                shard_bytes(fmt, shape, copies, shard_offset(spec, tp, ep, tp_rank), split_dim))
+    return Size(math.prod(shape) * copies, shard_bytes(fmt, shape, copies, shard_offset(spec, tp, ep, tp_rank), split_dim))
 
 
 @lru_cache(maxsize=4096)
@@ -275,8 +274,7 @@ def runtime_reserve(
     )
 
 
-def kv_budget_bytes(memory_bytes: float, gpu_memory_utilization: float, weight_bytes: float,
-                    reserve: RuntimeReserve) -> float:
+def kv_budget_bytes(memory_bytes: float, gpu_memory_utilization: float, weight_bytes: float, reserve: RuntimeReserve) -> float:
     """Bytes the engine gives its KV pool on one GPU (negative when the weights do not fit)."""
     return memory_bytes * gpu_memory_utilization - weight_bytes - reserve.inside_budget
 
@@ -286,5 +284,7 @@ def graph_room_note(memory_bytes: float, gpu_memory_utilization: float, reserve:
     room = memory_bytes * (1 - gpu_memory_utilization)
     if room >= reserve.cuda_graphs:
         return None
-    return (f"CUDA graphs need ~{reserve.cuda_graphs / 1e9:.1f} GB but 1 - gpu_memory_utilization leaves "
-            f"{room / 1e9:.1f} GB: lower --gpu-memory-utilization or --max-num-seqs")
+    return (
+        f"CUDA graphs need ~{reserve.cuda_graphs / 1e9:.1f} GB but 1 - gpu_memory_utilization leaves "
+        f"{room / 1e9:.1f} GB: lower --gpu-memory-utilization or --max-num-seqs"
+    )

@@ -30,20 +30,34 @@ class Session:
 
     def measurements(self) -> dict[int, Measurement]:
         kv_len = 1024 + self.output_len / 2
-        return {b: Measurement(1, 1, 1, b, tok_s, None, kv_len=kv_len, model=MODEL, hardware="h200")
-                for b, tok_s in self.decode_tok_s}
+        return {b: Measurement(1, 1, 1, b, tok_s, None, kv_len=kv_len, model=MODEL, hardware="h200") for b, tok_s in self.decode_tok_s}
 
 
 SESSIONS: tuple[Session, ...] = (
-    Session("third session", "a39fd70", "benchmarks/h200-2026-11-29c/run4_bench_bf16.log", 256,
-            ((1, 382.9), (8, 1004.7), (64, 4540.1), (256, 14218.4)),
-            "the kernels the planner's moeserve profile describes (fused MoE GEMV, 12 kernels a layer)"),
-    Session("second session", "58e0b2a", "benchmarks/h200-2026-11-29b/gpu_check_bf16.json", 256,
-            ((1, 292.1), (8, 959.4), (64, 4865.8), (256, 14704.0)),
-            "before the shared experts moved into the MoE GEMV: more kernels at batch 1 than the profile has"),
-    Session("first session", "fd99480", "benchmarks/h200-2026-11-29/calibrate_input.json", 128,
-            ((1, 110.3), (64, 3210.0), (256, 8172.0)),
-            "synchronous host (~5 ms a step) and a 15-kernel MoE alignment at every batch"),
+    Session(
+        "third session",
+        "a39fd70",
+        "benchmarks/h200-2026-11-29c/run4_bench_bf16.log",
+        256,
+        ((1, 382.9), (8, 1004.7), (64, 4540.1), (256, 14218.4)),
+        "the kernels the planner's moeserve profile describes (fused MoE GEMV, 12 kernels a layer)",
+    ),
+    Session(
+        "second session",
+        "58e0b2a",
+        "benchmarks/h200-2026-11-29b/gpu_check_bf16.json",
+        256,
+        ((1, 292.1), (8, 959.4), (64, 4865.8), (256, 14704.0)),
+        "before the shared experts moved into the MoE GEMV: more kernels at batch 1 than the profile has",
+    ),
+    Session(
+        "first session",
+        "fd99480",
+        "benchmarks/h200-2026-11-29/calibrate_input.json",
+        128,
+        ((1, 110.3), (64, 3210.0), (256, 8172.0)),
+        "synchronous host (~5 ms a step) and a 15-kernel MoE alignment at every batch",
+    ),
 )
 
 FIT_BATCHES = (1, 256)

@@ -72,8 +72,9 @@ class Plan:
     not_modelled: list[str] = field(default_factory=list)
 
 
-def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Workload,
-                    settings: EngineSettings = DEFAULT_SETTINGS) -> LayoutPlan:
+def evaluate_layout(
+    cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Workload, settings: EngineSettings = DEFAULT_SETTINGS
+) -> LayoutPlan:
     tp, pp, ep = layout.tp, layout.pp, layout.ep
     partition = list(layout.partition) if layout.partition else None
     problems = structural_problems(cfg, tp, pp, ep, partition)
@@ -119,8 +120,9 @@ def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Wo
     else:
         fits = True
         concurrency = max(1, min(wanted, sequences))
-        why = (f"fits: {free[tight] / 1e9:.1f} GB for KV on the fullest GPU = {kv_tokens:,} tokens "
-               f"({sequences} x {workload.sequence_tokens})")
+        why = (
+            f"fits: {free[tight] / 1e9:.1f} GB for KV on the fullest GPU = {kv_tokens:,} tokens ({sequences} x {workload.sequence_tokens})"
+        )
         if concurrency < workload.concurrency:
             limit = "KV" if sequences < settings.max_num_seqs else "--max-num-seqs"
             why += f"; {limit} caps concurrency at {concurrency} of {workload.concurrency}"
@@ -130,12 +132,12 @@ def evaluate_layout(cfg: ModelConfig, hw: Hardware, layout: Layout, workload: Wo
     kv_bytes = settings.kv_dtype_bytes
     single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, kv_bytes)
     aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, kv_bytes)
-    return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single,
-                      aggregate, settings)
+    return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single, aggregate, settings)
 
 
-def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workload: Workload,
-                      settings: EngineSettings) -> LayoutPlan | None:
+def _balanced_variant(
+    cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workload: Workload, settings: EngineSettings
+) -> LayoutPlan | None:
     """The best uneven partition of a pipelined layout, if it beats the default one."""
     layout = default.layout
     if layout.pp < 2 or default.problems:
@@ -143,18 +145,17 @@ def _balanced_variant(cfg: ModelConfig, hw: Hardware, default: LayoutPlan, workl
     parts = best_partition(cfg, hw, layout.tp, layout.pp, layout.ep, workload, settings)
     if not parts or parts == default.partition:
         return None
-    variant = evaluate_layout(cfg, hw, Layout(layout.tp, layout.pp, layout.ep, tuple(parts), balanced=True), workload,
-                              settings)
-    better = (
-        not default.fits
-        or variant.aggregate.tok_s > 1.005 * default.aggregate.tok_s
-        or variant.kv_tokens > 1.01 * default.kv_tokens
-    )
+    variant = evaluate_layout(cfg, hw, Layout(layout.tp, layout.pp, layout.ep, tuple(parts), balanced=True), workload, settings)
+    better = not default.fits or variant.aggregate.tok_s > 1.005 * default.aggregate.tok_s or variant.kv_tokens > 1.01 * default.kv_tokens
     return variant if variant.fits and better else None
 
 
 def plan_layouts(
-    cfg: ModelConfig, hw: Hardware, workload: Workload, model_name: str = "", layouts: list[Layout] | None = None,
+    cfg: ModelConfig,
+    hw: Hardware,
+    workload: Workload,
+    model_name: str = "",
+    layouts: list[Layout] | None = None,
     settings: EngineSettings = DEFAULT_SETTINGS,
 ) -> Plan:
     """Evaluate ``layouts`` (default: every layout of ``hw.gpus`` plus the best uneven partition of

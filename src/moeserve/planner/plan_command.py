@@ -35,30 +35,52 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     hw.add_argument("--link-gbps", type=float, help="link bandwidth per GPU and direction, GB/s (gigabytes)")
     hw.add_argument("--link-latency-us", type=float, help="latency per hop of a collective, microseconds")
     hw.add_argument("--step-overhead-ms", type=float, help="per decode step overhead (scheduling, sampling), ms")
-    hw.add_argument("--engine", choices=sorted(ENGINES), default="moeserve",
-                    help="whose kernels: moeserve (default; measured) or vllm (vLLM/SGLang/TensorRT-LLM: fused MoE, custom all-reduce)")
-    hw.add_argument("--allreduce", choices=ALLREDUCE_IMPLS,
-                    help="all-reduce the engine runs: nccl (moeserve's) or custom (vLLM/SGLang one-shot/two-shot); default: the engine's")
-    hw.add_argument("--routing-skew", type=float, default=0.0,
-                    help="log-normal spread of expert popularity (0 = uniform routing, the default)")
+    hw.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="moeserve",
+        help="whose kernels: moeserve (default; measured) or vllm (vLLM/SGLang/TensorRT-LLM: fused MoE, custom all-reduce)",
+    )
+    hw.add_argument(
+        "--allreduce",
+        choices=ALLREDUCE_IMPLS,
+        help="all-reduce the engine runs: nccl (moeserve's) or custom (vLLM/SGLang one-shot/two-shot); default: the engine's",
+    )
+    hw.add_argument(
+        "--routing-skew", type=float, default=0.0, help="log-normal spread of expert popularity (0 = uniform routing, the default)"
+    )
     wl = parser.add_argument_group("workload (as moeserve bench names it) and engine settings")
     wl.add_argument("--input-len", type=int, help="prompt tokens per request (default 1024)")
     wl.add_argument("--output-len", type=int, help="generated tokens per request (default 1024)")
     wl.add_argument("--concurrency", type=int, default=32, help="requests decoding at once (default 32)")
     wl.add_argument("--max-model-len", type=int, help="longest request the engine must accept (default input + output)")
-    wl.add_argument("--context", type=int,
-                    help="old single-number workload: requests of N tokens (decode reads N/2 on average), max-model-len N")
-    wl.add_argument("--kv-cache-dtype", choices=sorted(KV_CACHE_DTYPES), default="auto",
-                    help="KV cache element type: auto/bf16 (moeserve) or fp8 (planned; moeserve does not run it yet)")
+    wl.add_argument(
+        "--context", type=int, help="old single-number workload: requests of N tokens (decode reads N/2 on average), max-model-len N"
+    )
+    wl.add_argument(
+        "--kv-cache-dtype",
+        choices=sorted(KV_CACHE_DTYPES),
+        default="auto",
+        help="KV cache element type: auto/bf16 (moeserve) or fp8 (planned; moeserve does not run it yet)",
+    )
     wl.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the engine may use (default 0.9)")
     wl.add_argument("--max-num-seqs", type=int, default=256, help="most requests the engine runs at once (default 256)")
-    parser.add_argument("--layout", action="append",
-                        help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable")
+    parser.add_argument(
+        "--layout", action="append", help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable"
+    )
     parser.add_argument("--partition", help="layers per stage for a single pipelined --layout, e.g. 8,8,8,8,8,8,8,5")
-    parser.add_argument("--calibrate", action="append", metavar="RESULTS.json",
-                        help="fit the hardware constants to moeserve bench results first; repeatable")
-    parser.add_argument("--holdout", action="append", metavar="RESULTS.json",
-                        help="runs to predict with the calibrated constants without fitting to them (needs --calibrate); repeatable")
+    parser.add_argument(
+        "--calibrate",
+        action="append",
+        metavar="RESULTS.json",
+        help="fit the hardware constants to moeserve bench results first; repeatable",
+    )
+    parser.add_argument(
+        "--holdout",
+        action="append",
+        metavar="RESULTS.json",
+        help="runs to predict with the calibrated constants without fitting to them (needs --calibrate); repeatable",
+    )
     parser.add_argument("--explain", metavar="LAYOUT", help="print where one decode step of LAYOUT goes, term by term")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 

@@ -48,7 +48,4 @@ def _nothing_fits(plans: list[LayoutPlan], cfg: ModelConfig, hw: Hardware) -> st
     room = hw.memory_gb - smallest.reserve.total / 1e9
     weights_gb = sum(s.bytes for s in rank_weight_sizes(cfg, 1, 1, 1, 0).values()) / 1e9
     need = f"at least {math.ceil(weights_gb / room)} GPUs of {hw.memory_gb:g} GB" if room > 0 else "bigger GPUs"
-    return (
-        f"no layout fits; the smallest footprint, {smallest.name}: {smallest.why}; "
-        f"the {weights_gb:.0f} GB of weights alone need {need}"
-    )
+    return f"no layout fits; the smallest footprint, {smallest.name}: {smallest.why}; the {weights_gb:.0f} GB of weights alone need {need}"

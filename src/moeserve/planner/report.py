@@ -213,8 +213,10 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
     console.print(f"       {m['quantization']}; KV {m['kv_bytes_per_token'] / 1e3:.1f} KB per token (all layers)")
     console.print(f"workload: {wl.describe()}")
     st = plan.settings
-    console.print(f"engine: KV cache {'fp8' if st.kv_dtype_bytes == 1 else 'bf16'}, gpu-memory-utilization {st.gpu_memory_utilization:g}, "
-                  f"max-num-seqs {st.max_num_seqs}, {hw.allreduce} all-reduce")
+    console.print(
+        f"engine: KV cache {'fp8' if st.kv_dtype_bytes == 1 else 'bf16'}, gpu-memory-utilization {st.gpu_memory_utilization:g}, "
+        f"max-num-seqs {st.max_num_seqs}, {hw.allreduce} all-reduce"
+    )
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
     if calibration is not None:
@@ -296,12 +298,20 @@ def render_calibration(cal: Calibration, console: Console) -> None:
             table.add_column(col, justify="left" if col == "layout" else "right")
         for r in cal.prefill_rows:
             m = r.measurement
-            table.add_row(m.label, f"{m.prefill_seqs} x {m.input_len}", f"{m.prefill_tok_s:,.0f}",
-                          f"{r.tok_s(r.before_s):,.0f}", f"{r.error_before:+.1f}", f"{r.tok_s(r.after_s):,.0f}",
-                          f"{r.error_after:+.1f}")
+            table.add_row(
+                m.label,
+                f"{m.prefill_seqs} x {m.input_len}",
+                f"{m.prefill_tok_s:,.0f}",
+                f"{r.tok_s(r.before_s):,.0f}",
+                f"{r.error_before:+.1f}",
+                f"{r.tok_s(r.after_s):,.0f}",
+                f"{r.error_after:+.1f}",
+            )
         console.print(table)
     fmt = lambda c: ", ".join(f"{k}={v:.3g}" for k, v in c.as_dict().items())  # noqa: E731
     console.print(f"constants before: {fmt(cal.before)}")
     console.print(f"constants after:  {fmt(cal.after)}")
-    console.print(f"RMS error {cal.rms_error_before:.1f}% -> {cal.rms_error_after:.1f}%"
-                  + (f"; held out: {cal.holdout_rms_error:.1f}%" if cal.holdout else ""))
+    console.print(
+        f"RMS error {cal.rms_error_before:.1f}% -> {cal.rms_error_after:.1f}%"
+        + (f"; held out: {cal.holdout_rms_error:.1f}%" if cal.holdout else "")
+    )

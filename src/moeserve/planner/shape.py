@@ -157,8 +157,7 @@ def efficiency(slice_bytes: float, tokens: float, token_rows: tuple[int, ...], r
     return _interp_log(max(tokens, 1e-9), pts)
 
 
-def expert_efficiency(slice_bytes: float, tokens: int, touched: float, top_k: int, engine_shape: str,
-                      gemv_path: bool) -> float:
+def expert_efficiency(slice_bytes: float, tokens: int, touched: float, top_k: int, engine_shape: str, gemv_path: bool) -> float:
     """The multiplier on ``hbm_efficiency`` for a rank's routed-expert bytes (``touched`` local experts of
     ``slice_bytes`` each, ``tokens`` tokens in the step, each with ``top_k`` experts).
 
@@ -180,5 +179,4 @@ def expert_efficiency(slice_bytes: float, tokens: int, touched: float, top_k: in
 
 def describe() -> str:
     """One line for the plan's footer."""
-    return (f"INT4 routed experts stream at a kernel-shape efficiency by slice size and tokens (measured on an "
-            f"H200, {SOURCE})")
+    return f"INT4 routed experts stream at a kernel-shape efficiency by slice size and tokens (measured on an H200, {SOURCE})"

@@ -29,9 +29,27 @@ from moeserve.models.deepseek_weights import (
     lm_head_tensor,
 )
 
-__all__ = ["ATTENTION", "COMPONENTS", "DENSE_MLP", "EMBEDDING", "LM_HEAD", "NORMS", "ROUTED_EXPERTS", "ROUTER",
-           "SHARED_EXPERTS", "Kind", "ParameterCounts", "Split", "TensorSpec", "active_parameters_per_token",
-           "embedding_tensor", "final_norm_tensor", "layer_tensors", "lm_head_tensor", "parameter_counts"]
+__all__ = [
+    "ATTENTION",
+    "COMPONENTS",
+    "DENSE_MLP",
+    "EMBEDDING",
+    "LM_HEAD",
+    "NORMS",
+    "ROUTED_EXPERTS",
+    "ROUTER",
+    "SHARED_EXPERTS",
+    "Kind",
+    "ParameterCounts",
+    "Split",
+    "TensorSpec",
+    "active_parameters_per_token",
+    "embedding_tensor",
+    "final_norm_tensor",
+    "layer_tensors",
+    "lm_head_tensor",
+    "parameter_counts",
+]
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,7 @@ class Workload:
                 object.__setattr__(self, "max_model_len", int(context))
         if self.input_len < 0 or self.output_len < 1 or self.concurrency < 1:
             raise ValueError(
-                f"input_len must be >= 0, output_len and concurrency positive "
-                f"(got {self.input_len}, {self.output_len}, {self.concurrency})"
+                f"input_len must be >= 0, output_len and concurrency positive (got {self.input_len}, {self.output_len}, {self.concurrency})"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
@@ -87,8 +86,12 @@ class EngineSettings:
     @property
     def notes(self) -> tuple[str, ...]:
         if self.kv_dtype_bytes == 1:
-            return (("FP8 KV cache planned: moeserve allocates a bf16 cache today, so these KV capacities "
-                     "and KV read times are for an engine that stores FP8 latents (vLLM, SGLang)"),)
+            return (
+                (
+                    "FP8 KV cache planned: moeserve allocates a bf16 cache today, so these KV capacities "
+                    "and KV read times are for an engine that stores FP8 latents (vLLM, SGLang)"
+                ),
+            )
         return ()
 
 

@@ -24,6 +24,7 @@ PROJECTIONS = ("gate", "up", "down")
 class ExpertShard:
     """This rank's slice of the routed experts: whole experts ``[first, first + num_local)``,
     each cut to intermediate columns ``[i_offset, i_offset + i_local)`` of ``full_i``."""
+
     num_local: int
     first_expert: int
     i_local: int
@@ -40,14 +41,23 @@ def expert_shard(config: ModelConfig, tp: int, ep: int, tp_rank: int) -> ExpertS
     (``distributed.layout.split_problems``)."""
     inner = tp // ep
     num_local, i_local = config.n_routed_experts // ep, config.moe_intermediate_size // inner
-    return ExpertShard(num_local, tp_rank // inner * num_local, i_local, tp_rank % inner * i_local,
-                       config.moe_intermediate_size, config.hidden_size, f"tp={tp} ep={ep}")
+    return ExpertShard(
+        num_local,
+        tp_rank // inner * num_local,
+        i_local,
+        tp_rank % inner * i_local,
+        config.moe_intermediate_size,
+        config.hidden_size,
+        f"tp={tp} ep={ep}",
+    )
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if src.dtype == torch.float8_e4m3fn and dst.dtype != src.dtype:
-        raise ValueError(f"tensor {name} is float8_e4m3fn, but these experts load plain weights (no FP8 "
-                         "quantization config, or no weight_scale_inv beside any of their weights in the checkpoint)")
+        raise ValueError(
+            f"tensor {name} is float8_e4m3fn, but these experts load plain weights (no FP8 "
+            "quantization config, or no weight_scale_inv beside any of their weights in the checkpoint)"
+        )
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"tensor {name} gives a slice of shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src.to(dst.dtype))
@@ -76,8 +86,7 @@ class ExpertsMethod:
     def create_weights(self, layer: nn.Module, shard: ExpertShard) -> None:
         raise NotImplementedError
 
-    def load(self, layer: nn.Module, shard: ExpertShard, e: int, proj: str, part: str, loaded: torch.Tensor,
-             name: str) -> None:
+    def load(self, layer: nn.Module, shard: ExpertShard, e: int, proj: str, part: str, loaded: torch.Tensor, name: str) -> None:
         """Copy this rank's part of checkpoint tensor ``name`` (``part``: its suffix after the
         projection, e.g. ``weight``) of local expert ``e`` into the layer."""
         raise NotImplementedError
@@ -90,14 +99,14 @@ class ExpertsMethod:
         compiles each at start-up); empty when no fast kernel is on."""
         return []
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
     kernels: tuple[str, ...] = ()  # start-up checks (kernels.selftest) its fast path needs
 
-    def apply_with_shared(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-                          topk_ids: torch.Tensor, shared: nn.Module | None) -> torch.Tensor | None:
+    def apply_with_shared(
+        self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, shared: nn.Module | None
+    ) -> torch.Tensor | None:
         """Routed plus shared experts (``shared``: the MoE block's shared ``DenseMLP``, or
         None) in one fused kernel for a few tokens (decode), or None when this method has no
         such kernel on or cannot take these shared experts (the caller then runs the two apart)."""
@@ -138,10 +147,10 @@ class UnquantizedExperts(ExpertsMethod):
         if proj in ("gate", "up"):
             check_full_shape(loaded, (shard.full_i, H), name)
             rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
-            copy_rows(layer.w13.data[e, rows], loaded[off:off + il], name)
+            copy_rows(layer.w13.data[e, rows], loaded[off : off + il], name)
         else:
             check_full_shape(loaded, (H, shard.full_i), name)
-            copy_rows(layer.w2.data[e], loaded[:, off:off + il], name)
+            copy_rows(layer.w2.data[e], loaded[:, off : off + il], name)
 
     def use_kernels(self, working):
         self.fused = True  # the grouped GEMM has no start-up check of its own yet
@@ -156,8 +165,7 @@ class UnquantizedExperts(ExpertsMethod):
         if self.fused:
             from moeserve.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert,
-                             small_batch_gemv=self.gemv)
+            return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, small_batch_gemv=self.gemv)
         return moe_experts_ref(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert)
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
@@ -186,17 +194,21 @@ class Int4Experts(ExpertsMethod):
     def checkpoint_tensors(self, prefix, out_features, in_features):
         from moeserve.quant.int4 import PACK
 
-        return [(f"{prefix}.weight_packed", (out_features, in_features // PACK)),
-                (f"{prefix}.weight_scale", (out_features, in_features // self.group)),
-                (f"{prefix}.weight_shape", (2,))]
+        return [
+            (f"{prefix}.weight_packed", (out_features, in_features // PACK)),
+            (f"{prefix}.weight_scale", (out_features, in_features // self.group)),
+            (f"{prefix}.weight_shape", (2,)),
+        ]
 
     def split_problems(self, shard):
         g, il = self.group, shard.i_local
-        return [f"INT4 experts under {shard.layout}: the {what} {size} is not a whole number of groups of {g} "
-                f"(moe_intermediate_size {shard.full_i} split into slices of {il}); choose a layout whose tp/ep "
-                f"split keeps groups of {g} whole"
-                for what, size in (("hidden size", shard.hidden), ("intermediate size per rank", il),
-                                   ("intermediate offset", shard.i_offset)) if size % g]
+        return [
+            f"INT4 experts under {shard.layout}: the {what} {size} is not a whole number of groups of {g} "
+            f"(moe_intermediate_size {shard.full_i} split into slices of {il}); choose a layout whose tp/ep "
+            f"split keeps groups of {g} whole"
+            for what, size in (("hidden size", shard.hidden), ("intermediate size per rank", il), ("intermediate offset", shard.i_offset))
+            if size % g
+        ]
 
     def create_weights(self, layer, shard):
         from moeserve.quant.int4 import PACK
@@ -217,12 +229,12 @@ class Int4Experts(ExpertsMethod):
         out_f, in_f = (full, H) if proj in ("gate", "up") else (H, full)
         if part == "weight_shape":
             if [int(v) for v in loaded.reshape(-1).tolist()] != [out_f, in_f]:
-                raise ValueError(f"tensor {name} says {loaded.tolist()}, but the config gives this projection "
-                                 f"the shape [{out_f}, {in_f}]")
+                raise ValueError(f"tensor {name} says {loaded.tolist()}, but the config gives this projection the shape [{out_f}, {in_f}]")
             return
         if part not in ("weight_packed", "weight_scale"):
-            raise ValueError(f"tensor {name}: unexpected part {part!r} of an INT4 expert "
-                             "(expected weight_packed, weight_scale, weight_shape)")
+            raise ValueError(
+                f"tensor {name}: unexpected part {part!r} of an INT4 expert (expected weight_packed, weight_scale, weight_shape)"
+            )
         per = PACK if part == "weight_packed" else g
         if in_f % per:
             raise ValueError(f"tensor {name}: {in_f} input columns do not pack into units of {per}")
@@ -232,10 +244,10 @@ class Int4Experts(ExpertsMethod):
         if proj in ("gate", "up"):
             dst = layer.w13_packed if part == "weight_packed" else layer.w13_scale
             rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
-            copy_rows(dst.data[e, rows], loaded[off:off + il], name)
+            copy_rows(dst.data[e, rows], loaded[off : off + il], name)
         else:
             dst = layer.w2_packed if part == "weight_packed" else layer.w2_scale
-            copy_rows(dst.data[e], loaded[:, off // per:(off + il) // per], name)
+            copy_rows(dst.data[e], loaded[:, off // per : (off + il) // per], name)
 
     def use_kernels(self, working):
         self.fused = self.gemv = "int4_moe" in working
@@ -257,8 +269,13 @@ class Int4Experts(ExpertsMethod):
 
         w13p, w13s, w2p, w2s = self._weights(layer)
         return moe_experts_by_expert(
-            x, lambda e: (dequantize_int4(w13p[e], w13s[e], x.dtype), dequantize_int4(w2p[e], w2s[e], x.dtype)),
-            w13p.shape[0], topk_weights, topk_ids, layer.first_expert)
+            x,
+            lambda e: (dequantize_int4(w13p[e], w13s[e], x.dtype), dequantize_int4(w2p[e], w2s[e], x.dtype)),
+            w13p.shape[0],
+            topk_weights,
+            topk_ids,
+            layer.first_expert,
+        )
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
         weights = plain_shared_weights(shared)
@@ -291,16 +308,20 @@ class Fp8Experts(ExpertsMethod):
         from moeserve.quant.fp8_layout import cdiv
 
         bn, bk = self.block
-        return [(f"{prefix}.weight", (out_features, in_features)),
-                (f"{prefix}.weight_scale_inv", (cdiv(out_features, bn), cdiv(in_features, bk)))]
+        return [
+            (f"{prefix}.weight", (out_features, in_features)),
+            (f"{prefix}.weight_scale_inv", (cdiv(out_features, bn), cdiv(in_features, bk))),
+        ]
 
     @staticmethod
     def layouts(shard: ExpertShard):
         """(one half of w13, w2) as ``quant.fp8_layout.Fp8ShardLayout``."""
         from moeserve.quant.fp8_layout import fp8_shard_layout
 
-        return (fp8_shard_layout([(shard.i_offset, shard.i_local)], 0, shard.hidden),
-                fp8_shard_layout([(0, shard.hidden)], shard.i_offset, shard.i_local))
+        return (
+            fp8_shard_layout([(shard.i_offset, shard.i_local)], 0, shard.hidden),
+            fp8_shard_layout([(0, shard.hidden)], shard.i_offset, shard.i_local),
+        )
 
     def create_weights(self, layer, shard):
         from moeserve.quant.fp8 import FP8_DTYPE
@@ -310,8 +331,7 @@ class Fp8Experts(ExpertsMethod):
         layer.fp8_half, layer.fp8_down = half, down
         f32, fp8 = dict(dtype=torch.float32), dict(dtype=FP8_DTYPE)
         layer.w13 = nn.Parameter(torch.empty(E, 2 * il, H, **fp8), requires_grad=False)
-        layer.w13_scale_inv = nn.Parameter(torch.empty(E, 2 * half.scale_rows, half.scale_cols, **f32),
-                                           requires_grad=False)
+        layer.w13_scale_inv = nn.Parameter(torch.empty(E, 2 * half.scale_rows, half.scale_cols, **f32), requires_grad=False)
         layer.w2 = nn.Parameter(torch.empty(E, H, down.cols, **fp8), requires_grad=False)
         layer.w2_scale_inv = nn.Parameter(torch.empty(E, *down.scale_shape, **f32), requires_grad=False)
 
@@ -323,13 +343,15 @@ class Fp8Experts(ExpertsMethod):
         out_f, in_f = (full, H) if proj in ("gate", "up") else (H, full)
         if part == "weight":
             if loaded.dtype != FP8_DTYPE:
-                raise ValueError(f"tensor {name} is {loaded.dtype}, but the checkpoint's FP8 quantization config "
-                                 "quantizes the routed experts: expected float8_e4m3fn weights with a "
-                                 "weight_scale_inv beside them")
+                raise ValueError(
+                    f"tensor {name} is {loaded.dtype}, but the checkpoint's FP8 quantization config "
+                    "quantizes the routed experts: expected float8_e4m3fn weights with a "
+                    "weight_scale_inv beside them"
+                )
             check_full_shape(loaded, (out_f, in_f), name)
             if proj in ("gate", "up"):
                 rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
-                copy_rows(layer.w13.data[e, rows], loaded[off:off + il], name)
+                copy_rows(layer.w13.data[e, rows], loaded[off : off + il], name)
             else:
                 copy_rows(layer.w2.data[e], shard_fp8_weight(loaded, 1, off, il, self.block[1]), name)
         elif part == "weight_scale_inv":
@@ -340,11 +362,9 @@ class Fp8Experts(ExpertsMethod):
                 scales = shard_fp8_scales(loaded.float(), 0, off, il, layer.fp8_half.per_row, self.block)
                 copy_rows(layer.w13_scale_inv.data[e, rows], scales, name)
             else:
-                copy_rows(layer.w2_scale_inv.data[e], shard_fp8_scales(loaded.float(), 1, off, il, block=self.block),
-                          name)
+                copy_rows(layer.w2_scale_inv.data[e], shard_fp8_scales(loaded.float(), 1, off, il, block=self.block), name)
         else:
-            raise ValueError(f"tensor {name}: unexpected part {part!r} of an FP8 expert "
-                             "(expected weight, weight_scale_inv)")
+            raise ValueError(f"tensor {name}: unexpected part {part!r} of an FP8 expert (expected weight, weight_scale_inv)")
 
     def use_kernels(self, working):
         self.fused = self.gemv = "fp8_moe" in working
@@ -361,16 +381,22 @@ class Fp8Experts(ExpertsMethod):
         if self.fused:
             from moeserve.kernels.fp8_moe import fp8_fused_moe
 
-            return fp8_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert,
-                                 small_batch_gemv=self.gemv)
+            return fp8_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, small_batch_gemv=self.gemv)
         from moeserve.quant.fp8 import dequantize_fp8_block, dequantize_fp8_gate_up
 
         w13, s13, w2, s2 = self._weights(layer)
         pad = layer.fp8_down.k_pad
         return moe_experts_by_expert(
-            x, lambda e: (dequantize_fp8_gate_up(w13[e], s13[e], self.block, x.dtype),
-                          dequantize_fp8_block(w2[e], s2[e], self.block, x.dtype)[:, pad:]),
-            w13.shape[0], topk_weights, topk_ids, layer.first_expert)
+            x,
+            lambda e: (
+                dequantize_fp8_gate_up(w13[e], s13[e], self.block, x.dtype),
+                dequantize_fp8_block(w2[e], s2[e], self.block, x.dtype)[:, pad:],
+            ),
+            w13.shape[0],
+            topk_weights,
+            topk_ids,
+            layer.first_expert,
+        )
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
         if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS:
@@ -382,8 +408,17 @@ class Fp8Experts(ExpertsMethod):
         gu, down = shared.gate_up_proj, shared.down_proj
         if not (gu.method.name == down.method.name == "fp8"):
             return None  # shared experts stored plain: the two run apart
-        return fp8_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert,
-                            gu.weight, gu.weight_scale_inv, down.weight, down.weight_scale_inv)
+        return fp8_moe_gemv(
+            x,
+            *self._weights(layer),
+            topk_weights,
+            topk_ids,
+            layer.first_expert,
+            gu.weight,
+            gu.weight_scale_inv,
+            down.weight,
+            down.weight_scale_inv,
+        )
 
 
 def experts_method(config: ModelConfig) -> ExpertsMethod:

@@ -39,11 +39,11 @@ from moeserve.quant.fp8_layout import BLOCK, cdiv
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value; quantization saturates there
-SUPPORTED_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                    "weight_block_size": [BLOCK, BLOCK]}
+SUPPORTED_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [BLOCK, BLOCK]}
 
 
 # ---- the scheme ----
+
 
 def _field(config: Any, key: str, attr: str) -> Any:
     if isinstance(config, dict):
@@ -65,15 +65,17 @@ def check_fp8_config(config: Any) -> tuple[int, int]:
     block = tuple(block) if block is not None else None
     ok = method == "fp8" and fmt == "e4m3" and act == "dynamic" and block == (BLOCK, BLOCK)
     if not ok:
-        scheme = (f"quant_method={method!r}, fmt={fmt!r}, activation_scheme={act!r}, "
-                  f"weight_block_size={list(block) if block else None}")
-        raise ValueError(f"unsupported FP8 scheme ({scheme}); moeserve runs quant_method='fp8', fmt='e4m3', "
-                         f"activation_scheme='dynamic', weight_block_size=[{BLOCK}, {BLOCK}] "
-                         "(DeepSeek-V3 / R1 block quantization)")
+        scheme = f"quant_method={method!r}, fmt={fmt!r}, activation_scheme={act!r}, weight_block_size={list(block) if block else None}"
+        raise ValueError(
+            f"unsupported FP8 scheme ({scheme}); moeserve runs quant_method='fp8', fmt='e4m3', "
+            f"activation_scheme='dynamic', weight_block_size=[{BLOCK}, {BLOCK}] "
+            "(DeepSeek-V3 / R1 block quantization)"
+        )
     return BLOCK, BLOCK
 
 
 # ---- scales ----
+
 
 def scale_row_block(rows: int, scale_rows: int, block_n: int = BLOCK) -> int:
     """Rows per scale row: ``block_n`` for the checkpoint's block grid, 1 for per-row scales.
@@ -82,18 +84,20 @@ def scale_row_block(rows: int, scale_rows: int, block_n: int = BLOCK) -> int:
         return block_n
     if scale_rows == rows:
         return 1
-    raise ValueError(f"{scale_rows} scale rows fit neither {rows} weight rows in blocks of {block_n} "
-                     f"({cdiv(rows, block_n)}) nor one scale row per weight row")
+    raise ValueError(
+        f"{scale_rows} scale rows fit neither {rows} weight rows in blocks of {block_n} "
+        f"({cdiv(rows, block_n)}) nor one scale row per weight row"
+    )
 
 
 def _check_scale_cols(cols: int, scale_cols: int, block_k: int) -> None:
     if scale_cols != cdiv(cols, block_k):
-        raise ValueError(f"{scale_cols} scale columns do not match {cols} weight columns in blocks of {block_k} "
-                         f"(expected {cdiv(cols, block_k)})")
+        raise ValueError(
+            f"{scale_cols} scale columns do not match {cols} weight columns in blocks of {block_k} (expected {cdiv(cols, block_k)})"
+        )
 
 
-def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int, block: tuple[int, int] = (BLOCK, BLOCK)
-                  ) -> torch.Tensor:
+def expand_scales(scale_inv: torch.Tensor, rows: int, cols: int, block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
     """float32 ``[..., rows, cols]``: each weight element's scale (block grid or per-row)."""
     rb = scale_row_block(rows, scale_inv.shape[-2], block[0])
     _check_scale_cols(cols, scale_inv.shape[-1], block[1])
@@ -111,8 +115,10 @@ def per_row_scales(scale_inv: torch.Tensor, rows: int, row_offset: int = 0, bloc
 
 # ---- dequantize / quantize ----
 
-def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),
-                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK), dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """``[..., N, K]`` fp8 + its scales (block grid or per-row, partial edge blocks) -> ``dtype``.
     The product is formed in float32 (exact: 4 + 24 significant bits) and then rounded once."""
     rows, cols = weight.shape[-2:]
@@ -121,8 +127,9 @@ def dequantize_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, block: t
     return (weight.to(torch.float32) * expand_scales(scale_inv, rows, cols, block)).to(dtype)
 
 
-def dequantize_fp8_rows(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, k_pad: int = 0,
-                        chunk_rows: int = 32 * BLOCK) -> torch.Tensor:
+def dequantize_fp8_rows(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, k_pad: int = 0, chunk_rows: int = 32 * BLOCK
+) -> torch.Tensor:
     """``dequantize_fp8_block`` of a 2-D weight (block-grid or per-row scales) without its first
     ``k_pad`` columns, ``chunk_rows`` rows at a time: the float32 temporaries stay a few MB
     whatever the layer's size (the torch reference dequantizes per call)."""
@@ -131,7 +138,7 @@ def dequantize_fp8_rows(weight: torch.Tensor, scale_inv: torch.Tensor, dtype: to
     out = torch.empty(rows, cols - k_pad, dtype=dtype, device=weight.device)
     for r0 in range(0, rows, chunk_rows):
         r1 = min(rows, r0 + chunk_rows)
-        s = scale_inv[r0 // rb:cdiv(r1, rb)]
+        s = scale_inv[r0 // rb : cdiv(r1, rb)]
         out[r0:r1] = dequantize_fp8_block(weight[r0:r1], s, dtype=torch.float32)[:, k_pad:]
     return out
 
@@ -141,8 +148,7 @@ def round_to_fp8(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
     """``w [..., N, K]`` -> (fp8 weight, float32 scales ``[..., ceil(N/bn), ceil(K/bk)]``), as the
     checkpoint's quantizer does: per block, scale = amax / 448 and q = w / scale (an all-zero
     block gets scale 1). For dummy weights and tests."""
@@ -158,8 +164,9 @@ def quantize_fp8_block(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
     return q[..., :rows, :cols].contiguous(), scale
 
 
-def dequantize_fp8_gate_up(w13: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),
-                           dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def dequantize_fp8_gate_up(
+    w13: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK), dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
     """Gate rows then up rows ``[..., 2I, H]``, each half on its own block grid (the scales'
     first half of rows is gate's, the second up's)."""
     half, sh = w13.shape[-2] // 2, scale_inv.shape[-2] // 2
@@ -170,8 +177,7 @@ def dequantize_fp8_gate_up(w13: torch.Tensor, scale_inv: torch.Tensor, block: tu
     return torch.cat([gate, up], dim=-2)
 
 
-def quantize_fp8_gate_up(w13: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_gate_up(w13: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK)) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize gate and up halves of ``[..., 2I, H]`` apart, as the checkpoint stores them."""
     half = w13.shape[-2] // 2
     (qg, sg), (qu, su) = quantize_fp8_block(w13[..., :half, :], block), quantize_fp8_block(w13[..., half:, :], block)
@@ -180,9 +186,11 @@ def quantize_fp8_gate_up(w13: torch.Tensor, block: tuple[int, int] = (BLOCK, BLO
 
 # ---- tensor-parallel shards ----
 
+
 class Fp8Shard(NamedTuple):
     """A shard of an FP8 weight: ``weight [rows, k_pad + cols]`` (``k_pad`` leading zero columns
     when a column split falls inside a block), ``scale_inv`` (block grid or per-row)."""
+
     weight: torch.Tensor
     scale_inv: torch.Tensor
     k_pad: int = 0
@@ -192,16 +200,17 @@ def shard_fp8_weight(weight: torch.Tensor, dim: int, start: int, size: int, bloc
     """The fp8 weight's part of :func:`shard_fp8_block`: rows ``[start, start + size)``, or
     those columns with ``start % block_k`` zero columns in front."""
     if dim == 0:
-        return weight[start:start + size]
-    w = weight[:, start:start + size]
+        return weight[start : start + size]
+    w = weight[:, start : start + size]
     pad = start % block_k
     if pad:
         w = torch.cat([torch.zeros(w.shape[0], pad, dtype=weight.dtype, device=weight.device), w], dim=1)
     return w
 
 
-def shard_fp8_scales(scale_inv: torch.Tensor, dim: int, start: int, size: int, per_row: bool | None = None,
-                     block: tuple[int, int] = (BLOCK, BLOCK)) -> torch.Tensor:
+def shard_fp8_scales(
+    scale_inv: torch.Tensor, dim: int, start: int, size: int, per_row: bool | None = None, block: tuple[int, int] = (BLOCK, BLOCK)
+) -> torch.Tensor:
     """The scales' part of :func:`shard_fp8_block`, from the full tensor's block grid: for rows,
     the row blocks they touch (``per_row`` False, the default when ``start`` is on the grid) or
     one scale row per weight row (``per_row`` True, the default off the grid); for columns, the
@@ -214,12 +223,13 @@ def shard_fp8_scales(scale_inv: torch.Tensor, dim: int, start: int, size: int, p
             return per_row_scales(scale_inv, size, start, bn)
         if start % bn:
             raise ValueError(f"rows from {start} are not on the {bn}-row grid: their scales must be per-row")
-        return scale_inv[start // bn:cdiv(start + size, bn)]
-    return scale_inv[:, start // bk:cdiv(start + size, bk)]
+        return scale_inv[start // bn : cdiv(start + size, bn)]
+    return scale_inv[:, start // bk : cdiv(start + size, bk)]
 
 
-def shard_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dim: int, start: int, size: int,
-                    block: tuple[int, int] = (BLOCK, BLOCK)) -> Fp8Shard:
+def shard_fp8_block(
+    weight: torch.Tensor, scale_inv: torch.Tensor, dim: int, start: int, size: int, block: tuple[int, int] = (BLOCK, BLOCK)
+) -> Fp8Shard:
     """Rows (``dim=0``) or columns (``dim=1``) ``[start, start + size)`` of a checkpoint weight
     ``[N, K]`` with block-grid scales, scales indexed by the global row / column:
 
@@ -233,17 +243,17 @@ def shard_fp8_block(weight: torch.Tensor, scale_inv: torch.Tensor, dim: int, sta
     rows, cols = weight.shape
     bn, bk = block
     if scale_inv.shape != (cdiv(rows, bn), cdiv(cols, bk)):
-        raise ValueError(f"scales {tuple(scale_inv.shape)} are not the block grid of weight {tuple(weight.shape)} "
-                         f"in {bn} x {bk} blocks")
+        raise ValueError(f"scales {tuple(scale_inv.shape)} are not the block grid of weight {tuple(weight.shape)} in {bn} x {bk} blocks")
     if dim not in (0, 1) or start < 0 or size <= 0 or start + size > weight.shape[dim]:
         raise ValueError(f"shard [{start}, {start + size}) along dim {dim} is outside a weight of {tuple(weight.shape)}")
-    return Fp8Shard(shard_fp8_weight(weight, dim, start, size, bk), shard_fp8_scales(scale_inv, dim, start, size,
-                                                                                       block=block),
-                    start % bk if dim == 1 else 0)
+    return Fp8Shard(
+        shard_fp8_weight(weight, dim, start, size, bk),
+        shard_fp8_scales(scale_inv, dim, start, size, block=block),
+        start % bk if dim == 1 else 0,
+    )
 
 
-def cat_fp8_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], block_n: int = BLOCK
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def cat_fp8_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], block_n: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """Stack FP8 weights ``[rows_i, K]`` (same columns and k_pad) along their rows, e.g. the
     gate and up pieces of a dense MLP or q_a and kv_a. One block grid covers the result when
     every piece but the last has whole blocks of rows and block-grid scales; otherwise the
@@ -258,7 +268,25 @@ def cat_fp8_rows(parts: list[tuple[torch.Tensor, torch.Tensor]], block_n: int = 
     return torch.cat(weights, dim=0), torch.cat(scales, dim=0)
 
 
-__all__ = ["BLOCK", "FP8_DTYPE", "FP8_MAX", "SUPPORTED_CONFIG", "Fp8Shard", "cat_fp8_rows", "cdiv",
-           "check_fp8_config", "dequantize_fp8_block", "dequantize_fp8_gate_up", "dequantize_fp8_rows",
-           "expand_scales", "per_row_scales", "quantize_fp8_block", "quantize_fp8_gate_up", "round_to_fp8",
-           "scale_row_block", "shard_fp8_block", "shard_fp8_scales", "shard_fp8_weight"]
+__all__ = [
+    "BLOCK",
+    "FP8_DTYPE",
+    "FP8_MAX",
+    "SUPPORTED_CONFIG",
+    "Fp8Shard",
+    "cat_fp8_rows",
+    "cdiv",
+    "check_fp8_config",
+    "dequantize_fp8_block",
+    "dequantize_fp8_gate_up",
+    "dequantize_fp8_rows",
+    "expand_scales",
+    "per_row_scales",
+    "quantize_fp8_block",
+    "quantize_fp8_gate_up",
+    "round_to_fp8",
+    "scale_row_block",
+    "shard_fp8_block",
+    "shard_fp8_scales",
+    "shard_fp8_weight",
+]

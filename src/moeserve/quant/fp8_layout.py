@@ -59,13 +59,11 @@ class Fp8ShardLayout:
         return self.rows * self.cols + SCALE_BYTES * self.scale_rows * self.scale_cols
 
 
-def fp8_shard_layout(pieces: Sequence[tuple[int, int]], col_start: int, col_size: int,
-                     block: int = BLOCK) -> Fp8ShardLayout:
+def fp8_shard_layout(pieces: Sequence[tuple[int, int]], col_start: int, col_size: int, block: int = BLOCK) -> Fp8ShardLayout:
     """The stored shape of the output rows ``pieces = [(start, size), ...]`` (each within its
     own checkpoint tensor) times the columns ``[col_start, col_start + col_size)``."""
     if not pieces or any(start < 0 or size <= 0 for start, size in pieces) or col_start < 0 or col_size <= 0:
-        raise ValueError(f"an empty or negative FP8 shard: rows {list(pieces)}, columns [{col_start}, "
-                         f"{col_start + col_size})")
+        raise ValueError(f"an empty or negative FP8 shard: rows {list(pieces)}, columns [{col_start}, {col_start + col_size})")
     grid = all(start % block == 0 for start, _ in pieces) and all(size % block == 0 for _, size in pieces[:-1])
     piece_rows = tuple(cdiv(size, block) if grid else size for _, size in pieces)
     k_pad = col_start % block

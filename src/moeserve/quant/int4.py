@@ -64,13 +64,24 @@ def check_pack_quantized(q) -> None:
     """Raise a ValueError naming the scheme unless ``q`` (a ``QuantizationConfig``) is the INT4
     scheme the engine runs: compressed-tensors ``pack-quantized``, 4-bit symmetric int weights,
     group strategy of 32 input columns, no activation reordering, one config group."""
-    scheme = (f"format={q.format!r}, num_bits={q.weight_bits}, type={q.weight_type!r}, strategy={q.strategy!r}, "
-              f"group_size={q.group_size}, symmetric={q.symmetric}, actorder={q.actorder!r}")
-    supported = ("moeserve runs compressed-tensors format='pack-quantized', num_bits=4, type='int', "
-                 f"strategy='group', group_size={GROUP_SIZE}, symmetric=True, actorder=None")
-    ok = (q.format == "pack-quantized" and q.weight_bits == 4 and q.weight_type == "int"
-          and q.strategy in ("group", None) and q.group_size == GROUP_SIZE and q.symmetric
-          and q.actorder in (None, False, "none") and q.num_groups == 1)
+    scheme = (
+        f"format={q.format!r}, num_bits={q.weight_bits}, type={q.weight_type!r}, strategy={q.strategy!r}, "
+        f"group_size={q.group_size}, symmetric={q.symmetric}, actorder={q.actorder!r}"
+    )
+    supported = (
+        "moeserve runs compressed-tensors format='pack-quantized', num_bits=4, type='int', "
+        f"strategy='group', group_size={GROUP_SIZE}, symmetric=True, actorder=None"
+    )
+    ok = (
+        q.format == "pack-quantized"
+        and q.weight_bits == 4
+        and q.weight_type == "int"
+        and q.strategy in ("group", None)
+        and q.group_size == GROUP_SIZE
+        and q.symmetric
+        and q.actorder in (None, False, "none")
+        and q.num_groups == 1
+    )
     if not ok:
         extra = f", {q.num_groups} config groups" if q.num_groups != 1 else ""
         raise ValueError(f"unsupported compressed-tensors scheme ({scheme}{extra}); {supported}")

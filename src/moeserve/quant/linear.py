@@ -32,8 +32,7 @@ from moeserve.kernels.limits import GEMV_MAX_TOKENS
 from moeserve.quant.fp8_layout import BLOCK, cdiv, fp8_shard_layout
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           small_gemv: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, small_gemv: bool = False) -> torch.Tensor:
     """``F.linear``; with ``small_gemv`` (the fast path), a few tokens go to the Triton GEMV."""
     if small_gemv and x.dim() == 2 and x.shape[0] <= GEMV_MAX_TOKENS and x.stride(-1) == 1:
         from moeserve.kernels.gemv import gemv
@@ -48,6 +47,7 @@ class LinearShard:
     ``[start, start + size)`` of each output piece (``(full, start, size)``; one piece, or gate
     and up of a fused ``gate_up_proj``, each its own checkpoint tensor), stacked, times the
     input columns ``[in_start, in_start + in_size)``."""
+
     pieces: tuple[tuple[int, int, int], ...]
     in_full: int
     in_start: int
@@ -106,19 +106,22 @@ def _check_fp8_weight(loaded: torch.Tensor, name: str) -> None:
     from moeserve.quant.fp8 import FP8_DTYPE
 
     if loaded.dtype != FP8_DTYPE:
-        raise ValueError(f"tensor {name} is {loaded.dtype}, but the checkpoint's FP8 quantization config quantizes "
-                         "this linear: expected float8_e4m3fn weights with a weight_scale_inv beside them")
+        raise ValueError(
+            f"tensor {name} is {loaded.dtype}, but the checkpoint's FP8 quantization config quantizes "
+            "this linear: expected float8_e4m3fn weights with a weight_scale_inv beside them"
+        )
 
 
-def _pieces(shard: LinearShard, loaded: torch.Tensor, piece: int | None, name: str
-            ) -> Iterator[tuple[int, torch.Tensor]]:
+def _pieces(shard: LinearShard, loaded: torch.Tensor, piece: int | None, name: str) -> Iterator[tuple[int, torch.Tensor]]:
     if piece is not None:
         yield piece, loaded
     elif len(shard.pieces) == 1:
         yield 0, loaded
     else:
-        raise ValueError(f"tensor {name}: an FP8 linear of {len(shard.pieces)} fused pieces loads each piece's own "
-                         "checkpoint tensor (e.g. gate_proj and up_proj), each with its own block scales")
+        raise ValueError(
+            f"tensor {name}: an FP8 linear of {len(shard.pieces)} fused pieces loads each piece's own "
+            "checkpoint tensor (e.g. gate_proj and up_proj), each with its own block scales"
+        )
 
 
 def _check_shape(loaded: torch.Tensor, expected: tuple[int, ...], name: str) -> None:
@@ -140,19 +143,19 @@ class Fp8Linear(LinearMethod):
 
     def checkpoint_tensors(self, prefix, out_features, in_features):
         bn, bk = self.block
-        return [(f"{prefix}.weight", (out_features, in_features)),
-                (f"{prefix}.weight_scale_inv", (cdiv(out_features, bn), cdiv(in_features, bk)))]
+        return [
+            (f"{prefix}.weight", (out_features, in_features)),
+            (f"{prefix}.weight_scale_inv", (cdiv(out_features, bn), cdiv(in_features, bk))),
+        ]
 
     def create_weights(self, layer, shard, dtype, plain_loader):
         from moeserve.quant.fp8 import FP8_DTYPE
 
-        layout = fp8_shard_layout([(start, size) for _, start, size in shard.pieces], shard.in_start, shard.in_size,
-                                  self.block[0])
+        layout = fp8_shard_layout([(start, size) for _, start, size in shard.pieces], shard.in_start, shard.in_size, self.block[0])
         layer.fp8_layout, layer.k_pad = layout, layout.k_pad
         layer.weight = nn.Parameter(torch.empty(layout.weight_shape, dtype=FP8_DTYPE), requires_grad=False)
         layer.weight.weight_loader = partial(self._load_weight, layer)
-        layer.weight_scale_inv = nn.Parameter(torch.empty(layout.scale_shape, dtype=torch.float32),
-                                              requires_grad=False)
+        layer.weight_scale_inv = nn.Parameter(torch.empty(layout.scale_shape, dtype=torch.float32), requires_grad=False)
         layer.weight_scale_inv.weight_loader = partial(self._load_scale, layer)
 
     def _load_weight(self, layer, param, loaded, piece=None):
@@ -163,9 +166,9 @@ class Fp8Linear(LinearMethod):
         for i, block in _pieces(shard, loaded, piece, name):
             full, start, size = shard.pieces[i]
             _check_shape(block, (full, shard.in_full), name)
-            part = shard_fp8_weight(block[start:start + size], 1, shard.in_start, shard.in_size, self.block[1])
+            part = shard_fp8_weight(block[start : start + size], 1, shard.in_start, shard.in_size, self.block[1])
             dst = shard.row_offset(i)
-            param.data[dst:dst + size].copy_(part)
+            param.data[dst : dst + size].copy_(part)
 
     def _load_scale(self, layer, param, loaded, piece=None):
         from moeserve.quant.fp8 import shard_fp8_scales
@@ -178,7 +181,7 @@ class Fp8Linear(LinearMethod):
             rows = shard_fp8_scales(block.float(), 0, start, size, layout.per_row, self.block)
             part = shard_fp8_scales(rows, 1, shard.in_start, shard.in_size, block=self.block)
             dst, n = sum(layout.piece_scale_rows[:i]), layout.piece_scale_rows[i]
-            param.data[dst:dst + n].copy_(part)
+            param.data[dst : dst + n].copy_(part)
 
     def use_kernels(self, working):
         self.fast = "fp8_linear" in working
@@ -218,7 +221,7 @@ class DequantizedFp8Linear(Fp8Linear):
         for i, block in _pieces(shard, loaded, piece, name):
             full, start, size = shard.pieces[i]
             _check_shape(block, (full, shard.in_full), name)
-            part = shard_fp8_weight(block[start:start + size], 1, shard.in_start, shard.in_size, self.block[1])
+            part = shard_fp8_weight(block[start : start + size], 1, shard.in_start, shard.in_size, self.block[1])
             self._stage(layer, i, "weight", part.clone())
 
     def _load_scale(self, layer, param, loaded, piece=None):
@@ -243,7 +246,7 @@ class DequantizedFp8Linear(Fp8Linear):
             dst = layer.shard.row_offset(piece)
             k_pad = layer.shard.in_start % self.block[1]
             w = dequantize_fp8_rows(staged["weight"], staged["scale"], layer.weight.dtype, k_pad)
-            layer.weight.data[dst:dst + size].copy_(w)
+            layer.weight.data[dst : dst + size].copy_(w)
 
     def use_kernels(self, working):
         pass
@@ -270,5 +273,4 @@ def linear_method(config: ModelConfig, module: str, dequantize: bool = False) ->
     return DequantizedFp8Linear(block) if dequantize else Fp8Linear(block)
 
 
-__all__ = ["DequantizedFp8Linear", "Fp8Linear", "LinearMethod", "LinearShard", "UnquantizedLinear", "linear",
-           "linear_method"]
+__all__ = ["DequantizedFp8Linear", "Fp8Linear", "LinearMethod", "LinearShard", "UnquantizedLinear", "linear", "linear_method"]

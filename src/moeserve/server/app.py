@@ -43,14 +43,14 @@ class ServerConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give a real key, or none at all to serve without one")
         if self.max_n < 1 or self.max_request_bytes < 1:
-            raise ValueError(f"max_n and max_request_bytes must be at least 1, got {self.max_n}, "
-                             f"{self.max_request_bytes}")
+            raise ValueError(f"max_n and max_request_bytes must be at least 1, got {self.max_n}, {self.max_request_bytes}")
 
 
 def _request_body(model: type[BaseModel]) -> dict:
     """OpenAPI for a body the route parses itself (off the event loop) instead of FastAPI."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    }
 
 
 def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
@@ -70,8 +70,7 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
 
 
 def _layout(kw: dict) -> str:
-    return (f"tp={kw.get('tensor_parallel_size', 1)} pp={kw.get('pipeline_parallel_size', 1)} "
-            f"ep={kw.get('expert_parallel_size', 1)}")
+    return f"tp={kw.get('tensor_parallel_size', 1)} pp={kw.get('pipeline_parallel_size', 1)} ep={kw.get('expert_parallel_size', 1)}"
 
 
 def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
@@ -81,17 +80,28 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
 
     def on_ready(info: dict) -> None:
         took = time.monotonic() - config.started_at
-        log.info("ready in %.1f s (engine built in %.1f s, warm-up of %d tokens in %.2f s), %s, "
-                 "max_model_len %d", took, info["build_s"], info["warmup_tokens"], info["warmup_s"],
-                 _layout(config.engine_kwargs), info["max_model_len"])
+        log.info(
+            "ready in %.1f s (engine built in %.1f s, warm-up of %d tokens in %.2f s), %s, max_model_len %d",
+            took,
+            info["build_s"],
+            info["warmup_tokens"],
+            info["warmup_s"],
+            _layout(config.engine_kwargs),
+            info["max_model_len"],
+        )
         for line in info.get("layout", []):
             log.info("  %s", line)
 
-    client = AsyncEngineClient(config.engine_kwargs, config.max_waiting, metrics,
-                               on_progress=lambda text: log.info("engine: %s", text), on_ready=on_ready,
-                               on_death=config.on_engine_death, engine_log_level=config.engine_log_level)
-    ctx = ServerContext(client, tokenizer, config.model_names, config.engine_kwargs["model"], metrics,
-                        max_n=config.max_n)
+    client = AsyncEngineClient(
+        config.engine_kwargs,
+        config.max_waiting,
+        metrics,
+        on_progress=lambda text: log.info("engine: %s", text),
+        on_ready=on_ready,
+        on_death=config.on_engine_death,
+        engine_log_level=config.engine_log_level,
+    )
+    ctx = ServerContext(client, tokenizer, config.model_names, config.engine_kwargs["model"], metrics, max_n=config.max_n)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -123,9 +133,20 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
     @v1.get("/models")
     async def models() -> dict:
         max_len = client.info.get("max_model_len")
-        return {"object": "list", "data": [
-            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "moeserve",
-             "root": ctx.model_path, "max_model_len": max_len} for name in ctx.model_names]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "moeserve",
+                    "root": ctx.model_path,
+                    "max_model_len": max_len,
+                }
+                for name in ctx.model_names
+            ],
+        }
 
     @v1.post("/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(raw: Request) -> Any:
@@ -141,17 +162,27 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
     async def health() -> JSONResponse:
         elapsed = round(time.monotonic() - config.started_at, 1)
         if client.state == "ready":
-            return JSONResponse({"status": "ready", "model": ctx.model_name, "uptime_s": elapsed,
-                                 "engine_pid": client.pid,
-                                 "max_model_len": client.info.get("max_model_len"),
-                                 "layout": client.info.get("layout", []), **client.stats})
+            return JSONResponse(
+                {
+                    "status": "ready",
+                    "model": ctx.model_name,
+                    "uptime_s": elapsed,
+                    "engine_pid": client.pid,
+                    "max_model_len": client.info.get("max_model_len"),
+                    "layout": client.info.get("layout", []),
+                    **client.stats,
+                }
+            )
         if client.state == "failed":
             return JSONResponse({"status": "failed", "error": client.error}, status_code=503)
         if client.state == "draining":
-            return JSONResponse({"status": "draining", "detail": client.detail, "in_flight": client.num_in_flight,
-                                 **client.stats}, status_code=503)
-        return JSONResponse({"status": "loading" if client.state != "stopped" else "stopped",
-                             "detail": client.detail, "elapsed_s": elapsed}, status_code=503)
+            return JSONResponse(
+                {"status": "draining", "detail": client.detail, "in_flight": client.num_in_flight, **client.stats}, status_code=503
+            )
+        return JSONResponse(
+            {"status": "loading" if client.state != "stopped" else "stopped", "detail": client.detail, "elapsed_s": elapsed},
+            status_code=503,
+        )
 
     @app.get("/version")
     async def version() -> dict:

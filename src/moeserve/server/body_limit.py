@@ -9,6 +9,7 @@ import time
 from typing import Any, Awaitable, Callable
 
 from moeserve.server.errors import error_body
+
 # After a 413, the rest of the body is read and dropped (up to this much, this long) so that a
 # client that writes its whole body before it reads gets the answer rather than a reset.
 DRAIN_BYTES = 64 << 20
@@ -65,13 +66,26 @@ class BodySizeLimit:
     async def _refuse(self, send: Send, size: int, drain: Receive | None, at_least: bool = False) -> None:
         """The 413; the body is drained before the response completes (after that the server
         closes the connection, and unread bytes would reset it)."""
-        body = json.dumps(error_body(
-            f"the request body is too large: {'more than ' if at_least else ''}{size} bytes, over this server's "
-            f"limit of {self.max_bytes} bytes (--max-request-bytes)", "invalid_request_error", None,
-            "request_too_large")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            error_body(
+                f"the request body is too large: {'more than ' if at_least else ''}{size} bytes, over this server's "
+                f"limit of {self.max_bytes} bytes (--max-request-bytes)",
+                "invalid_request_error",
+                None,
+                "request_too_large",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body, "more_body": True})
         if drain is not None:
             await _drain(drain)

@@ -9,9 +9,20 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
-from moeserve.server.openai_shared import (SSEResponse, ServerContext, cached_tokens, collect_while_connected,
-                                     new_id, now, reject_unsupported, sampling_kwargs, sse_events, submit, top_logprobs,
-                                     usage)
+from moeserve.server.openai_shared import (
+    SSEResponse,
+    ServerContext,
+    cached_tokens,
+    collect_while_connected,
+    new_id,
+    now,
+    reject_unsupported,
+    sampling_kwargs,
+    sse_events,
+    submit,
+    top_logprobs,
+    usage,
+)
 
 
 def _content(m: ChatMessage, i: int) -> str:
@@ -20,8 +31,7 @@ def _content(m: ChatMessage, i: int) -> str:
     texts = []
     for part in m.content:
         if part.type != "text" or part.text is None:
-            raise bad_request(f"content parts of type {part.type!r} are not supported (text only)",
-                              f"messages.{i}.content")
+            raise bad_request(f"content parts of type {part.type!r} are not supported (text only)", f"messages.{i}.content")
         texts.append(part.text)
     return "\n".join(texts)
 
@@ -31,8 +41,7 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str, li
         raise bad_request("messages must contain at least one message", "messages")
     tok = ctx.tokenizer
     if tok is None:
-        raise bad_request("this model directory has no tokenizer, so chat is not available; "
-                          "use /v1/completions with token ids", "messages")
+        raise bad_request("this model directory has no tokenizer, so chat is not available; use /v1/completions with token ids", "messages")
     if not getattr(tok, "chat_template", None):
         raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
     messages = []
@@ -41,8 +50,9 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str, li
         msg["content"] = _content(m, i)
         messages.append(msg)
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                       tokenize=False, **(req.chat_template_kwargs or {}))
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **(req.chat_template_kwargs or {})
+        )
     except Exception as e:  # noqa: BLE001 - a template error is the request's problem
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
     ids = ctx.encode(text, "messages", add_special_tokens=False)
@@ -61,18 +71,21 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
-        raise bad_request("a chat template of the request's own is not accepted (it would run on this "
-                          "server); the model's template is used", "chat_template_kwargs")
+        raise bad_request(
+            "a chat template of the request's own is not accepted (it would run on this server); the model's template is used",
+            "chat_template_kwargs",
+        )
 
 
-def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int,
-                      as_ids: bool = False) -> list:
+def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int, as_ids: bool = False) -> list:
     """One entry per token, each with the token's own bytes: exact even where tokens share a text."""
+
     def entry(tid: int, lp: float | None) -> dict:
         return {"token": ctx.token_str(tid, as_ids), "logprob": lp, "bytes": ctx.token_bytes(tid)}
 
-    return [{**entry(tid, row.get(tid)), "top_logprobs": [entry(t, v) for t, v in top_logprobs(row, n)]}
-            for tid, row in zip(token_ids, rows)]
+    return [
+        {**entry(tid, row.get(tid)), "top_logprobs": [entry(t, v) for t, v in top_logprobs(row, n)]} for tid, row in zip(token_ids, rows)
+    ]
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: ServerContext):
@@ -83,8 +96,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     else:
         max_tokens, names = req.max_tokens, {}
     n_top = req.top_logprobs or 0
-    kwargs = sampling_kwargs(req, max_tokens, n_top if req.logprobs else None,
-                             {**names, "logprobs": "top_logprobs", "prompt": "messages"}, ctx.max_n)
+    kwargs = sampling_kwargs(
+        req, max_tokens, n_top if req.logprobs else None, {**names, "logprobs": "top_logprobs", "prompt": "messages"}, ctx.max_n
+    )
     ctx.client.check_available()
     text, ids = await ctx.blocking(chat_prompt, req, ctx)
     as_ids = req.return_tokens_as_token_ids
@@ -100,8 +114,11 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         async def chunks() -> AsyncIterator[dict]:
             completion_tokens = 0
             for i in range(req.n):
-                yield {**head, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}], **extra}
+                yield {
+                    **head,
+                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                    **extra,
+                }
             cached: dict[str, int] = {}
             async for rid, update in group.updates():
                 cached_tokens(cached, update, rid)
@@ -109,11 +126,9 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
                 for seq in update.seqs:
                     completion_tokens += len(seq.token_ids)
                     delta = {"content": seq.text} if seq.text or not seq.finish_reason else {}
-                    lp = {"content": _logprobs_content(ctx, seq.token_ids, seq.logprobs or [], n_top, as_ids)} \
-                        if req.logprobs else None
+                    lp = {"content": _logprobs_content(ctx, seq.token_ids, seq.logprobs or [], n_top, as_ids)} if req.logprobs else None
                     if seq.text or lp or seq.finish_reason:
-                        choices.append({"index": seq.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": seq.finish_reason})
+                        choices.append({"index": seq.index, "delta": delta, "logprobs": lp, "finish_reason": seq.finish_reason})
                 if choices:
                     yield {**head, "choices": choices, **extra}
             if include_usage:
@@ -124,10 +139,16 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     results = await collect_while_connected(raw, group, req.n)
     choices = []
     for (_, i), r in sorted(results.items()):
-        lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} \
-            if req.logprobs else None
-        choices.append({"index": i, "message": {"role": "assistant", "content": r.text}, "logprobs": lp,
-                        "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
+        lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} if req.logprobs else None
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": r.text},
+                "logprobs": lp,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
+            }
+        )
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     cached = results[(0, 0)].cached_tokens if results else 0
     return {**head, "choices": choices, "usage": usage(len(ids), completion_tokens, cached)}

@@ -25,29 +25,40 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flag(p, "tokenizer")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("MOESERVE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY; "
-                        "an empty key is refused)")
-    p.add_argument("--served-model-name", nargs="+", default=None,
-                   help="model name(s) clients use (default: the --model value)")
-    p.add_argument("--max-waiting", type=int, default=1024,
-                   help="refuse a request with 503 when its sequences (prompts x n) would make more than this "
-                        "many wait to be scheduled (one larger than this still gets in when none wait)")
-    p.add_argument("--max-n", type=int, default=DEFAULT_MAX_N,
-                   help="the largest n (completions per prompt) a request may ask for (OpenAI's limit: 128)")
-    p.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="refuse a larger request body with 413 (default 8 MiB)")
-    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-                   help="on SIGTERM, seconds the requests in flight get to finish before they are ended "
-                        "with an error (new ones get 503 meanwhile)")
-    p.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("MOESERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOESERVE_API_KEY; an empty key is refused)",
+    )
+    p.add_argument("--served-model-name", nargs="+", default=None, help="model name(s) clients use (default: the --model value)")
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="refuse a request with 503 when its sequences (prompts x n) would make more than this "
+        "many wait to be scheduled (one larger than this still gets in when none wait)",
+    )
+    p.add_argument(
+        "--max-n",
+        type=int,
+        default=DEFAULT_MAX_N,
+        help="the largest n (completions per prompt) a request may ask for (OpenAI's limit: 128)",
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="refuse a larger request body with 413 (default 8 MiB)"
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an error (new ones get 503 meanwhile)",
+    )
+    p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
 
 
 def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -77,8 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key (or $MOESERVE_API_KEY) is empty: give a real key, or unset both to serve "
-                         "without one")
+        raise ValueError("--api-key (or $MOESERVE_API_KEY) is empty: give a real key, or unset both to serve without one")
     kw = engine_kwargs(args)
     if args.model is None:
         from moeserve.demo import ensure_demo_model
@@ -112,11 +122,16 @@ def run_serve(args: argparse.Namespace) -> int:
         asyncio.get_running_loop().call_later(DEATH_GRACE_S, lambda: setattr(server, "should_exit", True))
 
     config = ServerConfig(
-        engine_kwargs=kw, model_names=args.served_model_name or [args.model or "moeserve-demo"],
-        api_key=args.api_key, max_waiting=args.max_waiting, max_n=args.max_n,
-        max_request_bytes=args.max_request_bytes, started_at=started,
+        engine_kwargs=kw,
+        model_names=args.served_model_name or [args.model or "moeserve-demo"],
+        api_key=args.api_key,
+        max_waiting=args.max_waiting,
+        max_n=args.max_n,
+        max_request_bytes=args.max_request_bytes,
+        started_at=started,
         engine_log_level=logging.DEBUG if logging.getLogger().level <= logging.DEBUG else logging.WARNING,
-        on_engine_death=on_engine_death)
+        on_engine_death=on_engine_death,
+    )
     app = create_app(config, tokenizer)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving %s on http://%s:%d (model %s)", config.model_names[0], host, args.port, kw["model"])
@@ -125,8 +140,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.info("auth on: /v1/* needs 'Authorization: Bearer <key>'")
     else:
         log.warning("auth off: no API key, /v1/* answers anyone who can connect to %s", host)
-    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log,
-                               timeout_graceful_shutdown=5)
+    uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     server = DrainingServer(uv_config, app.state.ctx.client, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])
@@ -161,10 +175,10 @@ def add_systemd_unit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--user", default=None, help="User= of the service")
     g.add_argument("--group", default=None, help="Group= of the service")
     g.add_argument("--working-directory", default=None)
-    g.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
-                   help="Environment= line (repeatable), e.g. CUDA_VISIBLE_DEVICES=0,1")
-    g.add_argument("--ready-timeout", type=int, default=1800,
-                   help="seconds the server may take to become ready (weights + warm-up)")
+    g.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="Environment= line (repeatable), e.g. CUDA_VISIBLE_DEVICES=0,1"
+    )
+    g.add_argument("--ready-timeout", type=int, default=1800, help="seconds the server may take to become ready (weights + warm-up)")
 
 
 def run_systemd_unit(args: argparse.Namespace) -> int:
@@ -176,9 +190,19 @@ def run_systemd_unit(args: argparse.Namespace) -> int:
     words = cli_words(args, add_serve_arguments, skip={"api_key"})
     name = (args.served_model_name or [args.model or "the demo model"])[0]
     description = args.description or f"moeserve: {name} on {args.host}:{args.port}"
-    print(render_unit(words, description=description, url=local_url(args.host, args.port),
-                      ready_timeout=args.ready_timeout, shutdown_timeout=args.shutdown_timeout,
-                      user=args.user, group=args.group,
-                      working_directory=args.working_directory, environment=args.env,
-                      api_key=args.api_key), end="")
+    print(
+        render_unit(
+            words,
+            description=description,
+            url=local_url(args.host, args.port),
+            ready_timeout=args.ready_timeout,
+            shutdown_timeout=args.shutdown_timeout,
+            user=args.user,
+            group=args.group,
+            working_directory=args.working_directory,
+            environment=args.env,
+            api_key=args.api_key,
+        ),
+        end="",
+    )
     return 0

@@ -9,9 +9,21 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import CompletionRequest
-from moeserve.server.openai_shared import (SSEResponse, ServerContext, cached_tokens, collect_while_connected,
-                                     new_id, now, prompt_index, reject_unsupported, sampling_kwargs, sse_events, submit,
-                                     top_logprobs, usage)
+from moeserve.server.openai_shared import (
+    SSEResponse,
+    ServerContext,
+    cached_tokens,
+    collect_while_connected,
+    new_id,
+    now,
+    prompt_index,
+    reject_unsupported,
+    sampling_kwargs,
+    sse_events,
+    submit,
+    top_logprobs,
+    usage,
+)
 
 
 def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | None, list[int]]]:
@@ -60,7 +72,7 @@ class _Logprobs:
             out["tokens"].append(s)
             out["token_logprobs"].append(row.get(tid))
             top: dict[str, float] = {}
-            for t, v in (top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]):
+            for t, v in top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]:
                 top.setdefault(self.ctx.token_str(t, self.as_ids), v)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
@@ -76,8 +88,7 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported by this server (leave it unset or equal to n)", "best_of")
     if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)",
-                          "echo")
+        raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)", "echo")
     kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {}, ctx.max_n)
     ctx.client.check_available()
     prompts = await ctx.blocking(_prompts, req, ctx)  # off the event loop: a prompt may be large
@@ -110,13 +121,11 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
                         logprobs[key] = _Logprobs(ctx, req.logprobs or 0, len(echo[p]), as_ids)
                         text = echo[p] + text
                     completion_tokens += len(seq.token_ids)
-                    lp = logprobs[key].block(seq.token_ids, seq.logprobs or []) \
-                        if req.logprobs is not None else None
+                    lp = logprobs[key].block(seq.token_ids, seq.logprobs or []) if req.logprobs is not None else None
                     # A chunk per step that made tokens, even while their text is held back
                     # (a partial UTF-8 character, or no tokenizer): clients time tokens by chunks.
                     if text or lp or seq.finish_reason or seq.token_ids:
-                        choices.append({"index": p * req.n + seq.index, "text": text, "logprobs": lp,
-                                        "finish_reason": seq.finish_reason})
+                        choices.append({"index": p * req.n + seq.index, "text": text, "logprobs": lp, "finish_reason": seq.finish_reason})
                 if choices:
                     yield {**head, "choices": choices, **({"usage": None} if include_usage else {})}
             if include_usage:
@@ -127,10 +136,16 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     results = await collect_while_connected(raw, group, req.n)
     choices = []
     for (p, i), r in sorted(results.items()):
-        lp = _Logprobs(ctx, req.logprobs or 0, 0, as_ids).block(r.token_ids, r.logprobs) \
-            if req.logprobs is not None else None
-        choices.append({"index": p * req.n + i, "text": echo[p] + r.text, "logprobs": lp,
-                        "finish_reason": r.finish_reason, "stop_reason": r.stop_reason})
+        lp = _Logprobs(ctx, req.logprobs or 0, 0, as_ids).block(r.token_ids, r.logprobs) if req.logprobs is not None else None
+        choices.append(
+            {
+                "index": p * req.n + i,
+                "text": echo[p] + r.text,
+                "logprobs": lp,
+                "finish_reason": r.finish_reason,
+                "stop_reason": r.stop_reason,
+            }
+        )
     completion_tokens = sum(len(r.token_ids) for r in results.values())
     cached = sum(r.cached_tokens for (_, i), r in results.items() if i == 0)
     return {**head, "choices": choices, "usage": usage(n_prompt, completion_tokens, cached)}

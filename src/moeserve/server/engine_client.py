@@ -56,10 +56,16 @@ class AsyncEngineClient:
     """States: ``starting`` → ``loading`` → ``ready`` → ``draining`` (a signal: no new requests)
     → ``stopped``; ``failed`` when the engine process dies."""
 
-    def __init__(self, engine_kwargs: dict, max_waiting: int | None = None,
-                 metrics: ServerMetrics | None = None, on_progress: Callable[[str], None] | None = None,
-                 on_ready: Callable[[dict], None] | None = None, on_death: Callable[[str], None] | None = None,
-                 engine_log_level: int = logging.WARNING):
+    def __init__(
+        self,
+        engine_kwargs: dict,
+        max_waiting: int | None = None,
+        metrics: ServerMetrics | None = None,
+        on_progress: Callable[[str], None] | None = None,
+        on_ready: Callable[[dict], None] | None = None,
+        on_death: Callable[[str], None] | None = None,
+        engine_log_level: int = logging.WARNING,
+    ):
         self.engine_kwargs = engine_kwargs
         self.max_waiting = max_waiting
         self.metrics = metrics
@@ -83,8 +89,9 @@ class AsyncEngineClient:
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._evt_r, evt_w = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=engine_main, name="moeserve-engine",
-                                 args=(self.engine_kwargs, cmd_r, evt_w, self.max_waiting, self.engine_log_level))
+        self._proc = ctx.Process(
+            target=engine_main, name="moeserve-engine", args=(self.engine_kwargs, cmd_r, evt_w, self.max_waiting, self.engine_log_level)
+        )
         self._proc.start()  # not a daemon: the engine may start worker processes of its own
         cmd_r.close()  # the engine's ends: closing ours lets each side see the other go (EOF)
         evt_w.close()
@@ -124,8 +131,7 @@ class AsyncEngineClient:
     def group(self) -> "RequestGroup":
         return RequestGroup(self)
 
-    async def generate(self, request_id: str, prompt: dict | str | list[int],
-                       params: Any) -> AsyncIterator[RequestDelta]:
+    async def generate(self, request_id: str, prompt: dict | str | list[int], params: Any) -> AsyncIterator[RequestDelta]:
         """One engine request's deltas (SamplingParams or its keyword arguments); aborts it when
         the caller stops early or is cancelled."""
         if dataclasses.is_dataclass(params):
@@ -306,8 +312,7 @@ class AsyncEngineClient:
 
     def _observe(self, t: _Tracked, reason: str) -> None:
         if self.metrics is not None:
-            self.metrics.observe_request(t.prompt_tokens, t.generated, t.arrival, t.first_token,
-                                         t.last_token, reason)
+            self.metrics.observe_request(t.prompt_tokens, t.generated, t.arrival, t.first_token, t.last_token, reason)
 
     def _engine_died(self, exitcode: int | None) -> None:
         if self._closing and self._fatal is None:

@@ -36,8 +36,9 @@ WARMUP_REQUEST_ID = "__moeserve_warmup__"
 FAILURE_ENV = "MOESERVE_INJECT_REQUEST_FAILURE"
 
 
-def engine_main(engine_kwargs: dict, cmds: Connection, events: Connection, max_waiting: int | None,
-                log_level: int = logging.WARNING) -> None:
+def engine_main(
+    engine_kwargs: dict, cmds: Connection, events: Connection, max_waiting: int | None, log_level: int = logging.WARNING
+) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,8 +75,7 @@ def _start(engine_kwargs: dict, events: Connection) -> Any:
 
     t0 = time.monotonic()
     k = engine_kwargs
-    layout = f"tp={k.get('tensor_parallel_size', 1)} pp={k.get('pipeline_parallel_size', 1)} " \
-             f"ep={k.get('expert_parallel_size', 1)}"
+    layout = f"tp={k.get('tensor_parallel_size', 1)} pp={k.get('pipeline_parallel_size', 1)} ep={k.get('expert_parallel_size', 1)}"
     events.send(("progress", f"loading {k.get('model')} ({layout}, device {k.get('device', 'auto')})"))
     engine = build_engine(EngineConfig(**engine_kwargs))
     describe = getattr(engine.executor, "describe", None)
@@ -87,9 +87,19 @@ def _start(engine_kwargs: dict, events: Connection) -> Any:
     n_tokens = warm_up(engine)
     warm_up_step_shapes(engine)
     t_ready = time.monotonic()
-    events.send(("ready", {"max_model_len": engine.max_model_len, "layout": lines,
-                         "build_s": t_built - t0, "warmup_s": t_ready - t_built, "warmup_tokens": n_tokens,
-                         "vocab_size": getattr(engine.model_config, "vocab_size", None)}))
+    events.send(
+        (
+            "ready",
+            {
+                "max_model_len": engine.max_model_len,
+                "layout": lines,
+                "build_s": t_built - t0,
+                "warmup_s": t_ready - t_built,
+                "warmup_tokens": n_tokens,
+                "vocab_size": getattr(engine.model_config, "vocab_size", None),
+            },
+        )
+    )
     return engine
 
 
@@ -191,9 +201,14 @@ class EngineLoop:
 
     def stats(self) -> dict:
         e = self.engine
-        return {"running": e.num_running, "waiting": e.num_waiting, "kv_cache_usage": e.kv_cache_usage,
-                "preemptions": e.num_preemptions, "prefix_cache_queries": e.prefix_cache_queries,
-                "prefix_cache_hits": e.prefix_cache_hits}
+        return {
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "kv_cache_usage": e.kv_cache_usage,
+            "preemptions": e.num_preemptions,
+            "prefix_cache_queries": e.prefix_cache_queries,
+            "prefix_cache_hits": e.prefix_cache_hits,
+        }
 
     def _drain(self, block: bool) -> list | None:
         """Commands waiting now (waits up to 0.2 s for one when idle); None when the server is gone."""
@@ -234,8 +249,10 @@ class EngineLoop:
         waiting = self.engine.num_waiting_seqs
         if self.max_waiting is None or waiting == 0 or waiting + cost <= self.max_waiting:
             return None
-        return (f"the server is overloaded: {waiting} sequences are already waiting to be scheduled and this "
-                f"request adds {cost} (--max-waiting {self.max_waiting}); retry later")
+        return (
+            f"the server is overloaded: {waiting} sequences are already waiting to be scheduled and this "
+            f"request adds {cost} (--max-waiting {self.max_waiting}); retry later"
+        )
 
     def _add(self, rid: str, prompt: dict, kwargs: dict) -> None:
         from moeserve.sampling_params import SamplingParams

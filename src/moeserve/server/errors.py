@@ -11,21 +11,36 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger("moeserve.server")
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-               500: "internal_error", 503: "service_unavailable"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 # Which OpenAI parameter a SamplingParams field name stands for.
-PARAM_NAMES = {"max_tokens": "max_tokens", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-               "min_p": "min_p", "n": "n", "logprobs": "logprobs", "stop": "stop", "min_tokens": "min_tokens",
-               "seed": "seed"}
+PARAM_NAMES = {
+    "max_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "n": "n",
+    "logprobs": "logprobs",
+    "stop": "stop",
+    "min_tokens": "min_tokens",
+    "seed": "seed",
+}
 
 
 class APIError(Exception):
     """An error for one request; the server keeps serving everyone else."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -48,7 +63,7 @@ def from_value_error(e: ValueError, param_map: dict[str, str] | None = None) -> 
     names = {**PARAM_NAMES, **(param_map or {})}
     param = names.get(first)
     if param and param != first:
-        message = param + message[len(first):]
+        message = param + message[len(first) :]
     if param is None and message.startswith(("prompt", "a prompt")):
         param = (param_map or {}).get("prompt", "prompt")
     return bad_request(message, param)
@@ -58,10 +73,12 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param, code),
-                        status_code=status, headers=headers)
+def error_response(
+    status: int, message: str, param: str | None = None, code: str | None = None, headers: dict | None = None
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, ERROR_TYPES.get(status, "invalid_request_error"), param, code), status_code=status, headers=headers
+    )
 
 
 def _describe_validation_error(err: dict) -> tuple[str, str | None]:
@@ -72,8 +89,11 @@ def _describe_validation_error(err: dict) -> tuple[str, str | None]:
             detail += " (a lone UTF-16 surrogate escape such as \\ud800 is not text)"
         return f"invalid JSON body: {detail}".rstrip(": "), None
     # Union members show up in the location ("str", "list[int]"); keep only the field path.
-    path = [p for p in loc if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool")
-            and not p.startswith(("function-", "tagged-union"))]
+    path = [
+        p
+        for p in loc
+        if not any(ch in p for ch in "[]") and p not in ("str", "int", "float", "bool") and not p.startswith(("function-", "tagged-union"))
+    ]
     param = ".".join(path) or None
     msg = err.get("msg", "invalid value")
     if param is None:

@@ -56,9 +56,12 @@ class ServerContext:
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model_names or name == self.model_path:
             return name or self.model_name
-        raise APIError(404, f"the model {name!r} does not exist; this server serves "
-                            f"{', '.join(repr(n) for n in self.model_names)}", param="model",
-                       code="model_not_found")
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist; this server serves {', '.join(repr(n) for n in self.model_names)}",
+            param="model",
+            code="model_not_found",
+        )
 
     async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a worker thread: parsing, tokenizing and detokenizing a large request
@@ -100,18 +103,24 @@ class ServerContext:
         # that many contexts cannot fit, and is refused before the tokenizer spends seconds on it.
         per_token = max_token_chars(self.tokenizer)
         if per_token and len(text) > per_token * self.max_model_len:
-            raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens, and the "
-                              f"prompt has {len(text)} characters, which is more than that many tokens",
-                              param, code="context_length_exceeded")
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt has {len(text)} characters, which is more than that many tokens",
+                param,
+                code="context_length_exceeded",
+            )
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def check_prompt_length(self, token_ids: list[int], param: str) -> None:
         if not token_ids:
             raise bad_request("the prompt is empty (0 tokens)", param)
         if len(token_ids) >= self.max_model_len:
-            raise bad_request(f"this model's maximum context length is {self.max_model_len} tokens, and the "
-                              f"prompt has {len(token_ids)} tokens, which leaves no room for output", param,
-                              code="context_length_exceeded")
+            raise bad_request(
+                f"this model's maximum context length is {self.max_model_len} tokens, and the "
+                f"prompt has {len(token_ids)} tokens, which leaves no room for output",
+                param,
+                code="context_length_exceeded",
+            )
 
 
 def parse_body(model: type[M], body: bytes) -> M:
@@ -193,24 +202,36 @@ def reject_unsupported(req: _SamplingFields) -> None:
         raise bad_request("logit_bias is not supported by this server", "logit_bias")
 
 
-def sampling_kwargs(req: _SamplingFields, max_tokens: int | None, logprobs: int | None,
-                    param_map: dict[str, str], max_n: int = DEFAULT_MAX_N) -> dict:
+def sampling_kwargs(
+    req: _SamplingFields, max_tokens: int | None, logprobs: int | None, param_map: dict[str, str], max_n: int = DEFAULT_MAX_N
+) -> dict:
     """SamplingParams keyword arguments, validated here so a bad value never reaches the engine."""
     from moeserve.sampling_params import SamplingParams
 
     if req.n > max_n:
         raise bad_request(f"n must be at most {max_n} (this server's --max-n), got {req.n}", "n")
-    kwargs = dict(n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-                  top_p=1.0 if req.top_p is None else req.top_p, top_k=-1 if req.top_k is None else req.top_k,
-                  min_p=req.min_p or 0.0, seed=req.seed, max_tokens=max_tokens, min_tokens=req.min_tokens,
-                  stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos,
-                  logprobs=logprobs, include_stop_str_in_output=req.include_stop_str_in_output,
-                  skip_special_tokens=req.skip_special_tokens)
+    kwargs = dict(
+        n=req.n,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=-1 if req.top_k is None else req.top_k,
+        min_p=req.min_p or 0.0,
+        seed=req.seed,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        stop=req.stop,
+        stop_token_ids=req.stop_token_ids,
+        ignore_eos=req.ignore_eos,
+        logprobs=logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )
     if kwargs["top_k"] == 0:
         kwargs["top_k"] = -1
     if logprobs is not None and logprobs > MAX_LOGPROBS:
-        raise bad_request(f"{param_map.get('logprobs', 'logprobs')} must be at most {MAX_LOGPROBS}, "
-                          f"got {logprobs}", param_map.get("logprobs", "logprobs"))
+        raise bad_request(
+            f"{param_map.get('logprobs', 'logprobs')} must be at most {MAX_LOGPROBS}, got {logprobs}", param_map.get("logprobs", "logprobs")
+        )
     try:
         SamplingParams(**kwargs)
     except ValueError as e:
@@ -218,13 +239,13 @@ def sampling_kwargs(req: _SamplingFields, max_tokens: int | None, logprobs: int 
     return kwargs
 
 
-async def submit(ctx: ServerContext, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                 kwargs: dict, param_map: dict[str, str] | None = None) -> RequestGroup:
+async def submit(
+    ctx: ServerContext, request_id: str, prompts: list[tuple[str | None, list[int]]], kwargs: dict, param_map: dict[str, str] | None = None
+) -> RequestGroup:
     """One engine request per prompt (``{request_id}-{i}``); all accepted, or none left running."""
     ctx.client.check_available()
     group = ctx.client.group()
-    items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, kwargs)
-             for i, (text, ids) in enumerate(prompts)]
+    items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, kwargs) for i, (text, ids) in enumerate(prompts)]
     try:
         await group.add_all(items)
     except BaseException as e:
@@ -270,8 +291,7 @@ async def collect(group: RequestGroup, n: int) -> dict[tuple[int, int], SeqResul
     return results
 
 
-async def collect_while_connected(request: Request, group: RequestGroup, n: int
-                                  ) -> dict[tuple[int, int], SeqResult]:
+async def collect_while_connected(request: Request, group: RequestGroup, n: int) -> dict[tuple[int, int], SeqResult]:
     """``collect`` for a non-streaming response; whatever is unfinished when it returns or
     fails (the client left, an error) is aborted."""
     try:
@@ -297,9 +317,12 @@ async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: fl
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def cached_tokens(cached: dict[str, int], delta: RequestDelta, rid: str) -> None:
@@ -335,13 +358,13 @@ class SSEResponse(StreamingResponse):
     even while nothing is being sent (a request waiting in the queue)."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             async with anyio.create_task_group() as tg:
+
                 async def stream() -> None:
                     try:
                         await self.stream_response(send)

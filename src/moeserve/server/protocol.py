@@ -25,8 +25,7 @@ class _SamplingFields(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: v for k, v in data.items()
-                if not (v is None and k in fields and fields[k].default is not None)}
+        return {k: v for k, v in data.items() if not (v is None and k in fields and fields[k].default is not None)}
 
     model: str | None = None
     n: int = 1

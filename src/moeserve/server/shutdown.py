@@ -56,8 +56,12 @@ class DrainingServer(uvicorn.Server):
     async def drain(self, why: str) -> None:
         client, timeout = self.client, self.shutdown_timeout
         start, in_flight = time.monotonic(), client.num_in_flight
-        log.info("%s: draining: taking no new requests; %d request(s) in flight get up to %.0f s "
-                 "(--shutdown-timeout) to finish", why, in_flight, timeout)
+        log.info(
+            "%s: draining: taking no new requests; %d request(s) in flight get up to %.0f s (--shutdown-timeout) to finish",
+            why,
+            in_flight,
+            timeout,
+        )
         client.drain()
         while client.num_in_flight and time.monotonic() - start < timeout:
             try:
@@ -65,12 +69,12 @@ class DrainingServer(uvicorn.Server):
                 break
             except TimeoutError:
                 pass
-        cut = client.cut(f"the server is shutting down: this request did not finish within its "
-                         f"--shutdown-timeout of {timeout:g} s")
+        cut = client.cut(f"the server is shutting down: this request did not finish within its --shutdown-timeout of {timeout:g} s")
         took = time.monotonic() - start
         if cut:
-            log.warning("drained %d request(s) in %.1f s; cut %d still running: %s", max(0, in_flight - len(cut)),
-                        took, len(cut), ", ".join(cut))
+            log.warning(
+                "drained %d request(s) in %.1f s; cut %d still running: %s", max(0, in_flight - len(cut)), took, len(cut), ", ".join(cut)
+            )
         else:
             log.info("drained %d request(s) in %.1f s; none cut", in_flight, took)
         self.config.timeout_graceful_shutdown = TAIL_S

@@ -22,8 +22,7 @@ def quote(arg: str, expands_variables: bool = True) -> str:
     return '"' + arg.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
 
 
-def cli_words(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None],
-              skip: set[str]) -> list[str]:
+def cli_words(args: argparse.Namespace, add_arguments: Callable[[argparse.ArgumentParser], None], skip: set[str]) -> list[str]:
     """The options of ``args`` that differ from their defaults, as command-line words."""
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
@@ -42,8 +41,11 @@ def cli_words(args: argparse.Namespace, add_arguments: Callable[[argparse.Argume
         elif isinstance(value, dict):  # a JSON flag (--hf-overrides)
             words += [flag, json.dumps(value)]
         elif isinstance(value, (list, tuple)):
-            words += ([flag, ",".join(map(str, value))] if action.nargs is None  # one comma-separated word
-                      else [flag, *map(str, value)])
+            words += (
+                [flag, ",".join(map(str, value))]
+                if action.nargs is None  # one comma-separated word
+                else [flag, *map(str, value)]
+            )
         else:
             words += [flag, str(value)]
     return words
@@ -59,10 +61,20 @@ def local_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
-def render_unit(serve_words: list[str], *, description: str, url: str, ready_timeout: int,
-                shutdown_timeout: float = 30.0, user: str | None = None, group: str | None = None, working_directory: str | None = None,
-                environment: list[str] | None = None, api_key: str | None = None,
-                python: str = sys.executable) -> str:
+def render_unit(
+    serve_words: list[str],
+    *,
+    description: str,
+    url: str,
+    ready_timeout: int,
+    shutdown_timeout: float = 30.0,
+    user: str | None = None,
+    group: str | None = None,
+    working_directory: str | None = None,
+    environment: list[str] | None = None,
+    api_key: str | None = None,
+    python: str = sys.executable,
+) -> str:
     service = ["Type=exec"]
     if user:
         service.append(f"User={user}")
@@ -76,18 +88,31 @@ def render_unit(serve_words: list[str], *, description: str, url: str, ready_tim
         service.append("# Better kept in an EnvironmentFile= readable by root only:")
         service.append(f"Environment={quote('MOESERVE_API_KEY=' + api_key, expands_variables=False)}")
     exec_start = " ".join(quote(w) for w in [python, "-m", "moeserve", "serve", *serve_words])
-    wait = " ".join(quote(w) for w in [python, "-m", "moeserve", "wait-ready", "--url", url,
-                                       "--timeout", str(ready_timeout)])
-    service += [f"ExecStart={exec_start}",
-                "# The unit counts as started only once a real generation went through every rank:",
-                f"ExecStartPost={wait} --pid $MAINPID",
-                f"TimeoutStartSec={ready_timeout + 60}",
-                "# SIGTERM to the server alone: it drains its requests (--shutdown-timeout), then stops",
-                "# the engine and its ranks; SIGKILL to all only past TimeoutStopSec.",
-                "KillMode=mixed",
-                f"TimeoutStopSec={int(shutdown_timeout) + 30}",
-                "Restart=on-failure",
-                "RestartSec=10"]
-    return "\n".join(["[Unit]", f"Description={description}", "After=network-online.target",
-                      "Wants=network-online.target", "", "[Service]", *service, "",
-                      "[Install]", "WantedBy=multi-user.target", ""])
+    wait = " ".join(quote(w) for w in [python, "-m", "moeserve", "wait-ready", "--url", url, "--timeout", str(ready_timeout)])
+    service += [
+        f"ExecStart={exec_start}",
+        "# The unit counts as started only once a real generation went through every rank:",
+        f"ExecStartPost={wait} --pid $MAINPID",
+        f"TimeoutStartSec={ready_timeout + 60}",
+        "# SIGTERM to the server alone: it drains its requests (--shutdown-timeout), then stops",
+        "# the engine and its ranks; SIGKILL to all only past TimeoutStopSec.",
+        "KillMode=mixed",
+        f"TimeoutStopSec={int(shutdown_timeout) + 30}",
+        "Restart=on-failure",
+        "RestartSec=10",
+    ]
+    return "\n".join(
+        [
+            "[Unit]",
+            f"Description={description}",
+            "After=network-online.target",
+            "Wants=network-online.target",
+            "",
+            "[Service]",
+            *service,
+            "",
+            "[Install]",
+            "WantedBy=multi-user.target",
+            "",
+        ]
+    )

@@ -53,8 +53,9 @@ def _describe(body: dict) -> str:
     return f"{status}: {extra}" if extra else str(status)
 
 
-def wait_ready(url: str, timeout: float, interval: float = 0.5, pid: int | None = None,
-               out: TextIO | None = None, quiet: bool = False) -> WaitResult:
+def wait_ready(
+    url: str, timeout: float, interval: float = 0.5, pid: int | None = None, out: TextIO | None = None, quiet: bool = False
+) -> WaitResult:
     out = out or sys.stderr
     url = health_url(url)
     start = time.monotonic()
