@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from moeserve.kernels.utils import interpreting
+from moeserve.kernels.utils import interpreting, num_sms
 from moeserve.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_block, scale_row_block
 
 GROUP = BLOCK  # activation group = weight block columns
@@ -264,8 +264,7 @@ def split_k_for(tiles: int, k_steps: int, device: torch.device, min_steps: int =
     token, would otherwise run on a handful of SMs)."""
     if device.type != "cuda" or interpreting():
         return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(round(2 * sms / tiles), k_steps // min_steps, 16))
+    return max(1, min(round(2 * num_sms(device) / tiles), k_steps // min_steps, 16))
 
 
 # (largest M, tiles). M <= 16 (decode, small chunks) from scripts/fp8_sweep.py on the H200 at
