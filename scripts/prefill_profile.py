@@ -118,6 +118,38 @@ def wall_ms(runner: ModelRunner, step: StepInput, repeats: int) -> float:
     return statistics.median(times)
 
 
+def enqueue_ms(runner: ModelRunner, step: StepInput, repeats: int) -> float:
+    """Host time to enqueue one step (prepare + forward + sampling launch), the GPU idle at the
+    start: near the wall time means the step is host-bound; far below it with wall time well
+    above the kernels means something waits on the device inside the step."""
+    times = []
+    for _ in range(repeats):
+        _sync(runner.device)
+        t = time.perf_counter()
+        pending = runner.launch(step)
+        times.append((time.perf_counter() - t) * 1e3)
+        runner.collect(pending)
+    return statistics.median(times)
+
+
+def host_profile(runner: ModelRunner, step: StepInput, top: int) -> None:
+    """cProfile of three steps: the Python functions that cost the host its time."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        runner.collect(runner.launch(step))
+    prof.disable()
+    for order in ("tottime", "cumulative"):
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(top)
+        print(f"### host functions by {order} (3 steps, cProfile)")
+        print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:12000])
+
+
 def _self_device_us(event) -> float:
     for attr in ("self_device_time_total", "self_cuda_time_total"):
         value = getattr(event, attr, None)
@@ -190,6 +222,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3, help="profiled prefills per length")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefills per length (median)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per length")
+    ap.add_argument("--host", action="store_true", help="also time the host's enqueue and cProfile the step")
     ap.add_argument("--tflops", type=float, default=H200_BF16_TFLOPS, help="peak for the FLOP bound")
     args = ap.parse_args()
 
@@ -231,6 +264,9 @@ def main() -> None:
             )
             flops = step_flops(config, length, args.prefix, args.decodes, args.decode_context)
             report(title, flops, wall, table, args.tflops, args.top, runner.device.type == "cuda")
+            if args.host:
+                print(f"host enqueue {enqueue_ms(runner, step, args.repeats):.2f} ms of {wall:.2f} ms wall")
+                host_profile(runner, step, args.top)
 
 
 if __name__ == "__main__":
