@@ -150,6 +150,26 @@ def host_profile(runner: ModelRunner, step: StepInput, top: int) -> None:
         print("\n".join(line for line in buf.getvalue().splitlines() if line.strip())[:12000])
 
 
+def graphs_vs_eager(runner: ModelRunner, step: StepInput) -> str:
+    """The step's logits through its prefill graph and eager (the same cache contents: the step
+    rewrites only its own tokens' KV)."""
+    if runner.prefill_graphs is None:
+        return "no prefill graphs captured"
+    with torch.inference_mode():
+        logits = []
+        for graphs in (runner.prefill_graphs, None):
+            kept, runner.prefill_graphs = runner.prefill_graphs, graphs
+            ids, ctx = runner.prepare(step)
+            used = graphs is not None and graphs.can_run(ctx)
+            logits.append(runner.forward(ids, ctx)[0].float())
+            runner.prefill_graphs = kept
+            if graphs is not None and not used:
+                return "no prefill graph for this step"
+    diff = (logits[0] - logits[1]).abs().max().item()
+    same = bool((logits[0].argmax(-1) == logits[1].argmax(-1)).all())
+    return f"graphs vs eager: max |logit diff| {diff:.3g}, argmax {'equal' if same else 'DIFFERS'}"
+
+
 def _self_device_us(event) -> float:
     for attr in ("self_device_time_total", "self_cuda_time_total"):
         value = getattr(event, attr, None)
@@ -222,6 +242,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3, help="profiled prefills per length")
     ap.add_argument("--repeats", type=int, default=5, help="timed prefills per length (median)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per length")
+    ap.add_argument("--graphs", action="store_true", help="capture the CUDA graphs as the engine does (prefill graphs up to 2048 tokens)")
     ap.add_argument("--host", action="store_true", help="also time the host's enqueue and cProfile the step")
     ap.add_argument("--tflops", type=float, default=H200_BF16_TFLOPS, help="peak for the FLOP bound")
     args = ap.parse_args()
@@ -238,17 +259,20 @@ def main() -> None:
         load_format="dummy",
         backend=args.backend,
         page_size=ps,
-        enforce_eager=True,
+        enforce_eager=not args.graphs,
         max_num_seqs=args.decodes + 1,
         max_num_batched_tokens=longest + args.decodes,
         max_model_len=max(args.prefix + longest, args.decode_context + 1) + 1,
         num_kv_pages=pages,
     )
     runner = ModelRunner(config, engine)
+    if args.graphs:
+        runner.capture_graphs(engine.max_model_len)
     print(
         f"{args.model}: {config.num_hidden_layers} layers, {runner.weight_bytes / 1e9:.2f} GB of {runner.dtype} "
         f"weights on {runner.device}, attention backend {runner.backend.name} "
-        f"(prefix mode {getattr(runner.backend, 'prefix_mode', '-')})"
+        f"(prefix mode {getattr(runner.backend, 'prefix_mode', '-')}), "
+        f"prefill graphs {getattr(runner.prefill_graphs, 'sizes', None)}"
     )
     with torch.inference_mode():
         for length in lengths:
@@ -264,6 +288,8 @@ def main() -> None:
             )
             flops = step_flops(config, length, args.prefix, args.decodes, args.decode_context)
             report(title, flops, wall, table, args.tflops, args.top, runner.device.type == "cuda")
+            if args.graphs:
+                print(graphs_vs_eager(runner, step))
             if args.host:
                 print(f"host enqueue {enqueue_ms(runner, step, args.repeats):.2f} ms of {wall:.2f} ms wall")
                 host_profile(runner, step, args.top)

@@ -60,3 +60,39 @@ def test_decode_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
         for a, b in zip(el, o.outputs[0].logprobs):
             for t in a:
                 assert b[t] == pytest.approx(a[t], abs=1e-4)
+
+
+def test_prefill_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
+    """One-sequence extend steps through the prefill graphs' static buffers (emulated on CPU):
+    a fresh prompt padded to a captured size, the chunk after it over a cached prefix whose
+    length is only on the device, and a prompt whose first pages come from the prefix cache;
+    each gives the eager run's tokens and logprobs."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "v3", "v3_qlora_grouped_yarn")
+    shared = PROMPTS[2][:8]
+    prompts = [PROMPTS[0], shared + [3, 1, 4, 1, 5], [7, 7, 7]]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2, ignore_eos=True)
+
+    def one_at_a_time(emulate: bool):
+        if emulate:
+            monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+        with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4) as llm:
+            keys = []
+            graphs = llm.engine.executor.runner.prefill_graphs
+            if emulate:
+                assert graphs is not None and graphs.sizes == [8] and graphs.prefix_sizes == [8]
+                run_graph = graphs.run
+                graphs.run = lambda ids, ctx: keys.append(graphs._key(ctx)) or run_graph(ids, ctx)
+            llm.generate([{"prompt_token_ids": shared}], params)  # leaves the shared pages cached
+            outs = [llm.generate([{"prompt_token_ids": p}], params)[0].outputs[0] for p in prompts]
+        return [(o.token_ids, o.logprobs) for o in outs], keys
+
+    eager, _ = one_at_a_time(False)
+    graphed, keys = one_at_a_time(True)
+    assert (8, False) in keys and (8, True) in keys
+    for (et, el), (gt, gl) in zip(eager, graphed):
+        assert gt == et
+        for a, b in zip(el, gl):
+            for t in a:
+                assert b[t] == pytest.approx(a[t], abs=1e-4)

@@ -18,7 +18,9 @@ the split is two slices of the flat batch: tokens ``[0, D)`` decode, tokens ``[D
   so the expanded K/V alive at once is bounded by the piece, not by the context.
   ``prefix_mode="absorbed"`` instead attends to the prefix in the latent space with absorbed
   queries (:func:`~moeserve.kernels.mla_decode.mla_prefix_absorbed`), expanding nothing: fewer
-  bytes, more FLOPs; which is faster depends on the extend length (time both on the GPU).
+  bytes, more FLOPs; which is faster depends on the extend length (time both on the GPU). A CUDA
+  graph's step (``ctx.prefix_on_device``) always takes the absorbed form: its prefix length is
+  only on the device, and the chunked form sizes its pieces on the host.
 
 All lookups go through ``pool.layer(layer_id)`` with the global layer id, so the backend is
 stage-local like the pool; head counts and dims come from the tensors it is handed.
@@ -139,7 +141,7 @@ class TritonMLABackend:
         if total_prefix == 0:
             return rows
         prefix_lens = context_lens[D:] - (cu_q[1:] - cu_q[:-1])
-        if self.prefix_mode == "absorbed":
+        if self.prefix_mode == "absorbed" or ctx.prefix_on_device:
             rows.page_tables, rows.prefix_lens = page_tables[D:], prefix_lens.to(torch.int32)
             rows.max_prefix_len = max(L - n for n, L in zip(q_lens, ctx.context_lens[D:]))
             return rows

@@ -20,6 +20,9 @@ class StepContext:
     logits_indices: torch.Tensor  # [S] flat indices whose logits the step needs
     page_size: int
     context_lens_tensor: torch.Tensor | None = None  # [B] int32 on the device (kernels, CUDA graphs)
+    # A CUDA graph's context: ``context_lens`` holds a bound and the real lengths are only in
+    # ``context_lens_tensor``, so attention must size nothing by the cached prefix on the host.
+    prefix_on_device: bool = False
     # The attention backend's device metadata of this step (``AttentionBackend.prepare``), built
     # once per step and read by every layer; it lives and dies with this context.
     attn_metadata: Any = None

@@ -1,8 +1,20 @@
-"""CUDA graphs for decode steps: one graph per captured batch size, a batch padded up to the
-next captured size, eager beyond the largest.
+"""CUDA graphs for decode steps and for steps that extend one sequence.
 
-Padded rows decode a dummy token into a scratch page that no sequence owns, so they never
-touch real KV. Graphs read their inputs from static buffers that each step fills in place.
+``DecodeGraphs``: one graph per captured batch size, a batch padded up to the next captured
+size, eager beyond the largest. Padded rows decode a dummy token into a scratch page that no
+sequence owns, so they never touch real KV.
+
+``PrefillGraphs``: one graph per captured token count for a step of one sequence that adds
+several tokens (a lone prompt, a prompt chunk, the suffix after cached prefix pages), its tokens
+padded up to the next captured count. On an H200 the host needs ~33 ms to launch the ~660
+kernels of a Moonlight prefill step while the GPU runs them in 10-18 ms (256-1024 tokens), so a
+lone prompt's time to first token is the host's; a replay costs a few launches. Padding tokens
+come after the real ones, so causal attention keeps them out of every real token's result, and
+they write their KV into the scratch page. Two families: fresh prompts, and extends over a
+cached prefix whose length is only on the device (the prefix is attended in the absorbed latent
+form, which needs no host-side sizes: ``StepContext.prefix_on_device``).
+
+Graphs read their inputs from static buffers that each step fills in place.
 
 ``emulate=True`` (any device) replays by running the forward on those same static buffers
 instead of a captured graph: the tests use it on CPU to catch state that a real graph would
@@ -21,6 +33,12 @@ from moeserve.engine.context import StepContext, step_context
 log = logging.getLogger("moeserve")
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+# Token counts of one-sequence extend steps. Beyond 2048 tokens the kernels outlast the host's
+# launches (4096 tokens: 54 ms of kernels, 3 ms of gap), so graphs would only cost memory.
+PREFILL_CAPTURE_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+# Extends over a cached prefix are suffixes (a new question after a shared system prompt, a new
+# turn): the short ones are the launch-bound ones.
+PREFIX_CAPTURE_MAX = 512
 
 
 class DecodeGraphs:
@@ -121,3 +139,135 @@ class DecodeGraphs:
         graph = self.graphs[size]
         graph() if self.emulate else graph.replay()
         return self.outputs[size][:b]
+
+
+def prefill_capture_sizes(max_num_batched_tokens: int, sizes: tuple[int, ...] = PREFILL_CAPTURE_SIZES) -> list[int]:
+    """The captured token counts that a step's budget allows, and the budget itself when it is
+    below the largest (a step of a long prompt's chunks is exactly the budget)."""
+    kept = [s for s in sizes if s <= max_num_batched_tokens]
+    if max_num_batched_tokens < max(sizes) and max_num_batched_tokens not in kept:
+        kept.append(max_num_batched_tokens)
+    return sorted(kept)
+
+
+class PrefillGraphs:
+    def __init__(
+        self,
+        runner,
+        sizes: list[int],
+        max_pages_per_seq: int,
+        scratch_page: int,
+        mempool,
+        prefix_max: int = PREFIX_CAPTURE_MAX,
+        emulate: bool = False,
+    ):
+        self.runner = runner
+        self.emulate = emulate
+        self.sizes = sorted(sizes)
+        self.prefix_sizes = [s for s in self.sizes if s <= prefix_max]
+        self.scratch_page = scratch_page
+        self.mempool = mempool
+        dev, N = runner.device, max(self.sizes)
+        self.input_ids = torch.zeros(N, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(N, dtype=torch.long, device=dev)
+        self.slots = torch.full((N,), scratch_page * runner.page_size, dtype=torch.long, device=dev)
+        self.logits_index = torch.zeros(1, dtype=torch.long, device=dev)
+        self.context_len = torch.ones(1, dtype=torch.int32, device=dev)  # cached prefix + padded tokens
+        self.page_table = torch.full((1, max_pages_per_seq), scratch_page, dtype=torch.int32, device=dev)
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph | Callable[[], None]] = {}
+        self.contexts: dict[tuple[int, bool], StepContext] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
+
+    def _ctx(self, n: int, prefix: bool) -> StepContext:
+        r = self.runner
+        # A prefix graph is built for the longest prefix there can be (it only sets the number of
+        # KV splits of the absorbed prefix kernel); each replay's own length is on the device.
+        longest_prefix = max(r.max_context_len - 1, 1) if prefix else 0
+        ctx = StepContext(
+            positions=self.positions[:n],
+            slot_mapping=self.slots[:n],
+            query_lens=[n],
+            context_lens=[longest_prefix + n],
+            page_tables=self.page_table,
+            cu_query_lens=torch.tensor([0, n], dtype=torch.int32, device=r.device),
+            logits_indices=self.logits_index,
+            page_size=r.page_size,
+            context_lens_tensor=self.context_len,
+            prefix_on_device=prefix,
+        )
+        # No attention metadata here: the prefix length is computed from ``context_len`` on the
+        # device, so each forward builds it (inside the graph), not once at capture.
+        return ctx
+
+    def _forward(self, key: tuple[int, bool], ctx: StepContext) -> torch.Tensor:
+        ctx.attn_metadata = None
+        with step_context(ctx):
+            return self.runner.model_forward_logits(self.input_ids[: key[0]], ctx)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        r = self.runner
+        keys = [(n, False) for n in self.sizes] + [(n, True) for n in self.prefix_sizes]
+        for key in sorted(keys, reverse=True):  # largest first: smaller graphs reuse its memory
+            n, prefix = key
+            ctx = self.contexts[key] = self._ctx(n, prefix)
+            self.context_len.fill_(n)  # warm-up and capture over an empty prefix
+            if self.emulate:
+                self.graphs[key] = self._emulated(key, ctx)
+                continue
+            for _ in range(2):  # compile and warm up outside capture
+                self._forward(key, ctx)
+            torch.cuda.synchronize(r.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.mempool):
+                self.outputs[key] = self._forward(key, ctx)
+            self.graphs[key] = g
+        if not self.emulate:
+            torch.cuda.synchronize(r.device)
+        log.info(
+            "captured prefill %sgraphs for %s tokens (%s after a cached prefix)",
+            "(emulated) " * self.emulate,
+            self.sizes,
+            self.prefix_sizes,
+        )
+
+    def _emulated(self, key: tuple[int, bool], ctx: StepContext) -> Callable[[], None]:
+        def replay() -> None:
+            self.outputs[key] = self._forward(key, ctx)
+
+        replay()
+        return replay
+
+    def _key(self, ctx: StepContext) -> tuple[int, bool] | None:
+        if ctx.num_seqs != 1 or ctx.num_decode_rows or ctx.logits_indices.numel() > 1:
+            return None
+        n = ctx.query_lens[0]
+        prefix = ctx.context_lens[0] > n
+        sizes = self.prefix_sizes if prefix else self.sizes
+        if not sizes or n > sizes[-1] or ctx.page_tables.shape[1] > self.page_table.shape[1]:
+            return None
+        return next(s for s in sizes if s >= n), prefix
+
+    def can_run(self, ctx: StepContext) -> bool:
+        return self._key(ctx) is not None
+
+    def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        key = self._key(ctx)
+        size, n = key[0], ctx.query_lens[0]
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(ctx.positions, non_blocking=True)
+        self.slots[:n].copy_(ctx.slot_mapping, non_blocking=True)
+        if size > n:  # padding: token 0 at position 0, its KV into the scratch page
+            self.input_ids[n:size] = 0
+            self.positions[n:size] = 0
+            self.slots[n:size] = self.scratch_page * self.runner.page_size
+        self.context_len.fill_(ctx.context_lens[0] - n + size)
+        pages = ctx.page_tables.shape[1]
+        self.page_table[:, :pages].copy_(ctx.page_tables, non_blocking=True)
+        self.page_table[:, pages:] = self.scratch_page
+        wanted = ctx.logits_indices.numel()  # 0 for a prompt chunk that is not the prompt's last
+        if wanted:
+            self.logits_index.copy_(ctx.logits_indices, non_blocking=True)
+        graph = self.graphs[key]
+        graph() if self.emulate else graph.replay()
+        return self.outputs[key][:wanted]

@@ -109,7 +109,8 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's samples
         self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
-        self.graphs = None
+        self.graphs = None  # DecodeGraphs
+        self.prefill_graphs = None  # PrefillGraphs
 
     def _make_pool(self, num_pages: int) -> None:
         """``num_pages`` usable pages, plus one scratch page for CUDA-graph padding rows."""
@@ -120,13 +121,18 @@ class ModelRunner:
     def capture_graphs(self, max_model_len: int) -> None:
         if not (self.use_graphs and self.is_first and self.is_last):  # pipeline stages run eager
             return
-        from moeserve.engine.cuda_graph import DecodeGraphs
+        from moeserve.engine.cuda_graph import DecodeGraphs, PrefillGraphs, prefill_capture_sizes
 
         self.max_context_len = max_model_len
-        self.graphs = DecodeGraphs(
-            self, self.config.max_num_seqs, -(-max_model_len // self.page_size), scratch_page=self.num_pages, emulate=self.emulate_graphs
-        )
+        pages = -(-max_model_len // self.page_size)
+        self.graphs = DecodeGraphs(self, self.config.max_num_seqs, pages, scratch_page=self.num_pages, emulate=self.emulate_graphs)
         self.graphs.capture()
+        sizes = prefill_capture_sizes(min(self.config.max_num_batched_tokens, max_model_len))
+        if sizes:
+            self.prefill_graphs = PrefillGraphs(
+                self, sizes, pages, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
+            )
+            self.prefill_graphs.capture()
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""
@@ -341,8 +347,9 @@ class ModelRunner:
         self, input_ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's layers. On the last stage returns the logits of ``ctx.logits_indices``."""
-        if self.graphs is not None and self.is_first and self.is_last and self.graphs.can_run(ctx):
-            return self.graphs.run(input_ids, ctx), None
+        for graphs in (self.graphs, self.prefill_graphs):  # None on pipeline stages and eager runners
+            if graphs is not None and graphs.can_run(ctx):
+                return graphs.run(input_ids, ctx), None
         with step_context(ctx):
             out, residual = self.model(input_ids, ctx.positions, hidden, residual)
             if self.is_last:
