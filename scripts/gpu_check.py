@@ -118,6 +118,7 @@ def main() -> int:
     summary["peaks"] = asdict(peaks)
     with LLM(args.model, **common) as llm:
         summary["fast_start_s"] = time.time() - t
+        print(f"fast engine up in {summary['fast_start_s']:.1f} s", flush=True)
         summary["layout"] = llm.engine.executor.describe()
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         summary["offline"] = []
@@ -155,6 +156,7 @@ def main() -> int:
         runner.graphs, runner.prefill_graphs = captured
         del runner, captured  # let shutdown free the GPU for the reference engine
     summary["graphs_vs_eager"] = compare(graphs, eager)
+    print(f"graphs vs eager done at {time.time() - t:.1f} s", flush=True)
     save()
     t = time.time()
     with LLM(args.model, backend="reference", enforce_eager=True, **common) as llm:
