@@ -146,7 +146,8 @@ def test_extreme_but_valid_settings_sample(v3_checkpoint):
 
 def test_server_warm_up_runs_a_mixed_step_over_a_cached_prefix():
     """Ready means ready: before the server says so, its warm-up runs a step in which one sequence
-    decodes while another prefills a chunk over a prefix the cache holds (on a GPU those kernels
+    decodes while another prefills a chunk over a prefix the cache holds, and one with several
+    decode rows beside a fresh prompt and another over the cached prefix (on a GPU those kernels
     compile on first use)."""
     from moeserve.engine.config import EngineConfig
     from moeserve.engine.llm import build_engine
@@ -162,8 +163,12 @@ def test_server_warm_up_runs_a_mixed_step_over_a_cached_prefix():
         warm_up_step_shapes(engine)
         mixed = [b for b in steps if b and 1 in b.num_new_tokens and max(b.num_new_tokens) > 1]
         assert mixed, "no step decoded beside a prefill"
-        second = [o for o in outputs if o.request_id.endswith(":b") and o.finished]
-        assert second and second[0].num_cached_tokens >= 8  # two cached pages of its prefix
+        rows = [(sum(n == 1 for n in b.num_new_tokens), sum(n > 1 for n in b.num_new_tokens)) for b in mixed]
+        assert any(d >= 2 and e >= 2 for d, e in rows), f"no step with several decode and several extend rows: {rows}"
+        finished = {o.request_id.rsplit(":", 1)[1]: o for o in outputs if o.finished}
+        assert sorted(finished) == ["0", "1", "2", "3"]
+        assert finished["1"].num_cached_tokens >= 8 and finished["3"].num_cached_tokens >= 8  # two cached pages
+        assert finished["2"].num_cached_tokens == 0  # the fresh prompt beside them
         assert not engine.requests and engine.allocator.num_free == engine.allocator.num_pages
     finally:
         engine.executor.shutdown()

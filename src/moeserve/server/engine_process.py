@@ -30,6 +30,10 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
+from moeserve.kernels.compile_watch import watch_kernel_compiles
+
+log = logging.getLogger("moeserve")
+
 WARMUP_REQUEST_ID = "__moeserve_warmup__"
 # Tests: a request whose prompt text contains this variable's value fails at its third token, as
 # a broken detokenizer or stop-string check would (the failure of one request among several).
@@ -86,6 +90,7 @@ def _start(engine_kwargs: dict, events: Connection) -> Any:
     events.send(("progress", "warm-up generation through every rank and stage"))
     n_tokens = warm_up(engine)
     warm_up_step_shapes(engine)
+    watch_kernel_compiles(lambda kernel: log.warning("kernel first used after ready (a gap in the warm-up): %s", kernel))
     t_ready = time.monotonic()
     events.send(
         (
@@ -124,33 +129,49 @@ def warm_up(engine: Any, max_steps: int = 64) -> int:
     raise RuntimeError(f"the warm-up generation did not finish within {max_steps} steps")
 
 
-def warm_up_step_shapes(engine: Any, max_steps: int = 64) -> None:
+def warm_up_step_shapes(engine: Any, max_steps: int = 96) -> None:
     """Before ready, run the step shapes whose Triton kernels compile on first use (seconds each
-    on a GPU), so that no request pays for them: a mixed step (one sequence decoding beside
-    another's prefill) whose prefill chunk extends a prefix the cache already holds. The lengths
-    are not multiples of 16, as most requests' are not (Triton specializes on that)."""
+    on a GPU), so that no request pays for them. Requests join in waves, each when every request
+    of the one before has its first token: one prompt alone; a second whose first pages the cache
+    holds (one decode row beside an extend over a cached prefix); then two at once, one fresh and
+    one over the cached prefix (several decode rows beside several extend rows). Triton
+    specializes an integer argument on being 1 and on being a multiple of 16, so the lengths are
+    neither, and the waves put 1, 2 and 3 rows of each kind in a step."""
     from moeserve.sampling_params import SamplingParams
 
     page = engine.executor.page_size
     vocab = int(getattr(engine.model_config, "vocab_size", 2))
-    if engine.max_model_len < 3 * page + 8 or vocab < 3:
+    if engine.max_model_len < 3 * page + 32 or vocab < 5:
         return
     prefix = [(7 * i + 3) % vocab for i in range(2 * page)]
-    first = prefix + [1 % vocab] * 5
-    second = prefix + [2 % vocab] * (page // 2 + 3)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    ids = [f"{WARMUP_REQUEST_ID}:a", f"{WARMUP_REQUEST_ID}:b"]
-    engine.add_request({"prompt_token_ids": first}, params, ids[0])
-    pending = set(ids)
-    submitted = False
+    fresh = [(11 * i + 5) % vocab for i in range(page + 13)]
+    waves = [
+        [prefix + [1] * 5],
+        [prefix + [2] * (page // 2 + 3)],
+        [fresh, prefix + [3] * (page + 5)],
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    started: list[str] = []
+    pending: set[str] = set()
+    answered: set[str] = set()
+
+    def submit(wave: list[list[int]]) -> None:
+        for prompt in wave:
+            rid = f"{WARMUP_REQUEST_ID}:{len(started)}"
+            engine.add_request({"prompt_token_ids": prompt}, params, rid)
+            started.append(rid)
+            pending.add(rid)
+
+    submit(waves.pop(0))
     for _ in range(max_steps):
         for out in engine.step():
-            if out.request_id == ids[0] and out.outputs[0].token_ids and not submitted:
-                engine.add_request({"prompt_token_ids": second}, params, ids[1])  # joins while the first decodes
-                submitted = True
+            if out.outputs[0].token_ids:
+                answered.add(out.request_id)
             if out.finished:
                 pending.discard(out.request_id)
-        if not pending and submitted:
+        if waves and answered.issuperset(started):
+            submit(waves.pop(0))
+        if not waves and not pending:
             return
     for rid in pending:
         engine.abort_request(rid)

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The serving figures of one commit on one H200 (Moonlight shape, dummy bf16), on a machine whose
+# Triton cache starts cold: `moeserve serve` (prefix cache on, the first server) + `moeserve bench
+# --url`, 1024 in / 128 out at concurrency 1 / 32 / 128, with every kernel first used after ready
+# logged; the offline batch 1 / 128 / 256 rates of the same call; the 4,096-token shared prefix
+# (128-token suffixes, 128 out) at concurrency 1 and 32 with the cache on and off; concurrency
+# 32 and 128 prefix-free with the cache off. Needs the wheels carried as `.whl`.
+#   run: bash scripts/gpu_session_final.sh $OUT
+source "$(dirname "$0")/gpu_steps.sh"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=$PWD/src:/tmp/site
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
+cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
+URL=http://127.0.0.1:8015
+serve() {  # name, serve flags...
+  local name=$1; shift
+  python3 -m moeserve serve --model moonlight-16b-a3b --load-format dummy --dtype bfloat16 "$@" \
+    --host 127.0.0.1 --port 8015 > "$work/server_$name.log" 2>&1 &
+  server=$!
+  step "ready_$name" 150 python3 -m moeserve wait-ready --url $URL --timeout 140
+}
+stop() { kill -TERM $server; wait $server; }
+bench() {  # name, seconds, bench flags...
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 -m moeserve bench --url $URL --vocab 100000 "$@" --result-dir "$work/$name"
+}
+FREE=(--input-len 1024 --output-len 128)
+SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
+serve free_on --max-model-len 2048
+for c in 1 32 128; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 8 : 4 * c)) "${FREE[@]}"; done
+stop
+step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
+  --output-len 128 --profile '' --skip-checks
+for mode in on off; do
+  flag=--enable-prefix-caching; [ $mode = off ] && flag=--no-enable-prefix-caching
+  serve "shared_$mode" --max-model-len 4608 $flag
+  bench "shared_${mode}_c1_first" 40 --concurrency 1 --num-prompts 4 "${SHARED[@]}"
+  bench "shared_${mode}_c1" 40 --concurrency 1 --num-prompts 8 "${SHARED[@]}"
+  bench "shared_${mode}_c32" 60 --concurrency 32 --num-prompts 64 "${SHARED[@]}"
+  stop
+done
+serve free_off --max-model-len 2048 --no-enable-prefix-caching
+for c in 32 128; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) "${FREE[@]}"; done
+stop
+grep -h "ready in\|captured" "$work"/server_free_on.log >> "$work/summary.txt" 2>/dev/null
+echo "kernels first used after ready: $(grep -c 'first used after ready' "$work"/server_free_on.log) (first server), $(cat "$work"/server_*.log | grep -c 'first used after ready') (all)" >> "$work/summary.txt"
+grep -h "^batch" "$work"/offline.log >> "$work/summary.txt" 2>/dev/null
+for f in "$work"/free_*.log "$work"/shared_*.log; do
+  echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"
+done
+pack
