@@ -6,6 +6,7 @@
 # (128-token suffixes, 128 out) at concurrency 1 and 32 with the cache on and off; concurrency
 # 32 and 128 prefix-free with the cache off. Needs the wheels carried as `.whl`.
 #   run: bash scripts/gpu_session_final.sh $OUT
+#   SHARED_MODES=on OFF_CONCURRENCY=32 bash scripts/gpu_session_final.sh $OUT    # a shorter call
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
@@ -31,7 +32,7 @@ for c in 1 32 128; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c
 stop
 step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
   --output-len 128 --profile '' --skip-checks
-for mode in on off; do
+for mode in ${SHARED_MODES:-on off}; do
   flag=--enable-prefix-caching; [ $mode = off ] && flag=--no-enable-prefix-caching
   serve "shared_$mode" --max-model-len 4608 $flag
   bench "shared_${mode}_c1_first" 40 --concurrency 1 --num-prompts 4 "${SHARED[@]}"
@@ -40,7 +41,7 @@ for mode in on off; do
   stop
 done
 serve free_off --max-model-len 2048 --no-enable-prefix-caching
-for c in 32 128; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) "${FREE[@]}"; done
+for c in ${OFF_CONCURRENCY:-32 128}; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) "${FREE[@]}"; done
 stop
 grep -h "ready in\|captured" "$work"/server_free_on.log >> "$work/summary.txt" 2>/dev/null
 echo "kernels first used after ready: $(grep -c 'first used after ready' "$work"/server_free_on.log) (first server), $(cat "$work"/server_*.log | grep -c 'first used after ready') (all)" >> "$work/summary.txt"

@@ -98,7 +98,7 @@ def moe_config(num_pairs: int, num_local_experts: int) -> dict:
     return gpu_tile_config(num_pairs / max(num_local_experts, 1))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_gate_up_kernel(
     X,
     W13,
@@ -166,7 +166,7 @@ def _moe_gate_up_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _moe_down_kernel(
     Inter,
     W2,

@@ -73,7 +73,7 @@ def mla_decode_ref(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt_b", "stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h", "num_splits"])
 def _mla_decode_split_kernel(
     QLat,
     QPe,
@@ -181,7 +181,7 @@ def _mla_decode_split_kernel(
         tl.store(PartLse + b * stride_pl_b + offs_h * stride_pl_h + split, lse, mask=mask_h)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_po_b", "stride_po_h", "stride_po_s", "stride_pl_b", "stride_pl_h", "num_splits"])
 def _mla_decode_merge_kernel(
     PartOut,
     PartLse,

@@ -121,7 +121,7 @@ def _local_expert(Ids, offs, num_pairs, first_expert, num_experts):
     return local, in_range & (local >= 0) & (local < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "chunk"])
 def _count_rank_kernel(Ids, Scratch, num_pairs, first_expert, num_experts, num_chunks, chunk, SUB_: tl.constexpr, BINS: tl.constexpr):
     c = tl.program_id(0)
     start = c * chunk
@@ -147,7 +147,7 @@ def _count_rank_kernel(Ids, Scratch, num_pairs, first_expert, num_experts, num_c
     tl.store(Scratch + c * num_experts + bins, counts, mask=bins < num_experts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _prefix_kernel(Scratch, num_experts, num_chunks, BLOCK_M: tl.constexpr, CHUNKS_P: tl.constexpr, EXPERTS_B: tl.constexpr):
     table_size = num_chunks * num_experts
     Offsets = Scratch + table_size
@@ -172,7 +172,7 @@ def _prefix_kernel(Scratch, num_experts, num_chunks, BLOCK_M: tl.constexpr, CHUN
         tl.store(PadStart + 2 * num_experts + cols, count, mask=col_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "chunk", "num_blocks"])
 def _scatter_kernel(
     Ids,
     Scratch,

@@ -33,7 +33,7 @@ def argmax_logsumexp_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return x.argmax(dim=-1), torch.logsumexp(x, dim=-1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk", "num_chunks"])
 def _partials_kernel(
     X,
     PartMax,
@@ -70,7 +70,7 @@ def _partials_kernel(
     tl.store(PartSum + out, tl.sum(s * tl.exp(m - cbase), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _merge_kernel(
     PartMax,
     PartIdx,
