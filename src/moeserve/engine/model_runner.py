@@ -63,6 +63,10 @@ def choose_backend(name: str, device: torch.device) -> str:
     return "reference"
 
 
+def _aligned(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 class ModelRunner:
     def __init__(
         self, model_config: ModelConfig, config: EngineConfig, stage: StageRange | None = None, is_first: bool = True, is_last: bool = True
@@ -119,7 +123,11 @@ class ModelRunner:
         self.model.bind(self.pool, self.backend)
 
     def capture_graphs(self, max_model_len: int) -> None:
-        if not (self.use_graphs and self.is_first and self.is_last):  # pipeline stages run eager
+        """Before serving: compile the kernel variants that steps choose by their size, then
+        capture the CUDA graphs (one stage only: pipeline stages run eager)."""
+        if self.device.type == "cuda" and self.backend.name == "triton":
+            self._compile_step_sized_variants()
+        if not (self.use_graphs and self.is_first and self.is_last):
             return
         from moeserve.engine.cuda_graph import DecodeGraphs, PrefillGraphs, prefill_capture_sizes
 
@@ -133,6 +141,34 @@ class ModelRunner:
                 self, sizes, pages, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
             )
             self.prefill_graphs.capture()
+
+    @torch.inference_mode()
+    def _compile_step_sized_variants(self) -> None:
+        """Kernel variants picked by a step's size that the warm-up's few steps cannot all reach:
+        the MLA decode kernels' split count (a merge block per power of two, from the decode rows
+        and their contexts in an eager mixed step) and the sampling kernel's chunk count (from the
+        rows sampled). Compiled here on scratch inputs, so that no request pays seconds for one."""
+        from moeserve.kernels.mla_decode import MAX_KV_SPLITS, mla_decode
+        from moeserve.layers.attention import MLAAttention
+
+        cache = self.pool.layer(self.stage.start_layer)
+        H = next(m for m in self.model.modules() if isinstance(m, MLAAttention)).num_heads  # this rank's heads
+        Lk = self.model_config.kv_lora_rank
+        for B in sorted({1, min(8, self.config.max_num_seqs)}):  # the head-block size changes at 8
+            q_lat = torch.zeros(B, H, Lk, dtype=self.dtype, device=self.device)
+            q_pe = torch.zeros(B, H, cache.shape[-1] - Lk, dtype=self.dtype, device=self.device)
+            table = torch.zeros(B, 1, dtype=torch.int32, device=self.device)
+            lens = torch.ones(B, dtype=torch.int32, device=self.device)
+            splits = 1
+            while splits <= MAX_KV_SPLITS:  # a merge width per power of two
+                mla_decode(q_lat, q_pe, cache, table, lens, self.page_size, 1.0, num_kv_splits=splits)
+                splits *= 2
+        if self.is_last and self.sample_kernel:
+            from moeserve.kernels.sampling import compile_variants
+
+            compile_variants(self.config.max_num_seqs, self.model_config.vocab_size, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""
@@ -299,21 +335,30 @@ class ModelRunner:
         (pinned on CUDA) so that each reaches the device in one copy."""
         T, B, S, D = len(step.input_ids), len(step.query_lens), len(step.logits_indices), len(step.deferred)
         max_pages = max(len(t) for t in step.page_tables)
-        # ids, positions, slots, logits indices; then where deferred tokens go and which row of
-        # the previous step's samples each one is
-        pin = self.device.type == "cuda"
-        wide_t = torch.empty(3 * T + S + 2 * D, dtype=torch.int64, pin_memory=pin)
-        narrow_t = torch.zeros(2 * B + 1 + B * max_pages, dtype=torch.int32, pin_memory=pin)
-        wide, narrow = wide_t.numpy(), narrow_t.numpy()
-        wide[:T], wide[T : 2 * T], wide[2 * T : 3 * T] = step.input_ids, step.positions, step.slot_mapping
-        wide[3 * T : 3 * T + S] = step.logits_indices
-        if D:
-            wide[3 * T + S : 3 * T + S + D] = [flat for flat, _ in step.deferred]
-            wide[3 * T + S + D :] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
+        # Each part starts on a 16-byte boundary: Triton compiles a kernel variant per pointer
+        # alignment, so parts at offsets that vary with the batch would compile new variants
+        # while serving.
+        # wide: ids, positions, slots, logits indices; then where deferred tokens go and which
+        # row of the previous step's samples each one is
+        w = [0]
+        for n in (T, T, T, S, D, D):
+            w.append(w[-1] + _aligned(n, 2))
         # narrow: cu_query_lens, context lens, page table
-        np.cumsum(step.query_lens, out=narrow[1 : B + 1])
-        narrow[B + 1 : 2 * B + 1] = step.context_lens
-        table = narrow[2 * B + 1 :].reshape(B, max_pages)
+        n_ = [0]
+        for n in (B + 1, B, B * max_pages):
+            n_.append(n_[-1] + _aligned(n, 4))
+        pin = self.device.type == "cuda"
+        wide_t = torch.empty(w[-1], dtype=torch.int64, pin_memory=pin)
+        narrow_t = torch.zeros(n_[-1], dtype=torch.int32, pin_memory=pin)
+        wide, narrow = wide_t.numpy(), narrow_t.numpy()
+        wide[w[0] : w[0] + T], wide[w[1] : w[1] + T], wide[w[2] : w[2] + T] = step.input_ids, step.positions, step.slot_mapping
+        wide[w[3] : w[3] + S] = step.logits_indices
+        if D:
+            wide[w[4] : w[4] + D] = [flat for flat, _ in step.deferred]
+            wide[w[5] : w[5] + D] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
+        np.cumsum(step.query_lens, out=narrow[n_[0] + 1 : n_[0] + B + 1])
+        narrow[n_[1] : n_[1] + B] = step.context_lens
+        table = narrow[n_[2] : n_[2] + B * max_pages].reshape(B, max_pages)
         for i, pages in enumerate(step.page_tables):
             table[i, : len(pages)] = pages
         if pin:
@@ -322,20 +367,20 @@ class ModelRunner:
         elif self.device.type != "cpu":
             wide_t, narrow_t = wide_t.to(self.device), narrow_t.to(self.device)
         ctx = StepContext(
-            positions=wide_t[T : 2 * T],
-            slot_mapping=wide_t[2 * T : 3 * T],
+            positions=wide_t[w[1] : w[1] + T],
+            slot_mapping=wide_t[w[2] : w[2] + T],
             query_lens=list(step.query_lens),
             context_lens=list(step.context_lens),
-            page_tables=narrow_t[2 * B + 1 :].view(B, max_pages),
-            cu_query_lens=narrow_t[: B + 1],
-            logits_indices=wide_t[3 * T : 3 * T + S],
+            page_tables=narrow_t[n_[2] : n_[2] + B * max_pages].view(B, max_pages),
+            cu_query_lens=narrow_t[n_[0] : n_[0] + B + 1],
+            logits_indices=wide_t[w[3] : w[3] + S],
             page_size=self.page_size,
-            context_lens_tensor=narrow_t[B + 1 : 2 * B + 1],
+            context_lens_tensor=narrow_t[n_[1] : n_[1] + B],
         )
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[:T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
-            ids[wide_t[3 * T + S : 3 * T + S + D]] = self._last_tokens[wide_t[3 * T + S + D :]]
+            ids[wide_t[w[4] : w[4] + D]] = self._last_tokens[wide_t[w[5] : w[5] + D]]
         return ids, ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:

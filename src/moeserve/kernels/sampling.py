@@ -119,10 +119,7 @@ def argmax_logsumexp(logits: torch.Tensor, chunk: int | None = None) -> tuple[to
     if B == 0:
         return ids, lse
     assert 0 < V < 2**31
-    chunk = chunk or default_chunk(B, V, logits.device)
-    block = min(MAX_BLOCK, triton.next_power_of_2(min(chunk, V)))
-    chunk = triton.cdiv(chunk, block) * block
-    num_chunks = triton.cdiv(V, chunk)  # every chunk starts inside the row
+    chunk, block, num_chunks = launch_shape(B, V, logits.device, chunk)
     part_max = torch.empty(B, num_chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(B, num_chunks, dtype=torch.int32, device=logits.device)
     part_sum = torch.empty_like(part_max)
@@ -152,6 +149,26 @@ def argmax_logsumexp(logits: torch.Tensor, chunk: int | None = None) -> tuple[to
     return ids, lse
 
 
+def launch_shape(rows: int, n_cols: int, device: torch.device, chunk: int | None = None) -> tuple[int, int, int]:
+    """(columns per stage-1 program, its loop block, chunks per row) of ``rows`` rows."""
+    chunk = chunk or default_chunk(rows, n_cols, device)
+    block = min(MAX_BLOCK, triton.next_power_of_2(min(chunk, n_cols)))
+    chunk = triton.cdiv(chunk, block) * block
+    return chunk, block, triton.cdiv(n_cols, chunk)  # every chunk starts inside the row
+
+
+def compile_variants(max_rows: int, n_cols: int, device: torch.device) -> None:
+    """Run once at every row count up to ``max_rows`` that needs its own compiled variant (the
+    loop block and the merge width follow the chunking, which follows the rows)."""
+    seen = set()
+    for rows in range(1, max_rows + 1):
+        _, block, num_chunks = launch_shape(rows, n_cols, device)
+        variant = (block, triton.next_power_of_2(num_chunks))
+        if variant not in seen:
+            seen.add(variant)
+            argmax_logsumexp(torch.zeros(rows, n_cols, dtype=torch.float32, device=device))
+
+
 def selfcheck(device: torch.device) -> bool:
     """Kernel vs reference at a tiny shape on ``device``: several chunks per row, a tie split
     across chunks, -inf entries and a row that is all -inf."""
@@ -166,4 +183,4 @@ def selfcheck(device: torch.device) -> bool:
     return torch.equal(ids.cpu(), ref_ids.cpu()) and torch.allclose(lse.cpu(), ref_lse.cpu(), atol=1e-5, rtol=1e-5, equal_nan=False)
 
 
-__all__ = ["argmax_logsumexp", "argmax_logsumexp_ref", "default_chunk", "selfcheck"]
+__all__ = ["argmax_logsumexp", "argmax_logsumexp_ref", "compile_variants", "default_chunk", "launch_shape", "selfcheck"]
