@@ -126,7 +126,10 @@ class ModelRunner:
         """Before serving: compile the kernel variants that steps choose by their size, then
         capture the CUDA graphs (one stage only: pipeline stages run eager)."""
         if self.device.type == "cuda" and self.backend.name == "triton":
-            self._compile_step_sized_variants()
+            try:
+                self._compile_step_sized_variants()
+            except Exception as e:  # noqa: BLE001 - only a head start: the kernels still compile on first use
+                log.warning("could not compile the step-sized kernel variants ahead: %s: %s", type(e).__name__, e)
         if not (self.use_graphs and self.is_first and self.is_last):
             return
         from moeserve.engine.cuda_graph import DecodeGraphs, PrefillGraphs, prefill_capture_sizes
