@@ -107,6 +107,7 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
     async def lifespan(app: FastAPI):
         client.start()
         log.info("engine process %d started; /health answers 503 until it is ready", client.pid)
+        await ctx.warm_up([CompletionRequest, ChatCompletionRequest])
         try:
             yield
         finally:
