@@ -41,13 +41,16 @@ PREFILL_CAPTURE_SIZES = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 PREFIX_CAPTURE_MAX = 512
 
 
-def upload(graphs, device: torch.device) -> None:
-    """Replay each graph once (on the padding inputs, which touch only the scratch page): a
-    graph's first launch uploads it to the device, tens of milliseconds that a request would
-    otherwise pay."""
-    for g in graphs:
-        g.replay()
+def capture_graph(forward: Callable[[], torch.Tensor], pool, device: torch.device) -> tuple[torch.CUDAGraph, torch.Tensor]:
+    """``forward`` run twice outside capture (Triton compiles, lazy allocations), then captured
+    into ``pool``; returns the graph and the output it writes at every replay."""
+    for _ in range(2):
+        forward()
     torch.cuda.synchronize(device)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, pool=pool):
+        out = forward()
+    return g, out
 
 
 class DecodeGraphs:
@@ -105,15 +108,15 @@ class DecodeGraphs:
                 self.graphs[b] = self._emulated(b, ctx)
                 continue
             with step_context(ctx):
-                for _ in range(2):  # warm up (Triton autotuning, lazy allocations) outside capture
-                    r.model_forward_logits(self.input_ids[:b], ctx)
-                torch.cuda.synchronize(r.device)
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.mempool):
-                    self.outputs[b] = r.model_forward_logits(self.input_ids[:b], ctx)
-            self.graphs[b] = g
+                self.graphs[b], self.outputs[b] = capture_graph(
+                    lambda: r.model_forward_logits(self.input_ids[:b], ctx), self.mempool, r.device
+                )
         if not self.emulate:
-            upload(self.graphs.values(), r.device)
+            # A graph's first launch uploads it (tens of ms a request would pay): replay each on
+            # the padding inputs, which touch only the scratch page.
+            for g in self.graphs.values():
+                g.replay()
+            torch.cuda.synchronize(r.device)
         log.info("captured decode %sgraphs for batch sizes %s", "(emulated) " * self.emulate, self.sizes)
 
     def _emulated(self, b: int, ctx: StepContext) -> Callable[[], None]:
@@ -224,15 +227,9 @@ class PrefillGraphs:
             if self.emulate:
                 self.graphs[key] = self._emulated(key, ctx)
                 continue
-            for _ in range(2):  # compile and warm up outside capture
-                self._forward(key, ctx)
-            torch.cuda.synchronize(r.device)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.mempool):
-                self.outputs[key] = self._forward(key, ctx)
-            self.graphs[key] = g
+            self.graphs[key], self.outputs[key] = capture_graph(lambda: self._forward(key, ctx), self.mempool, r.device)
         if not self.emulate:
-            for (n, _), g in self.graphs.items():  # each once over an empty prefix: see ``upload``
+            for (n, _), g in self.graphs.items():  # upload each, as DecodeGraphs does, over an empty prefix
                 self.context_len.fill_(n)
                 g.replay()
             torch.cuda.synchronize(r.device)

@@ -63,8 +63,13 @@ def choose_backend(name: str, device: torch.device) -> str:
     return "reference"
 
 
-def _aligned(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
+def _part_starts(sizes: tuple[int, ...], multiple: int) -> list[int]:
+    """Where each part of a packed buffer starts, each rounded up to ``multiple`` elements, and
+    the buffer's length last."""
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + -(-n // multiple) * multiple)
+    return starts
 
 
 class ModelRunner:
@@ -343,25 +348,23 @@ class ModelRunner:
         # while serving.
         # wide: ids, positions, slots, logits indices; then where deferred tokens go and which
         # row of the previous step's samples each one is
-        w = [0]
-        for n in (T, T, T, S, D, D):
-            w.append(w[-1] + _aligned(n, 2))
+        ids_at, pos_at, slots_at, logits_at, into_at, rows_at, wide_len = _part_starts((T, T, T, S, D, D), 2)
         # narrow: cu_query_lens, context lens, page table
-        n_ = [0]
-        for n in (B + 1, B, B * max_pages):
-            n_.append(n_[-1] + _aligned(n, 4))
+        cu_at, lens_at, table_at, narrow_len = _part_starts((B + 1, B, B * max_pages), 4)
         pin = self.device.type == "cuda"
-        wide_t = torch.empty(w[-1], dtype=torch.int64, pin_memory=pin)
-        narrow_t = torch.zeros(n_[-1], dtype=torch.int32, pin_memory=pin)
+        wide_t = torch.empty(wide_len, dtype=torch.int64, pin_memory=pin)
+        narrow_t = torch.zeros(narrow_len, dtype=torch.int32, pin_memory=pin)
         wide, narrow = wide_t.numpy(), narrow_t.numpy()
-        wide[w[0] : w[0] + T], wide[w[1] : w[1] + T], wide[w[2] : w[2] + T] = step.input_ids, step.positions, step.slot_mapping
-        wide[w[3] : w[3] + S] = step.logits_indices
+        wide[ids_at : ids_at + T] = step.input_ids
+        wide[pos_at : pos_at + T] = step.positions
+        wide[slots_at : slots_at + T] = step.slot_mapping
+        wide[logits_at : logits_at + S] = step.logits_indices
         if D:
-            wide[w[4] : w[4] + D] = [flat for flat, _ in step.deferred]
-            wide[w[5] : w[5] + D] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
-        np.cumsum(step.query_lens, out=narrow[n_[0] + 1 : n_[0] + B + 1])
-        narrow[n_[1] : n_[1] + B] = step.context_lens
-        table = narrow[n_[2] : n_[2] + B * max_pages].reshape(B, max_pages)
+            wide[into_at : into_at + D] = [flat for flat, _ in step.deferred]
+            wide[rows_at : rows_at + D] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
+        np.cumsum(step.query_lens, out=narrow[cu_at + 1 : cu_at + B + 1])
+        narrow[lens_at : lens_at + B] = step.context_lens
+        table = narrow[table_at : table_at + B * max_pages].reshape(B, max_pages)
         for i, pages in enumerate(step.page_tables):
             table[i, : len(pages)] = pages
         if pin:
@@ -370,20 +373,20 @@ class ModelRunner:
         elif self.device.type != "cpu":
             wide_t, narrow_t = wide_t.to(self.device), narrow_t.to(self.device)
         ctx = StepContext(
-            positions=wide_t[w[1] : w[1] + T],
-            slot_mapping=wide_t[w[2] : w[2] + T],
+            positions=wide_t[pos_at : pos_at + T],
+            slot_mapping=wide_t[slots_at : slots_at + T],
             query_lens=list(step.query_lens),
             context_lens=list(step.context_lens),
-            page_tables=narrow_t[n_[2] : n_[2] + B * max_pages].view(B, max_pages),
-            cu_query_lens=narrow_t[n_[0] : n_[0] + B + 1],
-            logits_indices=wide_t[w[3] : w[3] + S],
+            page_tables=narrow_t[table_at : table_at + B * max_pages].view(B, max_pages),
+            cu_query_lens=narrow_t[cu_at : cu_at + B + 1],
+            logits_indices=wide_t[logits_at : logits_at + S],
             page_size=self.page_size,
-            context_lens_tensor=narrow_t[n_[1] : n_[1] + B],
+            context_lens_tensor=narrow_t[lens_at : lens_at + B],
         )
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
-        ids = wide_t[:T]
+        ids = wide_t[ids_at : ids_at + T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
-            ids[wide_t[w[4] : w[4] + D]] = self._last_tokens[wide_t[w[5] : w[5] + D]]
+            ids[wide_t[into_at : into_at + D]] = self._last_tokens[wide_t[rows_at : rows_at + D]]
         return ids, ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
