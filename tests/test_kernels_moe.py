@@ -74,6 +74,7 @@ def test_fused_moe_matches_reference(T, hidden, inter, E, K, first, total, only,
     [
         pytest.param(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16), id="m16"),
         pytest.param(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16), id="m32"),
+        pytest.param(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=16, down=dict(BLOCK_N=16, BLOCK_K=32)), id="m16-own-down-tile"),
         pytest.param(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3), id="m64-real", marks=real),
         pytest.param(dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3), id="m128-real", marks=real),
     ],

@@ -69,6 +69,7 @@ def summarize(records: list[RequestRecord], concurrency: int, duration: float) -
         res[f"mean_{name}_ms"] = statistics.fmean(vals) if vals else float("nan")
         res[f"median_{name}_ms"] = statistics.median(vals) if vals else float("nan")
         res[f"p99_{name}_ms"] = _pct(vals, 99)
+    res["ttfts_ms"] = ttft  # each request's, in the order they were sent (as vLLM's detailed results)
     errors = [r.error for r in records if not r.ok]
     if errors:
         res["errors"] = sorted(set(errors))[:5]

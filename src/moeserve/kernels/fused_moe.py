@@ -73,14 +73,15 @@ def gpu_tile_config(rows_per_expert: float) -> dict:
 SHARED_MEMORY_BUDGET = 200 * 1024  # of the H100/H200's 227 KiB per block, leaving room for the epilogue
 
 
-def fit_shared_memory(cfg: dict, element_size: int) -> dict:
+def fit_shared_memory(cfg: dict, element_size: int, w_tiles: int = 2) -> dict:
     """The gate/up kernel keeps ``num_stages`` copies of one A tile and two W tiles in shared
-    memory. The table is written for 2-byte weights; for wider ones (float32 tests) or a
-    too-large explicit config, drop stages, then halve BLOCK_K, until that fits."""
+    memory (the down kernel: one W tile). The table is written for 2-byte weights; for wider
+    ones (float32 tests) or a too-large explicit config, drop stages, then halve BLOCK_K, until
+    that fits."""
     cfg = dict(cfg)
 
     def need(c: dict) -> int:
-        return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
+        return c["num_stages"] * (c["BLOCK_M"] + w_tiles * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
 
     while need(cfg) > SHARED_MEMORY_BUDGET and (cfg["num_stages"] > 2 or cfg["BLOCK_K"] > 16):
         if cfg["num_stages"] > 2:
@@ -237,7 +238,8 @@ def fused_moe(
     small_batch_gemv: bool = True,
 ) -> torch.Tensor:
     """Drop-in replacement for ``moe_experts_ref`` (same arguments, same result); few pairs go
-    to :func:`moe_gemv` unless ``small_batch_gemv`` is off."""
+    to :func:`moe_gemv` unless ``small_batch_gemv`` is off. ``config`` overrides the tile of
+    ``moe_config``; its ``down`` entry (a dict) overrides the down GEMM's part of it."""
     T, hidden = x.shape
     E, two_i, _ = w13.shape
     inter_size = two_i // 2
@@ -249,8 +251,13 @@ def fused_moe(
         return torch.zeros_like(x)
     if small_batch_gemv and num_pairs <= GEMV_MAX_PAIRS and config is None:  # small decode: no alignment
         return moe_gemv(x, w13, w2, topk_weights, topk_ids, first_expert)
-    cfg = fit_shared_memory({**moe_config(num_pairs, E), **(config or {})}, w13.element_size())
+    cfg = {**moe_config(num_pairs, E), **(config or {})}
+    down = cfg.pop("down", None) or {}
+    cfg = fit_shared_memory(cfg, w13.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    # The down GEMM (N = hidden, K = inter) may take its own N/K tiles, warps and stages; its
+    # row blocks are the alignment's, so BLOCK_M is shared.
+    dcfg = fit_shared_memory({**cfg, **down, "BLOCK_M": bm}, w13.element_size(), w_tiles=1)
 
     sorted_pairs, block_expert = align_pairs_by_expert(topk_ids, E, first_expert, bm)
     capacity = sorted_pairs.numel()
@@ -282,7 +289,7 @@ def fused_moe(
         num_stages=cfg["num_stages"],
     )
     pair_out = torch.zeros(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _moe_down_kernel[(capacity // bm, triton.cdiv(hidden, bn))](
+    _moe_down_kernel[(capacity // bm, triton.cdiv(hidden, dcfg["BLOCK_N"]))](
         inter,
         w2,
         pair_out,
@@ -298,12 +305,12 @@ def fused_moe(
         w2.stride(2),
         pair_out.stride(0),
         BLOCK_M=bm,
-        BLOCK_N=bn,
-        BLOCK_K=bk,
-        EVEN_K=inter_size % bk == 0,
+        BLOCK_N=dcfg["BLOCK_N"],
+        BLOCK_K=dcfg["BLOCK_K"],
+        EVEN_K=inter_size % dcfg["BLOCK_K"] == 0,
         **dot,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_warps=dcfg["num_warps"],
+        num_stages=dcfg["num_stages"],
     )
     return pair_out.view(T, K, hidden).sum(dim=1)
 

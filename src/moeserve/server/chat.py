@@ -100,7 +100,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         req, max_tokens, n_top if req.logprobs else None, {**names, "logprobs": "top_logprobs", "prompt": "messages"}, ctx.max_n
     )
     ctx.client.check_available()
-    text, ids = await ctx.blocking(chat_prompt, req, ctx)
+    text, ids = await ctx.blocking(chat_prompt, req, ctx, inline=await ctx.is_small(raw))
     as_ids = req.return_tokens_as_token_ids
     cid = new_id("chatcmpl")
     group = await submit(ctx, cid, [(text, ids)], kwargs, {"prompt": "messages"})

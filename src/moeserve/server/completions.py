@@ -91,11 +91,12 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)", "echo")
     kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {}, ctx.max_n)
     ctx.client.check_available()
-    prompts = await ctx.blocking(_prompts, req, ctx)  # off the event loop: a prompt may be large
+    small = await ctx.is_small(raw)
+    prompts = await ctx.blocking(_prompts, req, ctx, inline=small)  # off the event loop when large
     cid = new_id("cmpl")
     group = await submit(ctx, cid, prompts, kwargs, {"prompt": "prompt"})
     try:  # decoded only once the engine has checked the token ids
-        echo = await ctx.blocking(_echo, req, ctx, prompts)
+        echo = await ctx.blocking(_echo, req, ctx, prompts, inline=small) if req.echo else [""] * len(prompts)
     except BaseException:
         group.abort_unfinished()
         raise

@@ -28,6 +28,10 @@ from moeserve.server.protocol import _SamplingFields
 
 MAX_LOGPROBS = 20
 PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
+# A body up to this size is parsed and tokenized on the event loop (well under a millisecond
+# or two): a worker-thread round trip costs more than that work, and it is paid before the
+# first token.
+INLINE_BODY_BYTES = 16 * 1024
 
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
@@ -63,9 +67,12 @@ class ServerContext:
             code="model_not_found",
         )
 
-    async def blocking(self, fn: Callable[..., T], *args: Any) -> T:
+    async def blocking(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
         """``fn(*args)`` in a worker thread: parsing, tokenizing and detokenizing a large request
-        must not hold up the event loop (everyone else's streams and /health)."""
+        must not hold up the event loop (everyone else's streams and /health). ``inline``: the
+        work is small (see :meth:`is_small`), so it runs here instead."""
+        if inline:
+            return fn(*args)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(PREPARE_THREADS)
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
@@ -82,7 +89,13 @@ class ServerContext:
         """The request body as ``model``, parsed off the event loop; a 400 in OpenAI's format when
         it is not valid JSON (a lone surrogate escape included) or not a valid request."""
         body = await raw.body()
-        return await self.blocking(parse_body, model, body)
+        return await self.blocking(parse_body, model, body, inline=len(body) <= INLINE_BODY_BYTES)
+
+    @staticmethod
+    async def is_small(raw: Request) -> bool:
+        """Whether the request's body is small enough to tokenize on the event loop (Starlette
+        keeps the body it read, so this reads nothing again)."""
+        return len(await raw.body()) <= INLINE_BODY_BYTES
 
     def token_str(self, token_id: int, as_id: bool = False) -> str:
         """The token's text, or ``token_id:N`` (vLLM's ``return_tokens_as_token_ids``): tokens
