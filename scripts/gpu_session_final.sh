@@ -7,11 +7,22 @@
 # 32 and 128 prefix-free with the cache off. Needs the wheels carried as `.whl`.
 #   run: bash scripts/gpu_session_final.sh $OUT
 #   SHARED_MODES=on OFF_CONCURRENCY=32 bash scripts/gpu_session_final.sh $OUT    # a shorter call
+#   PROFILE=1 bash scripts/gpu_session_final.sh $OUT   # first: lone-prompt and cached-suffix step
+#                                                      # profiles and the float32 correctness checks
+# Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
+if [ "${PROFILE:-0}" = 1 ]; then
+  step prefill_graphs 90 python3 scripts/prefill_profile.py --lengths 256,1024,4096 --graphs --top 12
+  step prefix_eager 60 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --top 12
+  step moon_fp32 150 python3 scripts/gpu_check.py --out "$work/moonfp32" --skip-bench --dtype float32 \
+    --check-prompt-lens 7,300,1000
+  grep -h "^## prompt\|graphs vs eager\|no prefill" "$work"/prefill_graphs.log "$work"/prefix_eager.log >> "$work/summary.txt" 2>/dev/null
+  grep -h "CHECK\|exact\|mismatch" "$work"/moon_fp32.log >> "$work/summary.txt" 2>/dev/null
+fi
 URL=http://127.0.0.1:8015
 serve() {  # name, serve flags...
   local name=$1; shift
@@ -28,25 +39,28 @@ bench() {  # name, seconds, bench flags...
 FREE=(--input-len 1024 --output-len 128)
 SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
 serve free_on --max-model-len 2048
-for c in 1 32 128; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 8 : 4 * c)) "${FREE[@]}"; done
+for c in 1 32 128; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 16 : 4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
 stop
 step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
   --output-len 128 --profile '' --skip-checks
 for mode in ${SHARED_MODES:-on off}; do
   flag=--enable-prefix-caching; [ $mode = off ] && flag=--no-enable-prefix-caching
   serve "shared_$mode" --max-model-len 4608 $flag
-  bench "shared_${mode}_c1_first" 40 --concurrency 1 --num-prompts 4 "${SHARED[@]}"
-  bench "shared_${mode}_c1" 40 --concurrency 1 --num-prompts 8 "${SHARED[@]}"
-  bench "shared_${mode}_c32" 60 --concurrency 32 --num-prompts 64 "${SHARED[@]}"
+  bench "shared_${mode}_c1_first" 40 --concurrency 1 --num-prompts 4 --seed 1 "${SHARED[@]}"
+  bench "shared_${mode}_c1" 40 --concurrency 1 --num-prompts 8 --seed 2 "${SHARED[@]}"
+  bench "shared_${mode}_c32" 60 --concurrency 32 --num-prompts 64 --seed 3 "${SHARED[@]}"
   stop
 done
 serve free_off --max-model-len 2048 --no-enable-prefix-caching
-for c in ${OFF_CONCURRENCY:-32 128}; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) "${FREE[@]}"; done
+for c in ${OFF_CONCURRENCY:-32 128}; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
 stop
 grep -h "ready in\|captured" "$work"/server_free_on.log >> "$work/summary.txt" 2>/dev/null
 echo "kernels first used after ready: $(grep -c 'first used after ready' "$work"/server_free_on.log) (first server), $(cat "$work"/server_*.log | grep -c 'first used after ready') (all)" >> "$work/summary.txt"
 grep -h "^batch" "$work"/offline.log >> "$work/summary.txt" 2>/dev/null
 for f in "$work"/free_*.log "$work"/shared_*.log; do
   echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"
+done
+for f in "$work"/*_c1/concurrency_1.json "$work"/*_c1_first/concurrency_1.json; do
+  [ -f "$f" ] && python3 -c "import json,sys,statistics as st; t=json.load(open(sys.argv[1]))['ttfts_ms']; print(sys.argv[2], 'TTFT ms: first', round(t[0],1), 'median', round(st.median(t),1), 'all', [round(x,1) for x in t])" "$f" "$(basename "$(dirname "$f")")" >> "$work/summary.txt"
 done
 pack

@@ -54,6 +54,17 @@ def test_bench_against_live_server(server, tmp_path):
     assert "| 4 |" in (tmp_path / "report.md").read_text()
 
 
+def test_random_prompts_follow_the_seed_but_the_shared_prefix_does_not():
+    """Each concurrency level of a run (seed + its index) and each run with another --seed gets
+    prompts of its own, so a prefix cache finds only what the workload shares: the prefix."""
+    from moeserve.bench.online import random_prompts
+
+    a, b = random_prompts(4, 6, 1000, 0, shared_prefix_len=8), random_prompts(4, 6, 1000, 1, shared_prefix_len=8)
+    assert a == random_prompts(4, 6, 1000, 0, shared_prefix_len=8)
+    assert all(p[:8] == a[0][:8] for p in a + b)
+    assert not {tuple(p[8:]) for p in a} & {tuple(p[8:]) for p in b}
+
+
 def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp_path):
     from moeserve.bench.online import conversations, random_prompts
 

@@ -337,9 +337,10 @@ def test_triton_backend_matches_reference_on_a_later_stage(H, nope, rope, vdim, 
 
 
 PREFIX_VARIANTS = [
-    pytest.param(dict(prefix_chunk_tokens=5), id="chunked-5"),  # many pieces, crossing rows
-    pytest.param(dict(prefix_chunk_tokens=1), id="chunked-1"),
+    pytest.param(dict(prefix_chunk_tokens=5, prefix_mode="chunked"), id="chunked-5"),  # many pieces, crossing rows
+    pytest.param(dict(prefix_chunk_tokens=1, prefix_mode="chunked"), id="chunked-1"),
     pytest.param(dict(prefix_mode="absorbed"), id="absorbed"),
+    pytest.param(dict(prefix_chunk_tokens=5, prefix_mode="auto"), id="auto"),
 ]
 PREFIX_STEPS = [
     pytest.param([1, 1, 6, 12], [9, 40, 6, 30], id="mixed-decodes-first"),
@@ -360,7 +361,7 @@ def test_triton_backend_prefix_variants_match_reference(variant, query_lens, con
 def test_step_metadata_is_built_once_per_step_and_decode_rows_are_views():
     """One ``prepare`` per step whatever the number of layers; a decode-only step's metadata
     holds views of the context's tensors (CUDA-graph buffers refilled in place stay live)."""
-    backend = TritonMLABackend(prefix_chunk_tokens=8)
+    backend = TritonMLABackend(prefix_chunk_tokens=8, prefix_mode="chunked")
     pool, ctx, q_nope, q_pe, weights, scale = _backend_case(4, 16, 8, 16, 16, [1, 1, 6, 12], [9, 40, 6, 30], 4, torch.float32)
     calls = []
     prepare = backend.prepare
@@ -380,6 +381,22 @@ def test_step_metadata_is_built_once_per_step_and_decode_rows_are_views():
     assert meta.extend is None and meta.decode.count == 3
     assert meta.decode.page_tables.data_ptr() == decode.page_tables.data_ptr()
     assert meta.decode.context_lens.data_ptr() == decode.context_lens_tensor.data_ptr()
+
+
+def test_auto_prefix_mode_absorbs_short_extends_and_pieces_long_ones(monkeypatch):
+    """``auto`` attends a cached prefix in the latent space when the step's longest extend row
+    adds few tokens (a suffix after cached pages), in expanded pieces when it adds many."""
+    import moeserve.attention.triton_mla as triton_mla
+
+    monkeypatch.setattr(triton_mla, "ABSORBED_MAX_NEW_TOKENS", 10)
+    backend = TritonMLABackend(prefix_chunk_tokens=8)
+    assert backend.prefix_mode == "auto"
+    _, short, *_ = _backend_case(4, 16, 8, 16, 16, [1, 6, 10], [9, 30, 40], 4, torch.float32)
+    meta = backend.prepare(short)
+    assert meta.extend.prefix_lens is not None and meta.extend.prefix_pieces == []
+    _, long, *_ = _backend_case(4, 16, 8, 16, 16, [1, 6, 11], [9, 30, 40], 4, torch.float32)
+    meta = backend.prepare(long)
+    assert meta.extend.prefix_lens is None and [p.slots.numel() for p in meta.extend.prefix_pieces] == [8] * 6 + [5]  # 24 + 29
 
 
 def test_triton_backend_refuses_a_layer_of_another_stage():

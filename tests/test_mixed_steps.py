@@ -76,6 +76,7 @@ def _spy_on_attention(backend) -> list[tuple[int, int, int]]:
         return out
 
     backend.forward, backend._decode, backend._expand = _forward, _decode, _expand
+    backend.prefix_mode = "chunked"  # every extend row's whole context is expanded: countable
     return seen
 
 

@@ -16,9 +16,11 @@ the split is two slices of the flat batch: tokens ``[0, D)`` decode, tokens ``[D
   ``prefix_chunk_tokens`` tokens of the whole batch: each piece is gathered, expanded and merged
   into the running result by log-sum-exp (:func:`~moeserve.kernels.mla_extend.mla_prefix_merge`),
   so the expanded K/V alive at once is bounded by the piece, not by the context.
-  ``prefix_mode="absorbed"`` instead attends to the prefix in the latent space with absorbed
-  queries (:func:`~moeserve.kernels.mla_decode.mla_prefix_absorbed`), expanding nothing: fewer
-  bytes, more FLOPs; which is faster depends on the extend length (time both on the GPU). A CUDA
+  The absorbed form instead attends to the prefix in the latent space with absorbed queries
+  (:func:`~moeserve.kernels.mla_decode.mla_prefix_absorbed`), expanding nothing: fewer bytes and
+  launches, more FLOPs a query. ``prefix_mode="auto"`` (the default) picks it for a step whose
+  longest extend row adds at most ``ABSORBED_MAX_NEW_TOKENS`` tokens (a suffix after cached
+  pages, a short chunk), else the pieces; ``"chunked"`` and ``"absorbed"`` force one. A CUDA
   graph's step (``ctx.prefix_on_device``) always takes the absorbed form: its prefix length is
   only on the device, and the chunked form sizes its pieces on the host.
 
@@ -43,7 +45,13 @@ from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge
 # Moonlight's 16 heads an expanded token is 8 KiB (bf16), so a piece is 32 MiB: below the
 # max_num_batched_tokens (8192) prefill that sizes the KV cache's activation headroom.
 PREFIX_CHUNK_TOKENS = int(os.environ.get("MOESERVE_PREFIX_CHUNK_TOKENS", "4096"))
-PREFIX_MODES = ("chunked", "absorbed")
+PREFIX_MODES = ("auto", "chunked", "absorbed")
+# auto: the absorbed prefix form up to this many new tokens in the step's longest extend row.
+# By FLOPs the two forms break even near 170 new tokens a row (absorbed: ~35 kFLOP per query and
+# prefix token at 16 heads; chunked: ~10 kFLOP plus ~4.2 MFLOP to expand each prefix token once);
+# below that the absorbed form also saves the pieces' gathers, expansions and merges (on one
+# H200, 128 new tokens over 4,096 cached: 49.5 against 75.5 ms for the eager step).
+ABSORBED_MAX_NEW_TOKENS = 160
 
 
 @dataclass
@@ -107,7 +115,7 @@ class TritonMLABackend:
         if prefix_chunk_tokens < 1:
             raise ValueError(f"prefix_chunk_tokens must be at least 1, got {prefix_chunk_tokens}")
         self.prefix_chunk_tokens = prefix_chunk_tokens
-        self.prefix_mode = prefix_mode or os.environ.get("MOESERVE_MLA_PREFIX", "chunked")
+        self.prefix_mode = prefix_mode or os.environ.get("MOESERVE_MLA_PREFIX", "auto")
         if self.prefix_mode not in PREFIX_MODES:
             raise ValueError(f"prefix_mode must be one of {', '.join(PREFIX_MODES)}, got {self.prefix_mode!r}")
 
@@ -141,7 +149,7 @@ class TritonMLABackend:
         if total_prefix == 0:
             return rows
         prefix_lens = context_lens[D:] - (cu_q[1:] - cu_q[:-1])
-        if self.prefix_mode == "absorbed" or ctx.prefix_on_device:
+        if self._absorbs_prefix(max(q_lens)) or ctx.prefix_on_device:
             rows.page_tables, rows.prefix_lens = page_tables[D:], prefix_lens.to(torch.int32)
             rows.max_prefix_len = max(L - n for n, L in zip(q_lens, ctx.context_lens[D:]))
             return rows
@@ -151,6 +159,11 @@ class TritonMLABackend:
             hi = min(lo + step, total_prefix)
             rows.prefix_pieces.append(PrefixPiece(slots[lo:hi], (cu_prefix.clamp(lo, hi) - lo).to(torch.int32)))
         return rows
+
+    def _absorbs_prefix(self, longest_new: int) -> bool:
+        if self.prefix_mode == "auto":
+            return longest_new <= ABSORBED_MAX_NEW_TOKENS
+        return self.prefix_mode == "absorbed"
 
     def _metadata(self, ctx: StepContext) -> TritonMLAMetadata:
         """The step's metadata: built by ``prepare`` when the runner (or a CUDA graph) did not

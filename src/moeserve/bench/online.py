@@ -10,6 +10,10 @@ into conversations of K turns, each turn's prompt being the previous prompt, its
 token ids: ``logprobs`` with vLLM's ``return_tokens_as_token_ids``; a server that does not
 return them gets the prompt without the answer) and ``input_len`` new tokens, so that the last
 turn's prompt is ``shared_prefix_len + K * input_len + (K - 1) * output_len`` tokens long.
+
+Random prompts follow ``seed`` (``--seed``), and each concurrency level of a run draws its own
+(seed + its index), so that a server's prefix cache does not find one level's prompts in an
+earlier one's; the shared prefix is the same for every seed and level, as a system prompt is.
 """
 
 from __future__ import annotations
@@ -76,9 +80,13 @@ def summarize(records: list[RequestRecord], concurrency: int, duration: float) -
     return res
 
 
+SHARED_PREFIX_SEED = 7919  # the shared prefix does not follow the run's seed
+
+
 def random_prompts(n: int, input_len: int, vocab: int, seed: int, shared_prefix_len: int = 0) -> list[list[int]]:
+    fixed = random.Random(SHARED_PREFIX_SEED)
+    prefix = [fixed.randrange(10, vocab) for _ in range(shared_prefix_len)]
     rng = random.Random(seed)
-    prefix = [rng.randrange(10, vocab) for _ in range(shared_prefix_len)]
     return [prefix + [rng.randrange(10, vocab) for _ in range(input_len)] for _ in range(n)]
 
 
@@ -235,15 +243,16 @@ def run_serving(
     model = model or asyncio.run(detect_model(url, headers))
     if shared_prefix_len < 0:
         raise ValueError(f"shared_prefix_len must be >= 0, got {shared_prefix_len}")
-    prompts: list = (
-        random_prompts(num_prompts, input_len, vocab, seed, shared_prefix_len)
-        if dataset == "random"
-        else file_prompts(dataset, num_prompts)
-    )
-    if multi_turn != 1:
-        prompts = conversations(prompts, multi_turn, input_len, vocab, seed)
+
+    def level_prompts(level_seed: int) -> list:
+        if dataset != "random":
+            return file_prompts(dataset, num_prompts)
+        prompts = random_prompts(num_prompts, input_len, vocab, level_seed, shared_prefix_len)
+        return conversations(prompts, multi_turn, input_len, vocab, level_seed) if multi_turn != 1 else prompts
+
     results = []
-    for c in concurrencies:
+    for i, c in enumerate(concurrencies):
+        prompts = level_prompts(seed + i)
         bar = tqdm(total=num_prompts, desc=f"concurrency {c}", disable=quiet)
         res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1)))
         bar.close()
@@ -292,6 +301,7 @@ def run_serving_cli(args) -> int:
         dataset=args.dataset,
         api_key=args.api_key,
         vocab=args.vocab,
+        seed=args.seed,
         shared_prefix_len=args.shared_prefix_len,
         multi_turn=args.multi_turn,
         tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v},

@@ -52,7 +52,7 @@ class EngineConfig:
     load_format: str = setting(
         "auto", "auto: the checkpoint's safetensors; dummy: random weights from config.json alone (benchmarks)", choices=("auto", "dummy")
     )
-    seed: int = setting(0, "seed of the dummy weights")
+    seed: int = setting(0, "seed of the dummy weights (bench --url: of the random prompts)")
     max_model_len: int | None = setting(None, "longest sequence, prompt and output (default: what the model and the KV cache allow)")
     max_num_seqs: int = setting(256, "most sequences in one step")
     max_num_batched_tokens: int = setting(8192, "token budget of one step: its decodes first, then prefill chunks of what is left")

@@ -22,14 +22,16 @@ Pipeline (all on the device, no host sync, no Python loop over experts):
 4. Combine: ``pair_out.view(T, K, hidden).sum(1)`` (pairs of other ranks stay zero).
 
 Tile heuristic (``moe_config``, table ``MOE_TILE_TABLE``), keyed by the mean number of rows
-per local expert ``m = T*K / E_local`` (the expected M of each expert's GEMM); rows 2-4 were
-checked against a sweep on an H200 (``python -m moeserve.kernels.bench --sweep --only moe``):
+per local expert ``m = T*K / E_local`` (the expected M of each expert's GEMM). From a sweep on
+one H200 at the Moonlight shape (``scripts/moe_tile_sweep.py``, BENCHMARKS.md, 2026-12-01);
+rows whose best config was within ~2 % of the earlier one kept it:
 
     m <= 16   BLOCK_M 16,  BLOCK_N 64,  BLOCK_K 128, 4 warps, 4 stages   decode: weight-bandwidth bound,
                                                                          so waste few rows and stream K deep
     m <= 64   BLOCK_M 64,  BLOCK_N 64,  BLOCK_K 64,  4 warps, 3 stages
-    m <= 256  BLOCK_M 64,  BLOCK_N 128, BLOCK_K 64,  4 warps, 3 stages
-    larger    BLOCK_M 128, BLOCK_N 128, BLOCK_K 64,  8 warps, 3 stages   prefill: MMA bound, big tiles
+    m <= 128  the same, the down GEMM at BLOCK_N 256, 8 warps, 4 stages  a lone 1024-token prompt: -7 %
+    larger    BLOCK_M 128, BLOCK_N 128, BLOCK_K 64,  8 warps, 3 stages,  prefill: MMA bound, big tiles;
+              the down GEMM at BLOCK_N 256, 8 warps, 4 stages           -8 to -16 % at 2048-8192 tokens
 
 (for 2-byte weights; ``fit_shared_memory`` trims stages / BLOCK_K where float32 needs it.)
 """
@@ -57,8 +59,16 @@ def fused_moe_ref(
 MOE_TILE_TABLE: list[tuple[float, dict]] = [
     (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
     (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
-    (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)),
-    (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
+    (
+        128,
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3, down=dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)),
+    ),
+    (
+        float("inf"),
+        dict(
+            BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, down=dict(BLOCK_N=256, BLOCK_K=64, num_warps=8, num_stages=4)
+        ),
+    ),
 ]
 INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=1, num_stages=1)
 
@@ -66,7 +76,7 @@ INTERPRETER_TILE = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, num_warps=1, num_sta
 def gpu_tile_config(rows_per_expert: float) -> dict:
     for limit, cfg in MOE_TILE_TABLE:
         if rows_per_expert <= limit:
-            return dict(cfg)
+            return {k: dict(v) if isinstance(v, dict) else v for k, v in cfg.items()}
     raise AssertionError("unreachable")
 
 
