@@ -7,6 +7,7 @@
 # 32 and 128 prefix-free with the cache off. Needs the wheels carried as `.whl`.
 #   run: bash scripts/gpu_session_final.sh $OUT
 #   SHARED_MODES=on OFF_CONCURRENCY=32 bash scripts/gpu_session_final.sh $OUT    # a shorter call
+#   TURNS=1: also the multi-turn workload (4 turns of 256 new tokens, 128 out, c8) with the cache on and off
 #   PROFILE=1 bash scripts/gpu_session_final.sh $OUT   # first: lone-prompt and cached-suffix step
 #                                                      # profiles and the float32 correctness checks
 # Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
@@ -49,6 +50,7 @@ for mode in ${SHARED_MODES:-on off}; do
   bench "shared_${mode}_c1_first" 40 --concurrency 1 --num-prompts 4 --seed 1 "${SHARED[@]}"
   bench "shared_${mode}_c1" 40 --concurrency 1 --num-prompts 8 --seed 2 "${SHARED[@]}"
   bench "shared_${mode}_c32" 60 --concurrency 32 --num-prompts 64 --seed 3 "${SHARED[@]}"
+  [ "${TURNS:-0}" = 1 ] && bench "turns_$mode" 60 --concurrency 8 --num-prompts 32 --multi-turn 4 --input-len 256 --output-len 128 --seed 4
   stop
 done
 serve free_off --max-model-len 2048 --no-enable-prefix-caching
@@ -57,7 +59,7 @@ stop
 grep -h "ready in\|captured" "$work"/server_free_on.log >> "$work/summary.txt" 2>/dev/null
 echo "kernels first used after ready: $(grep -c 'first used after ready' "$work"/server_free_on.log) (first server), $(cat "$work"/server_*.log | grep -c 'first used after ready') (all)" >> "$work/summary.txt"
 grep -h "^batch" "$work"/offline.log >> "$work/summary.txt" 2>/dev/null
-for f in "$work"/free_*.log "$work"/shared_*.log; do
+for f in "$work"/free_*.log "$work"/shared_*.log "$work"/turns_*.log; do
   echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"
 done
 for f in "$work"/*_c1/concurrency_1.json "$work"/*_c1_first/concurrency_1.json; do

@@ -165,6 +165,11 @@ def test_server_warm_up_runs_a_mixed_step_over_a_cached_prefix():
         assert mixed, "no step decoded beside a prefill"
         rows = [(sum(n == 1 for n in b.num_new_tokens), sum(n > 1 for n in b.num_new_tokens)) for b in mixed]
         assert any(d >= 2 and e >= 2 for d, e in rows), f"no step with several decode and several extend rows: {rows}"
+        # both forms of attending to a cached prefix: a short suffix (absorbed) and a long one (pieces)
+        from moeserve.attention.triton_mla import ABSORBED_MAX_NEW_TOKENS
+
+        extends = [n for b in mixed for n in b.num_new_tokens if n > 1]
+        assert min(extends) <= ABSORBED_MAX_NEW_TOKENS < max(extends), extends
         finished = {o.request_id.rsplit(":", 1)[1]: o for o in outputs if o.finished}
         assert sorted(finished) == ["0", "1", "2", "3"]
         assert finished["1"].num_cached_tokens >= 8 and finished["3"].num_cached_tokens >= 8  # two cached pages

@@ -410,7 +410,9 @@ def mla_prefix_absorbed_ref(
     return out, lse
 
 
-@triton.jit
+# The page-table width, the split count and the per-split strides (tokens x heads) change with
+# every step: no value specialization, so that a server compiles one variant before it is ready.
+@triton.jit(do_not_specialize=["stride_pt_b", "stride_po_s", "stride_pl_s", "num_splits"])
 def _mla_prefix_absorbed_kernel(
     QLat,
     QPe,

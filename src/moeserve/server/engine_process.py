@@ -134,9 +134,12 @@ def warm_up_step_shapes(engine: Any, max_steps: int = 96) -> None:
     on a GPU), so that no request pays for them. Requests join in waves, each when every request
     of the one before has its first token: one prompt alone; a second whose first pages the cache
     holds (one decode row beside an extend over a cached prefix); then two at once, one fresh and
-    one over the cached prefix (several decode rows beside several extend rows). Triton
+    one over the cached prefix (several decode rows beside several extend rows). The second
+    wave's suffix is short, so its prefix is attended in the absorbed form; the third's is longer
+    than ``ABSORBED_MAX_NEW_TOKENS`` where the model allows, so in expanded pieces. Triton
     specializes an integer argument on being 1 and on being a multiple of 16, so the lengths are
     neither, and the waves put 1, 2 and 3 rows of each kind in a step."""
+    from moeserve.attention.triton_mla import ABSORBED_MAX_NEW_TOKENS
     from moeserve.sampling_params import SamplingParams
 
     page = engine.executor.page_size
@@ -145,10 +148,13 @@ def warm_up_step_shapes(engine: Any, max_steps: int = 96) -> None:
         return
     prefix = [(7 * i + 3) % vocab for i in range(2 * page)]
     fresh = [(11 * i + 5) % vocab for i in range(page + 13)]
+    long_suffix = ABSORBED_MAX_NEW_TOKENS + page + 5
+    if 2 * page + long_suffix + 8 > engine.max_model_len:
+        long_suffix = page + 5
     waves = [
         [prefix + [1] * 5],
         [prefix + [2] * (page // 2 + 3)],
-        [fresh, prefix + [3] * (page + 5)],
+        [fresh, prefix + [3] * long_suffix],
     ]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     started: list[str] = []
