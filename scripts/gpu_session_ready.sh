@@ -3,16 +3,17 @@
 # shape, dummy bf16), then concurrency 1 and 32 (1024 in / 128 out) and the count of kernels
 # first used after ready. Needs the wheels carried as `.whl`.
 #   run: bash scripts/gpu_session_ready.sh $OUT
+#   SERVE_FLAGS=--no-enable-prefix-caching bash scripts/gpu_session_ready.sh $OUT   # the cache off
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
-python3 -m moeserve serve --model moonlight-16b-a3b --load-format dummy --dtype bfloat16 --max-model-len 2048 \
+python3 -m moeserve serve --model moonlight-16b-a3b --load-format dummy --dtype bfloat16 --max-model-len 2048 ${SERVE_FLAGS:-} \
   --host 127.0.0.1 --port 8016 > "$work/server.log" 2>&1 &
 server=$!
 step ready 150 python3 -m moeserve wait-ready --url http://127.0.0.1:8016 --timeout 140
 for c in 1 32; do
-  step "c$c" 60 python3 -m moeserve bench --url http://127.0.0.1:8016 --vocab 100000 --concurrency $c \
+  step "c$c" 60 python3 -m moeserve bench --url http://127.0.0.1:8016 --vocab 100000 --concurrency $c --seed $((1000 + c)) \
     --num-prompts $((c == 1 ? 8 : 4 * c)) --input-len 1024 --output-len 128 --result-dir "$work/c$c"
 done
 kill -TERM $server; wait $server

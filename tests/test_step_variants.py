@@ -87,3 +87,21 @@ def test_step_sized_variants_run_on_scratch_inputs():
     before = runner.pool.layer(0).clone()
     runner._compile_step_sized_variants()
     assert torch.equal(runner.pool.layer(0), before)  # reads the cache, writes nothing to it
+
+
+def test_both_prefix_attention_forms_compile_ahead_and_the_mode_is_kept():
+    """A server without the prefix cache never attends to a cached prefix in its warm-up; a
+    chunk of a long prompt later does, in either form, so both run on a scratch step first."""
+    pytest.importorskip("triton")
+    runner = _runner("triton")
+    backend = runner.backend
+    forms = []
+    absorbed, expand = backend._merge_absorbed_prefix, backend._expand
+    backend._merge_absorbed_prefix = lambda *a: forms.append("absorbed") or absorbed(*a)
+    backend._expand = lambda cache, slots, *a: forms.append(slots.numel()) or expand(cache, slots, *a)
+    before = runner.pool.layer(0).clone()
+    runner._compile_prefix_attention()
+    assert "absorbed" in forms
+    assert 2 * runner.page_size in forms  # the chunked form expanded the two cached pages
+    assert backend.prefix_mode == "auto"
+    assert torch.equal(runner.pool.layer(0), before)

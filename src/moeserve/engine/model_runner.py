@@ -171,12 +171,55 @@ class ModelRunner:
             while splits <= MAX_KV_SPLITS:  # a merge width per power of two
                 mla_decode(q_lat, q_pe, cache, table, lens, self.page_size, 1.0, num_kv_splits=splits)
                 splits *= 2
+        self._compile_prefix_attention()
         if self.is_last and self.sample_kernel:
             from moeserve.kernels.sampling import compile_variants
 
             compile_variants(self.config.max_num_seqs, self.model_config.vocab_size, self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    def _compile_prefix_attention(self) -> None:
+        """Both forms of attending to a cached prefix (absorbed, expanded pieces), through the
+        attention backend on a scratch step of one extend row over two cached pages: a server
+        without the prefix cache reaches neither in its warm-up, and a chunk of a long prompt
+        later reaches both. Reads the cache only (its first pages; no request holds them yet)."""
+        from moeserve.layers.attention import MLAAttention
+
+        backend = self.backend
+        if getattr(backend, "prefix_mode", None) is None:
+            return
+        attn = next(m for m in self.model.modules() if isinstance(m, MLAAttention))
+        weights = attn.mla_weights()
+        H, nope, Lk = weights.w_uk.shape
+        R = self.pool.layer(attn.layer_id).shape[-1] - Lk
+        new, prefix = 21, 2 * self.page_size  # neither 1 nor a multiple of 16 (Triton specializes on both)
+        length = prefix + new
+        pages = -(-length // self.page_size)
+        if pages > self.num_pages:
+            return
+        dev = self.device
+        positions = torch.arange(prefix, length, device=dev)
+        ctx = StepContext(
+            positions=positions,
+            slot_mapping=positions.clone(),  # pages 0, 1, 2, ... in order: a slot is its position
+            query_lens=[new],
+            context_lens=[length],
+            page_tables=torch.arange(pages, dtype=torch.int32, device=dev)[None],
+            cu_query_lens=torch.tensor([0, new], dtype=torch.int32, device=dev),
+            logits_indices=torch.tensor([new - 1], device=dev),
+            page_size=self.page_size,
+            context_lens_tensor=torch.tensor([length], dtype=torch.int32, device=dev),
+        )
+        q_nope = torch.zeros(new, H, nope, dtype=self.dtype, device=dev)
+        q_pe = torch.zeros(new, H, R, dtype=self.dtype, device=dev)
+        mode = backend.prefix_mode
+        try:
+            for form in ("absorbed", "chunked"):
+                backend.prefix_mode, ctx.attn_metadata = form, None
+                backend.forward(attn.layer_id, q_nope, q_pe, weights, self.pool, ctx, attn.scale)
+        finally:
+            backend.prefix_mode = mode
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""
