@@ -394,6 +394,7 @@ def test_auto_prefix_mode_absorbs_short_extends_and_pieces_long_ones(monkeypatch
     _, short, *_ = _backend_case(4, 16, 8, 16, 16, [1, 6, 10], [9, 30, 40], 4, torch.float32)
     meta = backend.prepare(short)
     assert meta.extend.prefix_lens is not None and meta.extend.prefix_pieces == []
+    assert meta.extend.page_tables.data_ptr() % 16 == 0  # behind one decode row: copied, aligned
     _, long, *_ = _backend_case(4, 16, 8, 16, 16, [1, 6, 11], [9, 30, 40], 4, torch.float32)
     meta = backend.prepare(long)
     assert meta.extend.prefix_lens is None and [p.slots.numel() for p in meta.extend.prefix_pieces] == [8] * 6 + [5]  # 24 + 29

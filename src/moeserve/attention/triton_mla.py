@@ -150,7 +150,10 @@ class TritonMLABackend:
             return rows
         prefix_lens = context_lens[D:] - (cu_q[1:] - cu_q[:-1])
         if self._absorbs_prefix(max(q_lens)) or ctx.prefix_on_device:
-            rows.page_tables, rows.prefix_lens = page_tables[D:], prefix_lens.to(torch.int32)
+            # A copy behind decode rows: the slice's start need not be 16-byte aligned, and Triton
+            # compiles a kernel variant per pointer alignment (seconds, paid by a request).
+            rows.page_tables = page_tables[D:].clone() if D else page_tables
+            rows.prefix_lens = prefix_lens.to(torch.int32)
             rows.max_prefix_len = max(L - n for n, L in zip(q_lens, ctx.context_lens[D:]))
             return rows
         slots, cu_prefix = prefix_slots(page_tables[D:], prefix_lens, total_prefix, ctx.page_size)
