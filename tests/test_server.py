@@ -270,6 +270,8 @@ def test_sixteen_concurrent_requests(client, offline):
         ({"prompt": {"a": 1}}, 400, "prompt", ""),
         ({"n": 0}, 400, "n", "n must be at least 1"),
         ({"stop": ["ok", ""]}, 400, "stop", "empty strings"),
+        ({"stop": [f"s{i}" for i in range(65)]}, 400, "stop", "at most 64 strings, got 65"),
+        ({"stop": "x" * 1025}, 400, "stop", "at most 1024 characters long, got one of 1025"),
         ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
         ({"model": "no-such-model"}, 404, "model", "does not exist"),
     ],

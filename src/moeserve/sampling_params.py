@@ -6,6 +6,11 @@ import math
 from dataclasses import dataclass, field
 
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as torch.Generator takes it
+# Every step searches each stop string over the text held back (the longest stop string) plus
+# the new text, in the engine loop that serves everyone: bounded, a request's check costs at most
+# ~64 K characters a step. (OpenAI takes at most 4 stop strings; vLLM sets no bound.)
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 @dataclass
@@ -25,6 +30,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, default_factory=list)
+    stop_token_set: frozenset[int] = field(init=False, default_factory=frozenset)  # looked up every token
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -32,6 +38,7 @@ class SamplingParams:
         else:
             self.stop_list = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_set = frozenset(self.stop_token_ids)
         self.validate()
 
     def validate(self) -> None:
@@ -63,6 +70,11 @@ class SamplingParams:
             raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
         if any(not s for s in self.stop_list):
             raise bad("stop", "must not contain empty strings")
+        if len(self.stop_list) > MAX_STOP_STRINGS:
+            raise bad("stop", f"may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop_list)}")
+        longest = max((len(s) for s in self.stop_list), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise bad("stop", f"strings must be at most {MAX_STOP_STRING_CHARS} characters long, got one of {longest}")
 
     @property
     def greedy(self) -> bool:

@@ -308,7 +308,7 @@ class LLMEngine:
         n_out = seq.num_output_tokens
         stop_token = None
         if n_out > p.min_tokens:
-            if token in p.stop_token_ids:
+            if token in p.stop_token_set:
                 stop_token = token
             elif not p.ignore_eos and token in self.eos_token_ids:
                 stop_token = token
@@ -319,7 +319,7 @@ class LLMEngine:
                 self._finish(seq, "stop", stop, flush=False)
                 return
         if stop_token is not None:
-            self._finish(seq, "stop", stop_token if token in p.stop_token_ids else None)
+            self._finish(seq, "stop", stop_token if token in p.stop_token_set else None)
         elif seq.at_length_limit(self.max_model_len):
             self._finish(seq, "length")
 

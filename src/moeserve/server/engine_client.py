@@ -8,7 +8,6 @@ prompts is one group of engine requests)."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing as mp
 import queue
@@ -130,19 +129,6 @@ class AsyncEngineClient:
     # ---- requests ----
     def group(self) -> "RequestGroup":
         return RequestGroup(self)
-
-    async def generate(self, request_id: str, prompt: dict | str | list[int], params: Any) -> AsyncIterator[RequestDelta]:
-        """One engine request's deltas (SamplingParams or its keyword arguments); aborts it when
-        the caller stops early or is cancelled."""
-        if dataclasses.is_dataclass(params):
-            params = {f.name: getattr(params, f.name) for f in dataclasses.fields(params) if f.init}
-        group = self.group()
-        try:
-            await group.add_all([(request_id, prompt, params)])
-            async for _, update in group.updates():
-                yield update
-        finally:
-            group.abort_unfinished()
 
     def abort(self, request_id: str) -> None:
         tracked = self._requests.pop(request_id, None)
