@@ -86,15 +86,15 @@ class ServerContext:
             await self.blocking(_validate_quietly, model, body)
 
     async def parse(self, raw: Request, model: type[M]) -> M:
-        """The request body as ``model``, parsed off the event loop; a 400 in OpenAI's format when
-        it is not valid JSON (a lone surrogate escape included) or not a valid request."""
-        body = await raw.body()
-        return await self.blocking(parse_body, model, body, inline=len(body) <= INLINE_BODY_BYTES)
+        """The request body as ``model`` (off the event loop unless :meth:`is_small`); a 400 in
+        OpenAI's format when it is not valid JSON (a lone surrogate escape included) or not a
+        valid request."""
+        return await self.blocking(parse_body, model, await raw.body(), inline=await self.is_small(raw))
 
     @staticmethod
     async def is_small(raw: Request) -> bool:
-        """Whether the request's body is small enough to tokenize on the event loop (Starlette
-        keeps the body it read, so this reads nothing again)."""
+        """Whether the request's body is small enough to parse and tokenize on the event loop
+        (Starlette keeps the body it read, so this reads nothing again)."""
         return len(await raw.body()) <= INLINE_BODY_BYTES
 
     def token_str(self, token_id: int, as_id: bool = False) -> str:
