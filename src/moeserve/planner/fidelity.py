@@ -79,7 +79,7 @@ class Prediction:
 def predict_point(p: Point, constants_from: Hardware | None = None) -> Prediction:
     src = SOURCES[p.source]
     cfg = _config(src.model)
-    hw = hardware(src.gpu, p.gpus, src.interconnect, src.allreduce, src.memory_gb, constants_from)
+    hw = hardware(src.gpu, p.gpus, src.interconnect, p.run_allreduce, src.memory_gb, constants_from)
     serving = p.metric == "tpot_ms"
     r = rate(cfg, hw, _layout(p.layout), p.concurrency, p.input_len, p.output_len, _kv_bytes(src.kv_cache_dtype), serving)
     return Prediction(p, p.concurrency / r * 1e3 if serving else r)
@@ -125,8 +125,9 @@ def check_ranking(claim: RankingClaim) -> RankingResult:
     cfg = _config(claim.model)
     kv = _kv_bytes(claim.kv_cache_dtype)
     out = {}
+    allreduce = dict(claim.allreduce_by_layout)
     for name, gpus in claim.gpus_by_layout:
-        hw = hardware(claim.gpu, gpus, claim.interconnect, claim.allreduce)
+        hw = hardware(claim.gpu, gpus, claim.interconnect, allreduce.get(name, claim.allreduce))
         c = 1 if claim.metric == "single" else claim.concurrency
         r = rate(cfg, hw, _layout(name), c, claim.input_len, claim.output_len, kv, claim.serving)
         out[name] = r if claim.metric == "single" else r / gpus

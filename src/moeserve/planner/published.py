@@ -52,6 +52,11 @@ class Point:
     metric: str  # "decode_tok_s" or "tpot_ms"
     measured: float
     label: str = ""  # the cell as the source names it
+    allreduce: str | None = None  # what this run all-reduced with, where the source's runs differ; None: the source's
+
+    @property
+    def run_allreduce(self) -> str:
+        return self.allreduce or SOURCES[self.source].allreduce
 
     @property
     def kv_len(self) -> float:
@@ -72,6 +77,8 @@ class RankingClaim:
     url: str
     kv_cache_dtype: str = "auto"
     allreduce: str = "custom"
+    # (layout, all-reduce) where the runs compared used different ones (different machines and builds)
+    allreduce_by_layout: tuple[tuple[str, str], ...] = ()
     model: str = "kimi-k2.6"
     gpu: str = "rtx-pro-6000"
     interconnect: str = "pcie"
@@ -145,7 +152,7 @@ SOURCES: dict[str, Source] = {
             model="kimi-k2.6",
             gpu="rtx-pro-6000",
             interconnect="pcie",
-            allreduce="custom",
+            allreduce="nccl",
             kv_cache_dtype="bf16",
             settings=(
                 "Kimi K2.5 INT4 on 8x RTX PRO 6000, single-batch decode at ~0 context: vLLM TP8 BF16 KV "
@@ -158,6 +165,13 @@ SOURCES: dict[str, Source] = {
                 "K2.5 has the K2.6 text model (the planner's kimi-k2.6)",
                 "512 tokens cached on average",
                 "the three runs are three different machines",
+                (
+                    "only the EP8 run is marked 'custom AR'; the two TP8 runs all-reduce with NCCL: stock vLLM "
+                    "and SGLang turn their custom all-reduce off on more than two PCIe-only GPUs "
+                    "(CustomAllreduce.__init__: 'not supported on more than two PCIe-only GPUs', in "
+                    "vllm/distributed/device_communicators/custom_all_reduce.py and "
+                    "python/sglang/srt/distributed/device_communicators/custom_all_reduce.py)"
+                ),
             ),
         ),
         Source(
@@ -247,7 +261,7 @@ POINTS: tuple[Point, ...] = tuple(
     + [
         Point("rtx6kpro-k25-c1", "tp8", 8, 1, 0, 1024, "decode_tok_s", 90.0, "vLLM TP8, bf16 KV, FA2"),
         Point("rtx6kpro-k25-c1", "tp8", 8, 1, 2048, 1024, "decode_tok_s", 90.0, "SGLang TP8, bf16 KV, 2K context"),
-        Point("rtx6kpro-k25-c1", "ep8", 8, 1, 0, 1024, "decode_tok_s", 101.0, "SGLang TP8 EP8, custom all-reduce"),
+        Point("rtx6kpro-k25-c1", "ep8", 8, 1, 0, 1024, "decode_tok_s", 101.0, "SGLang TP8 EP8, custom all-reduce", allreduce="custom"),
     ]
     + _tpot(
         "inferencex-h200-sglang",
@@ -313,8 +327,11 @@ RANKINGS: tuple[RankingClaim, ...] = (
         input_len=0,
         output_len=1024,
         finding="SGLang TP8 EP8 with a custom all-reduce 101 tok/s vs SGLang TP8 90 tok/s at batch 1 "
-        "(different machines: PCIe switches and overclocked GDDR7 for the EP8 run)",
+        "(different machines: PCIe switches, a patched custom all-reduce and overclocked GDDR7 for the EP8 run; "
+        "stock SGLang all-reduces with NCCL on more than two PCIe GPUs)",
         url=f"{RTX6KPRO}/benchmarks/results.md",
+        allreduce="nccl",
+        allreduce_by_layout=(("ep8", "custom"),),
     ),
     RankingClaim(
         source="inferencex-b200-sglang",
