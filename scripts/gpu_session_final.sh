@@ -10,6 +10,8 @@
 #   TURNS=1: also the multi-turn workload (4 turns of 256 new tokens, 128 out, c8) with the cache on and off
 #   PROFILE=1 bash scripts/gpu_session_final.sh $OUT   # first: lone-prompt and cached-suffix step
 #                                                      # profiles and the float32 correctness checks
+#   CHECKS=1: the float32 correctness checks first, without the profiles
+#   OFFLINE=0: no offline rates; OFF_CONCURRENCY='': no prefix-free server with the cache off
 # Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -19,6 +21,8 @@ cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" >
 if [ "${PROFILE:-0}" = 1 ]; then
   step prefill_graphs 90 python3 scripts/prefill_profile.py --lengths 256,1024,4096 --graphs --top 12
   step prefix_eager 60 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --top 12
+fi
+if [ "${PROFILE:-0}" = 1 ] || [ "${CHECKS:-0}" = 1 ]; then
   step moon_fp32 150 python3 scripts/gpu_check.py --out "$work/moonfp32" --skip-bench --dtype float32 \
     --check-prompt-lens 7,300,1000
   grep -h "^## prompt\|graphs vs eager\|no prefill" "$work"/prefill_graphs.log "$work"/prefix_eager.log >> "$work/summary.txt" 2>/dev/null
@@ -42,7 +46,7 @@ SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
 serve free_on --max-model-len 2048
 for c in 1 32 128; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 16 : 4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
 stop
-step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
+[ "${OFFLINE:-1}" = 1 ] && step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
   --output-len 128 --profile '' --skip-checks
 for mode in ${SHARED_MODES:-on off}; do
   flag=--enable-prefix-caching; [ $mode = off ] && flag=--no-enable-prefix-caching
@@ -53,9 +57,12 @@ for mode in ${SHARED_MODES:-on off}; do
   [ "${TURNS:-0}" = 1 ] && bench "turns_$mode" 60 --concurrency 8 --num-prompts 32 --multi-turn 4 --input-len 256 --output-len 128 --seed 4
   stop
 done
-serve free_off --max-model-len 2048 --no-enable-prefix-caching
-for c in ${OFF_CONCURRENCY:-32 128}; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
-stop
+OFF_CONCURRENCY=${OFF_CONCURRENCY-32 128}
+if [ -n "$OFF_CONCURRENCY" ]; then
+  serve free_off --max-model-len 2048 --no-enable-prefix-caching
+  for c in $OFF_CONCURRENCY; do bench "free_off_c$c" 60 --concurrency $c --num-prompts $((4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
+  stop
+fi
 grep -h "ready in\|captured" "$work"/server_free_on.log >> "$work/summary.txt" 2>/dev/null
 echo "kernels first used after ready: $(grep -c 'first used after ready' "$work"/server_free_on.log) (first server), $(cat "$work"/server_*.log | grep -c 'first used after ready') (all)" >> "$work/summary.txt"
 grep -h "^batch" "$work"/offline.log >> "$work/summary.txt" 2>/dev/null

@@ -10,14 +10,14 @@ pytest.importorskip("triton")
 PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2, 8, 8], [11, 12], [90, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 
 
-def run(path, backend):
+def run(path, backend, prompts=PROMPTS):
     with LLM(str(path), device="cpu", dtype="float32", backend=backend, max_num_batched_tokens=8, page_size=4) as llm:
         if backend == "triton":
             runner = llm.engine.executor.runner
             assert runner.backend.name == "triton"
             assert runner.model.model.norm.use_kernel
         outs = llm.generate(
-            [{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
         )
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
@@ -94,5 +94,35 @@ def test_prefill_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     for (et, el), (gt, gl) in zip(eager, graphed):
         assert gt == et
         for a, b in zip(el, gl):
+            for t in a:
+                assert b[t] == pytest.approx(a[t], abs=1e-4)
+
+
+def test_piecewise_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
+    """The steps no whole-step graph takes (several prompts' chunks in one step, decode rows
+    beside a prompt's chunk) through the piecewise graphs' static buffers, emulated on CPU: the
+    queries copied out of each layer, the attention core on the step's real tokens, padding up
+    to a captured size; each gives the eager run's tokens and logprobs."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "v3", "v3_qlora_grouped_yarn")
+    prompts = PROMPTS[:2] + [PROMPTS[2][:-1]]  # its last chunk beside two decode rows: 7 tokens
+    eager = run(path, "triton", prompts)
+    monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+    with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4, max_num_seqs=4) as llm:
+        pieces = llm.engine.executor.runner.piecewise_graphs
+        assert pieces is not None and pieces.emulate and pieces.sizes == [4, 8]
+        steps = []
+        run_pieces = pieces.run
+        pieces.run = lambda ids, ctx: steps.append((ctx.num_decode_rows, ctx.num_seqs, ctx.slot_mapping.numel())) or run_pieces(ids, ctx)
+        outs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=5, logprobs=2, ignore_eos=True)
+        )
+    assert any(decodes == 0 and rows > 1 for decodes, rows, _ in steps)  # several prompts' chunks
+    assert any(0 < decodes < rows for decodes, rows, _ in steps)  # decode rows beside a chunk
+    assert any(tokens not in pieces.sizes for _, _, tokens in steps)  # padded to a captured size
+    for (et, el), o in zip(eager, outs):
+        assert o.outputs[0].token_ids == et
+        for a, b in zip(el, o.outputs[0].logprobs):
             for t in a:
                 assert b[t] == pytest.approx(a[t], abs=1e-4)

@@ -120,6 +120,7 @@ class ModelRunner:
         self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
         self.graphs = None  # DecodeGraphs
         self.prefill_graphs = None  # PrefillGraphs
+        self.piecewise_graphs = None  # PiecewiseGraphs: the other steps, cut at attention
 
     def _make_pool(self, num_pages: int) -> None:
         """``num_pages`` usable pages, plus one scratch page for CUDA-graph padding rows."""
@@ -138,6 +139,7 @@ class ModelRunner:
         if not (self.use_graphs and self.is_first and self.is_last):
             return
         from moeserve.engine.cuda_graph import DecodeGraphs, PrefillGraphs, prefill_capture_sizes
+        from moeserve.engine.piecewise_graph import PiecewiseGraphs, piecewise_capture_sizes
 
         self.max_context_len = max_model_len
         pages = -(-max_model_len // self.page_size)
@@ -149,6 +151,12 @@ class ModelRunner:
                 self, sizes, pages, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
             )
             self.prefill_graphs.capture()
+        sizes = piecewise_capture_sizes(self.config.max_num_batched_tokens)
+        if sizes:
+            self.piecewise_graphs = PiecewiseGraphs(
+                self, sizes, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
+            )
+            self.piecewise_graphs.capture()
 
     @torch.inference_mode()
     def _compile_step_sized_variants(self) -> None:
@@ -441,7 +449,7 @@ class ModelRunner:
         self, input_ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This stage's layers. On the last stage returns the logits of ``ctx.logits_indices``."""
-        for graphs in (self.graphs, self.prefill_graphs):  # None on pipeline stages and eager runners
+        for graphs in (self.graphs, self.prefill_graphs, self.piecewise_graphs):  # None on pipeline stages and eager runners
             if graphs is not None and graphs.can_run(ctx):
                 return graphs.run(input_ids, ctx), None
         with step_context(ctx):
