@@ -15,7 +15,10 @@ Prints a short table at the end; everything goes to DIR/summary.json as it is me
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import logging
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -98,6 +101,9 @@ def main() -> int:
     )
     ap.add_argument("--check-prompt-lens", default="7,300,1000", help="prompt lengths of the correctness checks")
     args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if os.environ.get("GPU_CHECK_DUMP_S"):  # where it is, before a time limit kills it
+        faulthandler.dump_traceback_later(float(os.environ["GPU_CHECK_DUMP_S"]), exit=False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summary: dict = {

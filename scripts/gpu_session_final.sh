@@ -23,7 +23,8 @@ if [ "${PROFILE:-0}" = 1 ]; then
   step prefix_eager 60 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --top 12
 fi
 if [ "${PROFILE:-0}" = 1 ] || [ "${CHECKS:-0}" = 1 ]; then
-  step moon_fp32 150 python3 scripts/gpu_check.py --out "$work/moonfp32" --skip-bench --dtype float32 \
+  export GPU_CHECK_DUMP_S=$((${CHECK_LIMIT:-300} - 10))
+  step moon_fp32 ${CHECK_LIMIT:-300} python3 scripts/gpu_check.py --out "$work/moonfp32" --skip-bench --dtype float32 \
     --check-prompt-lens 7,300,1000
   grep -h "^## prompt\|graphs vs eager\|no prefill" "$work"/prefill_graphs.log "$work"/prefix_eager.log >> "$work/summary.txt" 2>/dev/null
   grep -h "CHECK\|exact\|mismatch" "$work"/moon_fp32.log >> "$work/summary.txt" 2>/dev/null

@@ -400,6 +400,34 @@ def test_auto_prefix_mode_absorbs_short_extends_and_pieces_long_ones(monkeypatch
     assert meta.extend.prefix_lens is None and [p.slots.numel() for p in meta.extend.prefix_pieces] == [8] * 6 + [5]  # 24 + 29
 
 
+@pytest.mark.parametrize("variant", [p for p in PREFIX_VARIANTS if p.id != "chunked-1"])
+def test_rows_sharing_a_cached_prefix_expand_it_once(variant):
+    """Extend rows that found one prefix in the cache (the same pages under the same length) are
+    one run: in pieces their prefix is gathered and expanded once and all their queries attend
+    it, with the reference's result; rows with prefixes of their own stay runs of one."""
+    from moeserve.engine.context import shared_prefix_runs
+
+    # one decode row, three rows over the same 8 cached tokens (2 pages), one over 12 of its own
+    query_lens, context_lens = [1, 5, 7, 3, 6], [9, 13, 15, 11, 18]
+    pool, ctx, q_nope, q_pe, weights, scale = _backend_case(4, 16, 8, 16, 16, query_lens, context_lens, 4, torch.float32)
+    ctx.page_tables[2:4, :2] = ctx.page_tables[1, :2]  # their new tokens are on pages of their own
+    table = ctx.page_tables.tolist()
+    assert shared_prefix_runs(ctx, table) == [3, 1]
+    ctx.prefix_groups = shared_prefix_runs(ctx, table)
+    backend = TritonMLABackend(**variant)
+    _check_backend_on_layers(backend, pool, ctx, q_nope, q_pe, weights, scale, torch.float32, 16)
+    pieces = ctx.attn_metadata.extend.prefix_pieces
+    if backend.prefix_mode == "chunked" or (backend.prefix_mode == "auto" and pieces):
+        assert sum(p.slots.numel() for p in pieces) == 8 + 12  # not 3 x 8 + 12
+        assert ctx.attn_metadata.extend.prefix_cu_q.tolist() == [0, 15, 21]
+    ctx.page_tables[3, 1] = ctx.page_tables[4, 0]  # one page differs: a prefix of its own
+    assert shared_prefix_runs(ctx, ctx.page_tables.tolist()) == [2, 1, 1]
+    ctx.context_lens[3] += 1  # the same pages, another length
+    assert shared_prefix_runs(ctx, table) == [2, 1, 1]
+    no_prefix = _step([1, 4, 4], [3, 4, 4], 4, 8, torch.Generator().manual_seed(0))
+    assert shared_prefix_runs(no_prefix, no_prefix.page_tables.tolist()) is None
+
+
 def test_triton_backend_refuses_a_layer_of_another_stage():
     from moeserve.cache.kv_pool import LayerNotOnStage
 

@@ -18,9 +18,13 @@ the split is two slices of the flat batch: tokens ``[0, D)`` decode, tokens ``[D
   so the expanded K/V alive at once is bounded by the piece, not by the context.
   The absorbed form instead attends to the prefix in the latent space with absorbed queries
   (:func:`~moeserve.kernels.mla_decode.mla_prefix_absorbed`), expanding nothing: fewer bytes and
-  launches, more FLOPs a query. ``prefix_mode="auto"`` (the default) picks it for a step whose
-  longest extend row adds at most ``ABSORBED_MAX_NEW_TOKENS`` tokens (a suffix after cached
-  pages, a short chunk), else the pieces; ``"chunked"`` and ``"absorbed"`` force one. A CUDA
+  launches, more FLOPs a query. Consecutive extend rows over one cached prefix (the same pages:
+  requests that found a system prompt in the prefix cache; ``StepContext.prefix_groups``) are
+  one run for the pieces: the prefix is gathered and expanded once, and all the run's queries
+  attend it (the prefix needs no causal mask). ``prefix_mode="auto"`` (the default) picks the
+  absorbed form for a step whose largest run (a row, or rows sharing a prefix) adds at most
+  ``ABSORBED_MAX_NEW_TOKENS`` tokens (a suffix after cached pages, a short chunk), else the
+  pieces; ``"chunked"`` and ``"absorbed"`` force one. A CUDA
   graph's step (``ctx.prefix_on_device``) always takes the absorbed form: its prefix length is
   only on the device, and the chunked form sizes its pieces on the host.
 
@@ -30,6 +34,7 @@ stage-local like the pool; head counts and dims come from the tensors it is hand
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 
@@ -46,9 +51,10 @@ from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge
 # max_num_batched_tokens (8192) prefill that sizes the KV cache's activation headroom.
 PREFIX_CHUNK_TOKENS = int(os.environ.get("MOESERVE_PREFIX_CHUNK_TOKENS", "4096"))
 PREFIX_MODES = ("auto", "chunked", "absorbed")
-# auto: the absorbed prefix form up to this many new tokens in the step's longest extend row.
-# By FLOPs the two forms break even near 170 new tokens a row (absorbed: ~35 kFLOP per query and
-# prefix token at 16 heads; chunked: ~10 kFLOP plus ~4.2 MFLOP to expand each prefix token once);
+# auto: the absorbed prefix form up to this many new tokens in the step's largest run of rows
+# over one prefix. By FLOPs the two forms break even near 170 new tokens a run (absorbed: ~35
+# kFLOP per query and prefix token at 16 heads; chunked: ~10 kFLOP plus ~4.2 MFLOP to expand each
+# prefix token once, for the whole run);
 # below that the absorbed form also saves the pieces' gathers, expansions and merges (on one
 # H200, 128 new tokens over 4,096 cached: 49.5 against 75.5 ms for the eager step).
 ABSORBED_MAX_NEW_TOKENS = 160
@@ -81,6 +87,10 @@ class ExtendRows:
     max_q_len: int
     new_slots: torch.Tensor  # [T - first_token] cache slots of the new tokens
     prefix_pieces: list[PrefixPiece]  # chunked mode; empty when no row has a cached prefix
+    # chunked mode: the query runs the pieces are merged into: the rows, or the runs of rows
+    # that share one cached prefix (``StepContext.prefix_groups``), each expanded once
+    prefix_cu_q: torch.Tensor | None = None  # [G + 1] int32
+    prefix_max_q_len: int = 0
     # absorbed mode (None otherwise): the extend rows' page tables and cached-prefix lengths
     page_tables: torch.Tensor | None = None  # [E, max_pages] int32
     prefix_lens: torch.Tensor | None = None  # [E] int32
@@ -149,14 +159,25 @@ class TritonMLABackend:
         if total_prefix == 0:
             return rows
         prefix_lens = context_lens[D:] - (cu_q[1:] - cu_q[:-1])
-        if self._absorbs_prefix(max(q_lens)) or ctx.prefix_on_device:
+        groups = ctx.prefix_groups or [1] * len(q_lens)
+        group_new = [sum(q_lens[i - g : i]) for g, i in zip(groups, itertools.accumulate(groups))]
+        if self._absorbs_prefix(max(group_new)) or ctx.prefix_on_device:
             # A copy behind decode rows: the slice's start need not be 16-byte aligned, and Triton
             # compiles a kernel variant per pointer alignment (seconds, paid by a request).
             rows.page_tables = page_tables[D:].clone() if D else page_tables
             rows.prefix_lens = prefix_lens.to(torch.int32)
             rows.max_prefix_len = max(L - n for n, L in zip(q_lens, ctx.context_lens[D:]))
             return rows
-        slots, cu_prefix = prefix_slots(page_tables[D:], prefix_lens, total_prefix, ctx.page_size)
+        rows.prefix_cu_q, rows.prefix_max_q_len = cu_q, rows.max_q_len
+        tables = page_tables[D:]
+        if len(groups) < len(q_lens):  # a shared prefix is gathered and expanded once, for its run
+            firsts = list(itertools.accumulate([0] + groups[:-1]))
+            total_prefix = sum(ctx.context_lens[D + i] - q_lens[i] for i in firsts)
+            at = torch.tensor(firsts, dtype=torch.long, device=cu_q.device)
+            rows.prefix_cu_q = torch.cat([cu_q[at], cu_q[-1:]])
+            rows.prefix_max_q_len = max(group_new)
+            tables, prefix_lens = tables[at], prefix_lens[at]
+        slots, cu_prefix = prefix_slots(tables, prefix_lens, total_prefix, ctx.page_size)
         step = self.prefix_chunk_tokens
         for lo in range(0, total_prefix, step):
             hi = min(lo + step, total_prefix)
@@ -233,7 +254,7 @@ class TritonMLABackend:
             self._merge_absorbed_prefix(out, lse, q_nope, q_pe, weights, cache, page_size, rows, scale)
         for piece in rows.prefix_pieces:
             k_nope, k_pe, v = self._expand(cache, piece.slots, weights, kv_lora_rank, q_nope.dtype)
-            mla_prefix_merge(q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, piece.cu_k, scale, out, lse, max_q_len=rows.max_q_len)
+            mla_prefix_merge(q_nope, q_pe, k_nope, k_pe, v, rows.prefix_cu_q, piece.cu_k, scale, out, lse, max_q_len=rows.prefix_max_q_len)
         return out.to(q_nope.dtype)
 
     def _merge_absorbed_prefix(self, out, lse, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: ExtendRows, scale) -> None:

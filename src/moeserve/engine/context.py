@@ -26,6 +26,9 @@ class StepContext:
     # The attention backend's device metadata of this step (``AttentionBackend.prepare``), built
     # once per step and read by every layer; it lives and dies with this context.
     attn_metadata: Any = None
+    # Runs of consecutive extend rows that attend one cached prefix (``shared_prefix_runs``), in
+    # batch order; None when no two rows share one.
+    prefix_groups: list[int] | None = None
     # Sequences at the front of the batch that add one token each (set from query_lens).
     num_decode_rows: int = field(init=False)
 
@@ -42,6 +45,25 @@ class StepContext:
     @property
     def is_decode_only(self) -> bool:
         return self.num_decode_rows == len(self.query_lens)
+
+
+def shared_prefix_runs(ctx: StepContext, page_tables: list[list[int]]) -> list[int] | None:
+    """The lengths of the runs of consecutive extend rows (those after the decode rows) whose
+    cached prefixes are one: the same length and the same pages under it (requests that found a
+    system prompt in the prefix cache, or the samples of one prompt). None when no two rows
+    share one. ``page_tables`` are the step's, on the host."""
+    D = ctx.num_decode_rows
+    runs: list[int] = []
+    prev = None
+    for n, length, pages in zip(ctx.query_lens[D:], ctx.context_lens[D:], page_tables[D:]):
+        prefix = length - n
+        key = (prefix, pages[: -(-prefix // ctx.page_size)]) if prefix else None
+        if key is not None and key == prev:
+            runs[-1] += 1
+        else:
+            runs.append(1)
+        prev = key
+    return runs if len(runs) < ctx.num_seqs - D else None
 
 
 _CTX: StepContext | None = None

@@ -18,7 +18,7 @@ from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
-from moeserve.engine.context import StepContext, step_context
+from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.sampler import DeviceSample, SampleResult, sample_on_device
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
@@ -434,6 +434,8 @@ class ModelRunner:
             page_size=self.page_size,
             context_lens_tensor=narrow_t[lens_at : lens_at + B],
         )
+        if len(step.query_lens) - ctx.num_decode_rows > 1:
+            ctx.prefix_groups = shared_prefix_runs(ctx, step.page_tables)
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[ids_at : ids_at + T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
