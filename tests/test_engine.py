@@ -174,3 +174,19 @@ def test_resize_kv_lets_go_of_the_old_pool(v3_checkpoint, monkeypatch):
     assert old_alive_at_new_pool == [False]
     assert runner.num_pages == 5
     assert all(m.pool is runner.pool for m in runner.model.modules() if hasattr(m, "pool"))
+
+
+def test_step_trace_has_one_line_per_step(v3_checkpoint, tmp_path, monkeypatch):
+    """MOESERVE_STEP_TRACE: each completed step's composition, one JSON line, in order."""
+    import json
+
+    trace = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("MOESERVE_STEP_TRACE", str(trace))
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", max_num_batched_tokens=8) as llm:
+        llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    steps = [json.loads(line) for line in trace.read_text().splitlines()]
+    # 9 + 2 prompt tokens in steps of at most 8: the first prompt's last token (a one-token row, run
+    # as a decode row) beside the second prompt, then the two decode rows
+    assert [(s["rows"], s["decode_rows"], s["tokens"], s["cached"]) for s in steps[:2]] == [(1, 0, 8, 0), (2, 1, 3, 0)]
+    assert all(s["rows"] == s["decode_rows"] == 2 for s in steps[2:]) and len(steps) == 4
+    assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)

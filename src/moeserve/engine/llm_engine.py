@@ -6,6 +6,8 @@ one rank, worker processes for TP/PP/EP layouts)."""
 from __future__ import annotations
 
 import itertools
+import json
+import os
 from collections import deque
 import logging
 import time
@@ -81,6 +83,10 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self._in_flight: deque[tuple[ScheduledBatch, StepInput, object]] = deque()
+        # MOESERVE_STEP_TRACE=FILE: one JSON line per completed step (when, its rows and tokens),
+        # to see how a serving workload's steps are composed and how long each takes.
+        trace = os.environ.get("MOESERVE_STEP_TRACE")
+        self._trace = open(trace, "a", buffering=1) if trace else None
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -236,7 +242,21 @@ class LLMEngine:
         except BaseException:
             self._forget_in_flight(batch)
             raise
+        if self._trace is not None:
+            self._trace_step(step)
         return self.process_result(batch, step, result)
+
+    def _trace_step(self, step: StepInput) -> None:
+        decodes = next((i for i, n in enumerate(step.query_lens) if n != 1), len(step.query_lens))
+        line = {
+            "t": round(time.monotonic(), 6),
+            "rows": len(step.query_lens),
+            "decode_rows": decodes,
+            "tokens": step.num_tokens,
+            "cached": sum(c - n for c, n in zip(step.context_lens[decodes:], step.query_lens[decodes:])),
+            "waiting": self.scheduler.num_waiting,
+        }
+        self._trace.write(json.dumps(line) + "\n")
 
     def _forget_in_flight(self, *batches: ScheduledBatch) -> None:
         """A step failed: drop every batch in flight; their sequences are scheduled again from
@@ -339,4 +359,6 @@ class LLMEngine:
         self._finished_seq_ids.append(seq.seq_id)
 
     def shutdown(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
         self.executor.shutdown()
