@@ -110,3 +110,40 @@ def test_sweep_predict_uses_the_calibration():
     assert all(c["output_throughput"] < p["output_throughput"] for c, p in zip(cal, prior))
     assert cal[1]["output_throughput"] == pytest.approx(3631.7, rel=0.15)  # the measured sweep
     assert cal[1]["prefill_s"] > prior[1]["prefill_s"]
+
+
+def test_calibration_takes_the_wave_stall_out_of_serving_runs(tmp_path, moonlight):
+    """Closed-loop serving results (`moeserve bench --url`: mean TPOT, input and output lengths, no
+    offline prefill rate) are fitted as what they measured, the decode cycle plus the wave's
+    prefills: synthetic runs made that way under known constants give those constants back, and
+    the prediction of each is the sweep's TPOT."""
+    from moeserve.planner.calibrate import predict_cycle_ms, read_bench_results
+
+    hw = resolve_hardware(1, gpu="h200")
+    truth = replace(hw, constants=replace(hw.constants, hbm_efficiency=0.55, step_overhead_ms=1.0))
+    rows = []
+    for c in (1, 8, 32, 128):
+        p = predict_bench(moonlight, truth, Layout(1), c, 4 * c, 1024, 128)
+        rows.append(
+            {
+                "layout": "tp1",
+                "url": "http://127.0.0.1:8000",
+                "concurrency": c,
+                "num_prompts": 4 * c,
+                "input_len": 1024,
+                "output_len": 128,
+                "mean_tpot_ms": p.mean_tpot_ms,
+            }
+        )
+    path = tmp_path / "serving.json"
+    path.write_text(json.dumps(rows))
+    runs, _ = read_bench_results(path)
+    assert all(m.closed_loop for m in runs)
+    for m, row in zip(runs, rows):
+        assert predict_cycle_ms(moonlight, truth, m, 1088) == pytest.approx(row["mean_tpot_ms"], rel=1e-9)
+    assert predict_cycle_ms(moonlight, truth, runs[3], 1088) > 1.3 * predict_cycle_ms(
+        moonlight, truth, replace(runs[3], closed_loop=False), 1088
+    )
+    cal = calibrate_from_files([str(path)], hw, moonlight, "moonlight-16b-a3b", 1088)
+    assert cal.rms_error_after < 2
+    assert cal.after.hbm_efficiency == pytest.approx(0.55, rel=0.1)

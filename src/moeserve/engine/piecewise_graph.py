@@ -62,7 +62,6 @@ class _CutBackend:
 
     def __init__(self, graphs: PiecewiseGraphs):
         self.graphs = graphs
-        self.name = graphs.runner.backend.name
 
     def forward(self, layer_id, q_nope, q_pe, weights: MLAWeights, pool, ctx, scale: float) -> torch.Tensor:
         return self.graphs._cut(AttentionCore(layer_id, weights, scale), q_nope, q_pe)

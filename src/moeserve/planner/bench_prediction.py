@@ -57,6 +57,15 @@ def prefill_time_s(cfg: ModelConfig, hw: Hardware, world: int, num_prompts: int,
     return linear / (world * hw.matmul_flops_per_s(fp8)) + attention / (world * hw.flops_per_s)
 
 
+def wave_stall_ms(cfg: ModelConfig, hw: Hardware, world: int, batch: int, input_len: int, output_len: int) -> float:
+    """What a closed-loop benchmark's mean TPOT holds beyond the decode cycle: the prompts of a
+    request's wave prefilled inside its decode window, on average ``(batch - 1) / 2``, spread
+    over its ``output_len - 1`` steps."""
+    if output_len < 2 or batch < 2 or input_len < 1:
+        return 0.0
+    return (batch - 1) / 2 * prefill_time_s(cfg, hw, world, 1, input_len) * 1e3 / (output_len - 1)
+
+
 def serving_tpot_ms(
     cfg: ModelConfig, hw: Hardware, layout: Layout, concurrency: int, input_len: int, output_len: int, kv_dtype_bytes: int = 2
 ) -> float:
@@ -79,5 +88,5 @@ def predict_bench(
     partition = resolve_partition(cfg, layout.pp, list(layout.partition) if layout.partition else None)
     cycle = decode_step(cfg, hw, layout.tp, layout.pp, layout.ep, partition, batch, input_len + output_len / 2)
     decode_s = math.ceil(num_prompts / concurrency) * (output_len - 1) * cycle.cycle_ms / 1e3
-    stall_ms = (batch - 1) / 2 * prefill / num_prompts * 1e3 / (output_len - 1) if output_len > 1 else 0.0
+    stall_ms = wave_stall_ms(cfg, hw, layout.world_size, batch, input_len, output_len)
     return BenchPrediction(num_prompts * output_len / (prefill + decode_s), cycle.cycle_ms + stall_ms, prefill, decode_s, cycle.cycle_ms)

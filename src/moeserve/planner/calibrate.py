@@ -8,7 +8,11 @@ A results file is one JSON object or a list of them (also accepted: an object wi
 read are skipped with a warning, never fatal.
 
 The fit: the measured decode cycle is ``mean_tpot_ms`` (else concurrency / output
-throughput). Entries that also carry ``prefill_tok_s`` (``moeserve bench --offline`` writes
+throughput). A closed-loop serving run's mean TPOT (``moeserve bench --url`` results carry the
+server's ``url``, vLLM's ``max_concurrency``; or say ``"closed_loop": true``) also holds the
+prefills of each request's wave that fall in its decode window, so for those runs (with their
+input and output lengths) the prediction adds them (``bench_prediction.wave_stall_ms``) instead of
+taking the TPOT for the cycle. Entries that also carry ``prefill_tok_s`` (``moeserve bench --offline`` writes
 it, with ``batch_size`` and ``input_len``) for at least ``MIN_PREFILL_TOKENS`` prompt tokens
 add their prefill time, which is what pins the compute efficiency: decode alone is
 bandwidth-bound and cannot. Residuals are
@@ -32,6 +36,7 @@ import numpy as np
 
 from moeserve.config import ModelConfig, load_model_config
 from moeserve.distributed.layout import Layout
+from moeserve.planner.bench_prediction import wave_stall_ms
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import FITTED_CONSTANTS, GPU_PRESETS, CostConstants, Hardware
 from moeserve.planner.layout_names import parse_layout
@@ -59,6 +64,10 @@ class Measurement:
     prefill_tok_s: float | None = None  # prompt tokens per second while prefilling ...
     prefill_seqs: int | None = None  # ... this many prompts ...
     input_len: int | None = None  # ... of this many tokens each
+    output_len: int | None = None  # tokens generated per request
+    # A closed-loop serving run (a server's URL in the result, or vLLM's max_concurrency): its mean
+    # TPOT holds the prefills of each request's wave, where an offline decode run's does not.
+    closed_loop: bool = False
     kv_dtype_bytes: int = 2  # the run's KV cache element size ("kv_cache_dtype": "fp8" -> 1)
 
     @property
@@ -146,6 +155,8 @@ def parse_measurement(entry: Any) -> Measurement:
         prefill_tok_s=float(prefill_tok_s) if prefill_tok_s else None,
         prefill_seqs=int(prefill_seqs) if prefill_seqs else None,
         input_len=int(in_len) if in_len else None,
+        output_len=int(out_len) if out_len else None,
+        closed_loop=bool(entry.get("closed_loop", "url" in entry or "max_concurrency" in entry)),
         kv_dtype_bytes=1 if kv_dtype.startswith("fp8") else 2,
     )
 
@@ -238,9 +249,14 @@ class Calibration:
 
 
 def predict_cycle_ms(cfg: ModelConfig, hw: Hardware, m: Measurement, default_kv_len: float) -> float:
+    """What ``m.cycle_ms`` measured: the decode cycle, plus the wave's prefills for a closed-loop run."""
     partition = resolve_partition(cfg, m.pp, list(m.partition) if m.partition else None)
     kv_len = m.kv_len if m.kv_len is not None else default_kv_len
-    return decode_step(cfg, hw, m.tp, m.pp, m.ep, partition, m.concurrency, kv_len, m.kv_dtype_bytes).cycle_ms
+    batch = min(m.concurrency, m.prefill_seqs or m.concurrency)
+    cycle = decode_step(cfg, hw, m.tp, m.pp, m.ep, partition, batch, kv_len, m.kv_dtype_bytes).cycle_ms
+    if m.closed_loop and m.mean_tpot_ms and m.input_len and m.output_len:
+        cycle += wave_stall_ms(cfg, hw, m.tp * m.pp, batch, m.input_len, m.output_len)
+    return cycle
 
 
 def predict_prefill_s(cfg: ModelConfig, hw: Hardware, m: Measurement) -> float:
