@@ -28,19 +28,24 @@ def test_hash_chain_matches_only_the_same_tokens_in_the_same_positions():
     assert chain_hashes(a, PS, 3)[1:] != chain_hashes(b, PS, 3)[1:]
     alloc = PagedAllocator(8, PS)
     pages, hashes = cached_pages(alloc, a, 3)
-    assert alloc.lookup(hashes, a) == pages
-    assert alloc.lookup(chain_hashes(b, PS, 3), b) == []
+    assert alloc.lookup(a, 3) == pages
+    assert alloc.lookup(b, 3) == []
     c = a[:8] + [7, 7, 7, 7]  # two pages in common
-    assert alloc.lookup(chain_hashes(c, PS, 3), c) == pages[:2]
+    assert alloc.lookup(c, 3) == pages[:2]
     known = chain_hashes(a, PS, 1)
     assert chain_hashes(a, PS, 3, known) is known and known == hashes  # extended in place
+    # a lookup extends the hashes it is given up to the first page not found, as chain_hashes would
+    known = chain_hashes(c, PS, 1)
+    assert alloc.lookup(c, 3, known) == pages[:2] and known == chain_hashes(c, PS, 3)
+    known = []
+    assert alloc.lookup(b, 3, known) == [] and known == chain_hashes(b, PS, 1)
 
 
 def test_refcounts_and_lru_eviction_never_take_a_page_in_use():
     alloc = PagedAllocator(6, PS)
     a, b = list(range(8)), list(range(100, 108))
     pa, _ = cached_pages(alloc, a, 2)
-    pb, hb = cached_pages(alloc, b, 2)
+    pb, _ = cached_pages(alloc, b, 2)
     alloc.acquire(pb)  # a second holder of b's pages
     alloc.free(pa)
     alloc.free(pb)
@@ -49,12 +54,12 @@ def test_refcounts_and_lru_eviction_never_take_a_page_in_use():
     assert [alloc.refcount(p) for p in pb] == [1, 1]
     # a's tail page was released first: it is evicted first, then its head; b's are in use
     got = alloc.allocate(3)
-    assert got[2] == pa[1] and alloc.lookup(chain_hashes(a, PS, 2), a) == [pa[0]]
+    assert got[2] == pa[1] and alloc.lookup(a, 2) == [pa[0]]
     assert alloc.num_free == 1
     alloc.allocate(1)
     with pytest.raises(OutOfPages):
         alloc.allocate(1)
-    assert alloc.lookup(hb, b) == pb  # never evicted while referenced
+    assert alloc.lookup(b, 2) == pb  # never evicted while referenced
     alloc.check()
     alloc.free(pb)
     assert alloc.num_free == 2 and all(alloc.refcount(p) == 0 for p in pb)

@@ -112,13 +112,19 @@ class PagedAllocator:
                 self._free.append(page)
 
     # ---- the prefix index ----
-    def lookup(self, hashes: Seq[PageHash], token_ids: Seq[int]) -> list[int]:
-        """The cached pages of the longest run of ``hashes`` (those of ``token_ids``' first full
-        pages) found in the index, from the first page on; no reference is taken."""
+    def lookup(self, token_ids: Seq[int], num_pages: int, known: list[PageHash] | None = None) -> list[int]:
+        """The cached pages of the longest run of ``token_ids``' first ``num_pages`` full pages
+        found in the index, from the first page on; no reference is taken. ``known`` (their
+        hashes computed so far, as ``chain_hashes`` keeps them) is extended in place up to the
+        first page not found: each page's key is built once, for its hash and its lookup."""
+        hashes = known if known is not None else []
+        ps = self.page_size
         pages = []
-        for i, h in enumerate(hashes):
-            parent = hashes[i - 1] if i else ROOT_HASH
-            page = self._index.get(page_key(parent, token_ids[i * self.page_size : (i + 1) * self.page_size]))
+        for i in range(num_pages):
+            key = page_key(hashes[i - 1] if i else ROOT_HASH, token_ids[i * ps : (i + 1) * ps])
+            if i == len(hashes):
+                hashes.append(page_hash(key))
+            page = self._index.get(key)
             if page is None:
                 break
             pages.append(page)

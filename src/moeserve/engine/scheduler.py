@@ -171,8 +171,7 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return []
         max_pages = (seq.num_tokens - 1) // self.allocator.page_size
-        hashes = chain_hashes(seq.token_ids, self.allocator.page_size, max_pages, seq.page_hashes)
-        return self.allocator.lookup(hashes[:max_pages], seq.token_ids)
+        return self.allocator.lookup(seq.token_ids, max_pages, seq.page_hashes)
 
     def _map_prefix(self, seq: Sequence, hits: list[int]) -> None:
         self.allocator.acquire(hits)
