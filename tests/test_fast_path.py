@@ -2,6 +2,7 @@
 gives the reference path's greedy tokens and logprobs, with chunked prefill and decode mixed."""
 
 import pytest
+import torch
 
 from moeserve import LLM, SamplingParams
 
@@ -124,5 +125,50 @@ def test_piecewise_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     for (et, el), o in zip(eager, outs):
         assert o.outputs[0].token_ids == et
         for a, b in zip(el, o.outputs[0].logprobs):
+            for t in a:
+                assert b[t] == pytest.approx(a[t], abs=1e-4)
+
+
+def staggered(llm, prompts, params, gap: int = 2):
+    """Each prompt added ``gap`` steps after the one before, so that its prefill shares a step
+    with the earlier prompts' decode rows; the outputs in the order added."""
+    eng = llm.engine
+    ids, done = [], {}
+    for p in prompts:
+        ids.append(eng.add_request({"prompt_token_ids": p}, params))
+        for _ in range(gap):
+            done.update((o.request_id, o) for o in eng.step(finished_only=True))
+    while eng.has_unfinished_requests():
+        done.update((o.request_id, o) for o in eng.step(finished_only=True))
+    return [(done[i].outputs[0].token_ids, done[i].outputs[0].logprobs) for i in ids]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="captures CUDA graphs")
+def test_captured_piecewise_graphs_give_eager_tokens_on_cuda(tmp_path):
+    """Real piecewise graphs on a GPU (captured, replayed around the eager attention cores), in
+    float32: prompts added two steps apart, so their prefills run beside decode rows, give the
+    tokens and logprobs of the same steps run eagerly."""
+    from checkpoints import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "v3", "v3_qlora_grouped_yarn")
+    prompts = [PROMPTS[0] * 3, PROMPTS[1], PROMPTS[2] * 2, [7, 8, 9] * 11]
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, ignore_eos=True)
+    settings = dict(device="cuda", dtype="float32", backend="triton", page_size=16, max_num_seqs=8, enable_prefix_caching=False)
+    with LLM(str(path), **settings) as llm:
+        runner = llm.engine.executor.runner
+        pieces = runner.piecewise_graphs
+        assert pieces is not None and not pieces.emulate
+        mixed = []
+        replay = pieces.run
+        pieces.run = lambda ids, ctx: mixed.append(ctx.num_decode_rows) or replay(ids, ctx)
+        graphed = staggered(llm, prompts, params)
+        assert any(mixed), "no decode rows beside a prefill went through the piecewise graphs"
+        captured = runner.graphs, runner.prefill_graphs, runner.piecewise_graphs
+        runner.graphs = runner.prefill_graphs = runner.piecewise_graphs = None
+        eager = staggered(llm, prompts, params)
+        runner.graphs, runner.prefill_graphs, runner.piecewise_graphs = captured
+    for (gt, gl), (et, el) in zip(graphed, eager):
+        assert gt == et
+        for a, b in zip(el, gl):
             for t in a:
                 assert b[t] == pytest.approx(a[t], abs=1e-4)
