@@ -9,6 +9,11 @@ from typing import Any, Iterator
 import torch
 
 
+def leading_decode_rows(query_lens: list[int]) -> int:
+    """How many rows at the front of a batch add one token each (the scheduler puts decodes first)."""
+    return next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+
+
 @dataclass
 class StepContext:
     positions: torch.Tensor  # [T] position of each token in its sequence
@@ -36,7 +41,7 @@ class StepContext:
         # Attention runs these rows in the weight-absorbed decode form and the rest as extends.
         # The scheduler puts decodes first; a one-token row behind an extend row is run as an
         # extend, which is right, only slower.
-        self.num_decode_rows = next((i for i, n in enumerate(self.query_lens) if n != 1), len(self.query_lens))
+        self.num_decode_rows = leading_decode_rows(self.query_lens)
 
     @property
     def num_seqs(self) -> int:

@@ -153,6 +153,22 @@ class DecodeGraphs:
         return self.outputs[size][:b]
 
 
+def fill_token_buffers(
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor], input_ids: torch.Tensor, ctx: StepContext, size: int, scratch_slot: int
+) -> None:
+    """Copy a step's tokens (ids, positions, KV slots) into a graph's static buffers and pad them
+    up to ``size``: token 0 at position 0, its KV into the scratch page."""
+    ids, positions, slots = buffers
+    n = input_ids.numel()
+    ids[:n].copy_(input_ids, non_blocking=True)
+    positions[:n].copy_(ctx.positions, non_blocking=True)
+    slots[:n].copy_(ctx.slot_mapping, non_blocking=True)
+    if size > n:
+        ids[n:size] = 0
+        positions[n:size] = 0
+        slots[n:size] = scratch_slot
+
+
 def prefill_capture_sizes(max_num_batched_tokens: int, sizes: tuple[int, ...] = PREFILL_CAPTURE_SIZES) -> list[int]:
     """The captured token counts that a step's budget allows, and the budget itself when it is
     below the largest (a step of a long prompt's chunks is exactly the budget)."""
@@ -263,13 +279,7 @@ class PrefillGraphs:
     def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         key = self._key(ctx)
         size, n = key[0], ctx.query_lens[0]
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(ctx.positions, non_blocking=True)
-        self.slots[:n].copy_(ctx.slot_mapping, non_blocking=True)
-        if size > n:  # padding: token 0 at position 0, its KV into the scratch page
-            self.input_ids[n:size] = 0
-            self.positions[n:size] = 0
-            self.slots[n:size] = self.scratch_page * self.runner.page_size
+        fill_token_buffers((self.input_ids, self.positions, self.slots), input_ids, ctx, size, self.scratch_page * self.runner.page_size)
         self.context_len.fill_(ctx.context_lens[0] - n + size)
         pages = ctx.page_tables.shape[1]
         self.page_table[:, :pages].copy_(ctx.page_tables, non_blocking=True)

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from moeserve.cache.allocator import PagedAllocator
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings
+from moeserve.engine.context import leading_decode_rows
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -247,7 +248,7 @@ class LLMEngine:
         return self.process_result(batch, step, result)
 
     def _trace_step(self, step: StepInput) -> None:
-        decodes = next((i for i, n in enumerate(step.query_lens) if n != 1), len(step.query_lens))
+        decodes = leading_decode_rows(step.query_lens)
         line = {
             "t": round(time.monotonic(), 6),
             "rows": len(step.query_lens),

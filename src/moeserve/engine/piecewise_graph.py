@@ -29,7 +29,7 @@ import torch
 
 from moeserve.attention.backend import MLAWeights
 from moeserve.engine.context import StepContext, step_context
-from moeserve.engine.cuda_graph import DEFAULT_CAPTURE_SIZES, PREFILL_CAPTURE_SIZES, prefill_capture_sizes
+from moeserve.engine.cuda_graph import DEFAULT_CAPTURE_SIZES, PREFILL_CAPTURE_SIZES, fill_token_buffers, prefill_capture_sizes
 
 log = logging.getLogger("moeserve")
 
@@ -195,13 +195,7 @@ class PiecewiseGraphs:
     def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         T = ctx.slot_mapping.numel()
         size = next(s for s in self.sizes if s >= T)
-        self.input_ids[:T].copy_(input_ids, non_blocking=True)
-        self.positions[:T].copy_(ctx.positions, non_blocking=True)
-        self.slots[:T].copy_(ctx.slot_mapping, non_blocking=True)
-        if size > T:  # padding: token 0 at position 0, its KV into the scratch page
-            self.input_ids[T:size] = 0
-            self.positions[T:size] = 0
-            self.slots[T:size] = self.scratch_page * self.runner.page_size
+        fill_token_buffers((self.input_ids, self.positions, self.slots), input_ids, ctx, size, self.scratch_page * self.runner.page_size)
         if self.emulate:
             self._size, self._step = size, ctx
             try:
