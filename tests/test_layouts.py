@@ -231,3 +231,24 @@ def test_fast_path_splits_like_the_reference(checkpoints, reference, layout):
     with LLM(str(checkpoints["v3"]), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, **layout) as llm:
         outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
+
+
+def test_a_failure_report_puts_the_root_cause_before_its_peers_losses():
+    """Rank 0's collective fails because rank 1 died; rank 0's report arrives first, yet the
+    report names rank 1's own error first, and still carries rank 0's."""
+    import multiprocessing as mp
+
+    from moeserve.parallel import executor as ex
+
+    ends = [mp.Pipe() for _ in range(3)]
+    executor = object.__new__(ex.MultiProcessExecutor)
+    executor.conns = [ours for ours, _ in ends]
+    peer_loss = "Traceback ...\nRuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242\n"
+    cause = "Traceback ...\nRuntimeError: injected failure while loading\n"
+    first = ("error", 0, 0, peer_loss)
+    ends[1][1].send(("error", 1, 1, cause))
+    ends[2][1].close()  # rank 2 went away without a word
+    report = executor._failure_report(0, first)
+    assert report.index("rank 1 (stage 1) failed") < report.index("rank 0 (stage 0) failed")
+    assert "injected failure" in report and "Connection closed by peer" in report
+    assert not ex._is_peer_loss(cause) and ex._is_peer_loss(peer_loss)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import socket
+import time
 from collections import deque
 from multiprocessing.connection import Connection, Listener, wait
 
@@ -31,6 +32,17 @@ def _size(n: int) -> str:
 
 class RankFailure(RuntimeError):
     pass
+
+
+ERROR_GRACE_S = 2.0  # how long a failure report waits for the other ranks' reports
+
+# What a collective raises on a rank whose peer went away: a consequence, not a cause.
+_PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken pipe", "nccl communicator was aborted")
+
+
+def _is_peer_loss(traceback_text: str) -> bool:
+    last_line = traceback_text.strip().splitlines()[-1].lower() if traceback_text.strip() else ""
+    return any(p in last_line for p in _PEER_LOSS)
 
 
 def _free_port() -> int:  # noqa: D103 - a port for the rendezvous of a single-host group
@@ -117,7 +129,7 @@ class MultiProcessExecutor:
                             f"closed its connection (the process or its node died)"
                         )
                     if msg[0] == "error":
-                        self._fail(f"rank {msg[1]} (stage {msg[2]}) failed:\n{msg[3]}")
+                        self._fail(self._failure_report(rank, msg))
                     if want_rank is None or rank == want_rank:
                         return rank, msg
                     self._fail(f"unexpected message {msg[0]!r} from rank {rank}")
@@ -129,6 +141,25 @@ class MultiProcessExecutor:
                         break
                     stage = self.layout.stage_of(rank)
                     self._fail(f"rank {rank} (stage {stage}) died with exit code {self.procs[rank].exitcode}")
+
+    def _failure_report(self, first_rank: int, first: tuple) -> str:
+        """Every rank's error that arrives within ``ERROR_GRACE_S`` of the first, the root cause
+        first: when one rank fails, its peers' collectives fail too ("connection closed by
+        peer"), and the peer's report may come in before the one that explains it."""
+        errors = {first_rank: first}
+        others = {c: r for r, c in enumerate(self.conns) if r != first_rank and c is not None}
+        deadline = time.monotonic() + ERROR_GRACE_S
+        while others and (left := deadline - time.monotonic()) > 0:
+            for conn in wait(list(others), timeout=left):
+                rank = others.pop(conn)
+                try:
+                    msg = conn.recv()
+                except (EOFError, OSError):
+                    continue
+                if msg[0] == "error":
+                    errors[rank] = msg
+        ordered = sorted(errors.values(), key=lambda m: (_is_peer_loss(m[3]), m[1]))
+        return "\n".join(f"rank {m[1]} (stage {m[2]}) failed:\n{m[3]}" for m in ordered)
 
     def _fail(self, message: str) -> None:
         log.error(message)
