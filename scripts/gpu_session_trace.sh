@@ -4,10 +4,18 @@
 # 4,096-token shared prefix with 128-token suffixes and 128 out at concurrency 1 then 32 (and
 # the cache off at 32), each trace summarized by scripts/step_trace_summary.py. Needs `.whl`.
 #   run: bash scripts/gpu_session_trace.sh $OUT
+#   PROFILE=1: first the absorbed prefix kernel's tile / split sweep and the merges
+#   (scripts/absorbed_sweep.py), and the graphed 128-token step over 4,096 cached, profiled
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
+if [ "${PROFILE:-0}" = 1 ]; then
+  step absorbed_sweep 150 python3 scripts/absorbed_sweep.py
+  step prefix_graphs 150 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --graphs --top 16
+  grep -v "^ *{" "$work/absorbed_sweep.log" >> "$work/summary.txt"
+  grep -h "^## prompt\|graphs vs eager" "$work/prefix_graphs.log" >> "$work/summary.txt"
+fi
 URL=http://127.0.0.1:8017
 SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
 for mode in ${MODES:-on off}; do
@@ -20,6 +28,9 @@ for mode in ${MODES:-on off}; do
   wc -l < "$work/steps_$mode.jsonl" > "$work/c32_from_$mode.txt"
   step "c32_$mode" 60 python3 -m moeserve bench --url $URL --vocab 100000 --concurrency 32 --num-prompts 64 --seed 3 "${SHARED[@]}" --result-dir "$work/c32_$mode"
   kill -TERM $server; wait $server
+  head -n "$(cat "$work/c32_from_$mode.txt")" "$work/steps_$mode.jsonl" > "$work/steps_c1_$mode.jsonl"
+  echo "== c1, cache $mode: $(grep -h '^| [0-9]' "$work/c1_$mode.log" | head -1)" >> "$work/summary.txt"
+  python3 scripts/step_trace_summary.py "$work/steps_c1_$mode.jsonl" --show 12 >> "$work/summary.txt" 2>&1
   tail -n +"$(( $(cat "$work/c32_from_$mode.txt") + 1 ))" "$work/steps_$mode.jsonl" > "$work/steps_c32_$mode.jsonl"
   echo "== c32, cache $mode: $(grep -h '^| [0-9]' "$work/c32_$mode.log" | head -1)" >> "$work/summary.txt"
   python3 scripts/step_trace_summary.py "$work/steps_c32_$mode.jsonl" --show 70 >> "$work/summary.txt" 2>&1

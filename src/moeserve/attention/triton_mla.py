@@ -43,6 +43,7 @@ import torch
 from moeserve.attention.backend import MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.engine.context import StepContext
+from moeserve.kernels.lse_merge import merge_two
 from moeserve.kernels.mla_decode import mla_decode, mla_prefix_absorbed
 from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge
 
@@ -250,16 +251,19 @@ class TritonMLABackend:
             q_nope, q_pe, k_nope, k_pe, v, rows.cu_q, rows.cu_q, scale, max_q_len=rows.max_q_len, return_lse=True, out_dtype=torch.float32
         )
         del k_nope, k_pe, v
-        if rows.prefix_lens is not None:
-            self._merge_absorbed_prefix(out, lse, q_nope, q_pe, weights, cache, page_size, rows, scale)
+        if rows.prefix_lens is not None:  # the absorbed form: no pieces follow
+            return self._merge_absorbed_prefix(out, lse, q_nope, q_pe, weights, cache, page_size, rows, scale)
         for piece in rows.prefix_pieces:
             k_nope, k_pe, v = self._expand(cache, piece.slots, weights, kv_lora_rank, q_nope.dtype)
             mla_prefix_merge(q_nope, q_pe, k_nope, k_pe, v, rows.prefix_cu_q, piece.cu_k, scale, out, lse, max_q_len=rows.prefix_max_q_len)
         return out.to(q_nope.dtype)
 
-    def _merge_absorbed_prefix(self, out, lse, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: ExtendRows, scale) -> None:
+    def _merge_absorbed_prefix(
+        self, out, lse, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: ExtendRows, scale
+    ) -> torch.Tensor:
         """Attend every extend token to its row's cached prefix in the latent space (absorbed
-        queries, nothing expanded) and merge that into ``out`` / ``lse`` by log-sum-exp."""
+        queries, nothing expanded) and merge that with the new tokens' ``out`` / ``lse`` by
+        log-sum-exp: the extend rows' result, in the queries' dtype."""
         q_latent = torch.einsum("thd,hdc->thc", q_nope, weights.w_uk)
         out_latent, prefix_lse = mla_prefix_absorbed(
             q_latent,
@@ -272,10 +276,7 @@ class TritonMLABackend:
             scale,
             max_q_len=rows.max_q_len,
             max_prefix_len=rows.max_prefix_len,
+            out_dtype=q_nope.dtype,
         )
-        prefix_out = torch.einsum("thc,hvc->thv", out_latent.to(q_nope.dtype), weights.w_uv).float()
-        top = torch.maximum(lse, prefix_lse)  # finite: the causal part saw every token itself
-        w_new, w_prefix = torch.exp2(lse - top), torch.exp2(prefix_lse - top)
-        total = w_new + w_prefix
-        out.mul_((w_new / total)[..., None]).add_(prefix_out * (w_prefix / total)[..., None])
-        lse.copy_(top + torch.log2(total))
+        prefix_out = torch.einsum("thc,hvc->thv", out_latent, weights.w_uv)
+        return merge_two(out, lse, prefix_out, prefix_lse, q_nope.dtype)

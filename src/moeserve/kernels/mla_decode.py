@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.lse_merge import merge_splits
 from moeserve.kernels.utils import dot_args, mma, num_sms, pow2_at_least
 
 LOG2E = 1.4426950408889634
@@ -516,19 +517,6 @@ def _mla_prefix_absorbed_kernel(
     tl.store(PartLse + split * stride_pl_s + tok * stride_pl_t + head, lse, mask=mask_row)
 
 
-def merge_split_lse(part_out: torch.Tensor, part_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge partial softmax results over splits: part_out [S, ..., D], part_lse [S, ...] (base
-    2, -inf for an empty split) -> out [..., D], lse [...]; all-empty entries give 0 and -inf."""
-    if part_out.shape[0] == 1:
-        return part_out[0], part_lse[0]
-    top = part_lse.max(dim=0).values
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    w = torch.exp2(part_lse - top)  # [S, ...]
-    total = w.sum(dim=0)
-    out = (part_out * w[..., None]).sum(dim=0) / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    return out, top + torch.log2(total)
-
-
 def mla_prefix_absorbed(
     q_latent: torch.Tensor,
     q_pe: torch.Tensor,
@@ -542,6 +530,7 @@ def mla_prefix_absorbed(
     max_prefix_len: int,
     num_kv_splits: int | None = None,
     config: dict | None = None,
+    out_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Extend queries over their row's cached prefix, in the weight-absorbed latent form.
 
@@ -549,8 +538,8 @@ def mla_prefix_absorbed(
     :func:`mla_decode`; page_tables: [E, max_pages] of the extend rows; cu_q: [E + 1] int32
     offsets of each row's queries; prefix_lens: [E] int32 cached tokens before each row's first
     query (all visible to all its queries). ``max_q_len`` / ``max_prefix_len`` are known on the
-    host. Returns the normalised latent output [T, H, Lk] and the base-2 lse [T, H], both fp32
-    (0 and -inf for a row without prefix), to merge with the attention over the new tokens.
+    host. Returns the normalised latent output [T, H, Lk] in ``out_dtype`` and the base-2 lse
+    [T, H] in fp32 (0 and -inf for a row without prefix), to merge with the attention over the new tokens.
     Nothing is expanded per head: each cache tile is read once per block of (token, head) rows.
     """
     T, H, Lk = q_latent.shape
@@ -564,7 +553,7 @@ def mla_prefix_absorbed(
     if num_kv_splits is None:
         num_kv_splits = default_num_kv_splits(E, row_blocks, max_prefix_len, q_latent.device)
     if not (T and E and max_prefix_len):
-        return (q_latent.new_zeros(T, H, Lk, dtype=torch.float32), q_latent.new_full((T, H), float("-inf"), dtype=torch.float32))
+        return (q_latent.new_zeros(T, H, Lk, dtype=out_dtype), q_latent.new_full((T, H), float("-inf"), dtype=torch.float32))
     # every (split, token, head) is written: each token belongs to one row, each row to a program
     part_out = q_latent.new_empty(num_kv_splits, T, H, Lk, dtype=torch.float32)
     part_lse = q_latent.new_empty(num_kv_splits, T, H, dtype=torch.float32)
@@ -599,7 +588,7 @@ def mla_prefix_absorbed(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
-    return merge_split_lse(part_out, part_lse)
+    return merge_splits(part_out, part_lse, out_dtype)
 
 
 __all__ = [
@@ -607,7 +596,6 @@ __all__ = [
     "mla_decode_ref",
     "mla_prefix_absorbed",
     "mla_prefix_absorbed_ref",
-    "merge_split_lse",
     "default_num_kv_splits",
     "decode_config",
 ]
