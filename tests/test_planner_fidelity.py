@@ -3,6 +3,7 @@
 These pin the agreement reported in docs/planner.md: it may improve, it may not drop.
 """
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -19,7 +20,8 @@ ROOT = Path(__file__).parent.parent
 
 # What the priors reach today (docs/planner.md, "Predicted vs published"), with the INT4 kernel-shape term
 # (shape.py): 57 of 58 points within +-25 % (54 before it), the layout finding of 3 of the 4 publications that
-# compare layouts (2 before each run was predicted with the all-reduce it ran).
+# compare layouts, all 4 (2 before each run was predicted with the all-reduce it ran, 3 before the TP16
+# finding was checked on throughput).
 MIN_WITHIN = 57
 MIN_WITHIN_BY_SOURCE = {
     "rtx6kpro-k26-tp8": 22,
@@ -29,7 +31,7 @@ MIN_WITHIN_BY_SOURCE = {
     "inferencex-b200-sglang": 10,
     "inferencex-b200-trt": 7,
 }
-AGREEING_RANKINGS = {"inferencex-b200-sglang", "inferencex-b200-trt", "rtx6kpro-k25-c1"}
+AGREEING_RANKINGS = {"inferencex-b200-sglang", "inferencex-b200-trt", "rtx6kpro-k25-c1", "rtx6kpro-daily-2026-02-20"}
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +73,12 @@ def test_layout_findings():
     results = {r.claim.source: r for r in fidelity.check_rankings()}
     agreeing = {s for s, r in results.items() if r.agrees}
     assert AGREEING_RANKINGS <= agreeing
-    # The finding the model disagrees with, and by how much (docs/planner.md says why): do not get worse.
-    # With the kernel-shape term: TP16 9.3 % below TP8 x PP2 (was 12.4 %).
-    assert results["rtx6kpro-daily-2026-02-20"].shortfall < 0.10
-    assert results["rtx6kpro-daily-2026-02-20"].predicted == pytest.approx({"tp16": 76.3, "tp8xpp2": 84.1}, abs=0.1)
+    # TP16 against TP8 x PP2 is a throughput finding, checked on the peak aggregate of a 1..128-request
+    # sweep (docs/planner.md says why); at one request the model puts TP8 x PP2 ahead, as the
+    # same source's one-request figures do (TP16 40 or ~68 tok/s, TP8 79).
+    assert results["rtx6kpro-daily-2026-02-20"].predicted == pytest.approx({"tp16": 2266.2, "tp8xpp2": 2049.2}, abs=0.5)
+    one_request = fidelity.check_ranking(dataclasses.replace(results["rtx6kpro-daily-2026-02-20"].claim, metric="single", concurrency=1))
+    assert one_request.predicted == pytest.approx({"tp16": 76.3, "tp8xpp2": 84.1}, abs=0.1)
     # EP8 (patched custom all-reduce) against TP8 (stock SGLang: NCCL over more than two PCIe GPUs).
     assert results["rtx6kpro-k25-c1"].predicted == pytest.approx({"ep8": 92.2, "tp8": 84.2}, abs=0.1)
 
