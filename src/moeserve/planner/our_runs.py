@@ -58,6 +58,14 @@ SESSIONS: tuple[Session, ...] = (
         ((1, 110.3), (64, 3210.0), (256, 8172.0)),
         "synchronous host (~5 ms a step) and a 15-kernel MoE alignment at every batch",
     ),
+    Session(
+        "eighth session",
+        "4cf3f00",
+        "benchmarks/h200-2026-12-01e/runs_4cf3f00/offline.log",
+        128,
+        ((1, 403.1), (128, 10700.2), (256, 17592.1)),
+        "the newest offline rates: decode graphs at every batch, tuned MoE tiles",
+    ),
 )
 
 FIT_BATCHES = (1, 256)
