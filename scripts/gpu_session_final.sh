@@ -12,12 +12,35 @@
 #                                                      # profiles and the float32 correctness checks
 #   CHECKS=1: the float32 correctness checks first, without the profiles
 #   OFFLINE=0: no offline rates; OFF_CONCURRENCY='': no prefix-free server with the cache off
+#   FREE_CONCURRENCY='1 32': the prefix-free levels of the first server (default 1 32 128)
+#   CLIENT=1: first the bench client's own ceiling against scripts/stub_server.py (20 ms to the
+#     first token, 11 ms a token: the c32 shared-prefix workload's ideal is 2,896 tok/s), and any
+#     extra/*.py client scripts carried beside the snapshot
+#   SERVING=0: only the steps above (checks, profiles, tests), no server
+#   PYTEST=1: first the CUDA-only tests of the attention kernels, the merges and the piecewise graphs
 # Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
+if [ "${CLIENT:-0}" = 1 ]; then
+  python3 scripts/stub_server.py --port 8130 > "$work/stub_server.log" 2>&1 &
+  stub=$!
+  sleep 3
+  for i in 1 2; do
+    step "client_ceiling_$i" 40 python3 -m moeserve bench --url http://127.0.0.1:8130 --vocab 100000 --concurrency 32 \
+      --num-prompts 64 --seed 3 --input-len 128 --output-len 128 --shared-prefix-len 4096 --result-dir "$work/client_$i"
+    echo "client_ceiling_$i: $(grep -h '^| [0-9]' "$work/client_ceiling_$i.log" | head -1)" >> "$work/summary.txt"
+  done
+  for f in extra/*.py; do [ -f "$f" ] && timeout 40 python3 "$f" >> "$work/summary.txt" 2>&1; done
+  kill $stub
+fi
+if [ "${PYTEST:-0}" = 1 ]; then
+  step pytest_cuda 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lse_merge.py tests/test_kernels_mla.py \
+    tests/test_fast_path.py -k "real or lse or merge or cuda"
+  tail -3 "$work/pytest_cuda.log" >> "$work/summary.txt"
+fi
 if [ "${PROFILE:-0}" = 1 ]; then
   step prefill_graphs 90 python3 scripts/prefill_profile.py --lengths 256,1024,4096 --graphs --top 12
   step prefix_eager 60 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --top 12
@@ -29,6 +52,7 @@ if [ "${PROFILE:-0}" = 1 ] || [ "${CHECKS:-0}" = 1 ]; then
   grep -h "^## prompt\|graphs vs eager\|no prefill" "$work"/prefill_graphs.log "$work"/prefix_eager.log >> "$work/summary.txt" 2>/dev/null
   grep -h "CHECK\|exact\|mismatch" "$work"/moon_fp32.log >> "$work/summary.txt" 2>/dev/null
 fi
+if [ "${SERVING:-1}" = 0 ]; then pack; exit 0; fi
 URL=http://127.0.0.1:8015
 serve() {  # name, serve flags...
   local name=$1; shift
@@ -45,7 +69,7 @@ bench() {  # name, seconds, bench flags...
 FREE=(--input-len 1024 --output-len 128)
 SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
 serve free_on --max-model-len 2048
-for c in 1 32 128; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 16 : 4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
+for c in ${FREE_CONCURRENCY:-1 32 128}; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 16 : 4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
 stop
 [ "${OFFLINE:-1}" = 1 ] && step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
   --output-len 128 --profile '' --skip-checks
