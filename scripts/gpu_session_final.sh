@@ -12,7 +12,7 @@
 #                                                      # profiles and the float32 correctness checks
 #   CHECKS=1: the float32 correctness checks first, without the profiles
 #   OFFLINE=0: no offline rates; OFF_CONCURRENCY='': no prefix-free server with the cache off
-#   FREE_CONCURRENCY='1 32': the prefix-free levels of the first server (default 1 32 128)
+#   FREE_CONCURRENCY='1 32': the prefix-free levels of the first server (default 1 32 128; '': none)
 #   CLIENT=1: first the bench client's own ceiling against scripts/stub_server.py (20 ms to the
 #     first token, 11 ms a token: the c32 shared-prefix workload's ideal is 2,896 tok/s), and any
 #     extra/*.py client scripts carried beside the snapshot
@@ -68,9 +68,12 @@ bench() {  # name, seconds, bench flags...
 }
 FREE=(--input-len 1024 --output-len 128)
 SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
-serve free_on --max-model-len 2048
-for c in ${FREE_CONCURRENCY:-1 32 128}; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 16 : 4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
-stop
+FREE_CONCURRENCY=${FREE_CONCURRENCY-1 32 128}
+if [ -n "$FREE_CONCURRENCY" ]; then
+  serve free_on --max-model-len 2048
+  for c in $FREE_CONCURRENCY; do bench "free_on_c$c" 60 --concurrency $c --num-prompts $((c == 1 ? 16 : 4 * c)) --seed $((1000 + c)) "${FREE[@]}"; done
+  stop
+fi
 [ "${OFFLINE:-1}" = 1 ] && step offline 150 python3 scripts/gpu_check.py --out "$work/offline" --batch-sizes 1,128,256 --input-len 1024 \
   --output-len 128 --profile '' --skip-checks
 for mode in ${SHARED_MODES:-on off}; do

@@ -61,6 +61,8 @@ DECODE_SHAPES = [
     pytest.param(4, 16, 512, 64, 64, [1, 700, 4096, 130], id="real-moonlight", marks=real),
     pytest.param(2, 128, 512, 64, 16, [3000, 65], id="real-v3-heads", marks=real),
     pytest.param(64, 16, 512, 64, 1, [1 + 37 * i for i in range(64)], id="real-batch64-ps1", marks=real),
+    # 32 rows past LONG_CONTEXT: the 32-token tile with twice the splits (decode_config)
+    pytest.param(32, 16, 512, 64, 16, [4100 - 97 * i for i in range(32)], id="real-batch32-long", marks=real),
 ]
 
 
@@ -80,6 +82,22 @@ def test_mla_decode_matches_reference(B, H, Lk, R, page_size, lens, dtype):
         out = mla_decode(q_latent, q_pe, cache, page_table, context_lens, page_size, scale, num_kv_splits=splits)
         assert out.shape == (B, H, Lk) and out.dtype == dtype
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], msg=f"num_kv_splits={splits}")
+
+
+def test_long_contexts_at_32_to_64_rows_take_the_small_tile_with_twice_the_splits():
+    from moeserve.kernels.mla_decode import LONG_CONTEXT, decode_config
+
+    cpu = torch.device("cpu")
+    for rows in (32, 48, 64):
+        long = decode_config(16, 512, rows, 2, LONG_CONTEXT + 1)
+        assert (long["BLOCK_N"], long["num_warps"], long["programs_per_sm"]) == (32, 4, 2)
+        short = decode_config(16, 512, rows, 2, LONG_CONTEXT)
+        assert (short["BLOCK_N"], short["num_warps"], short.get("programs_per_sm", 1)) == (64, 8, 1)
+        assert default_num_kv_splits(rows, 1, 4096, cpu, 2) == 2 * 132 // rows  # two programs on each of 132 SMs
+    for rows in (8, 16, 128):  # not measured there: the one tile
+        assert decode_config(16, 512, rows, 2, 8192)["BLOCK_N"] == 64
+    assert decode_config(128, 512, 32, 2, 8192)["BLOCK_H"] == 64  # many heads keep their head blocks
+    assert decode_config(16, 512, 32, 4, 8192)["num_stages"] == 2 and "programs_per_sm" not in decode_config(16, 512, 32, 4, 8192)
 
 
 def test_mla_decode_strided_queries_and_padded_sequences():

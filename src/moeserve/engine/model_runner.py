@@ -133,7 +133,7 @@ class ModelRunner:
         capture the CUDA graphs (one stage only: pipeline stages run eager)."""
         if self.device.type == "cuda" and self.backend.name == "triton":
             try:
-                self._compile_step_sized_variants()
+                self._compile_step_sized_variants(max_model_len)
             except Exception as e:  # noqa: BLE001 - only a head start: the kernels still compile on first use
                 log.warning("could not compile the step-sized kernel variants ahead: %s: %s", type(e).__name__, e)
         if not (self.use_graphs and self.is_first and self.is_last):
@@ -159,25 +159,30 @@ class ModelRunner:
             self.piecewise_graphs.capture()
 
     @torch.inference_mode()
-    def _compile_step_sized_variants(self) -> None:
+    def _compile_step_sized_variants(self, max_model_len: int) -> None:
         """Kernel variants picked by a step's size that the warm-up's few steps cannot all reach:
         the MLA decode kernels' split count (a merge block per power of two, from the decode rows
         and their contexts in an eager mixed step) and the sampling kernel's chunk count (from the
         rows sampled). Compiled here on scratch inputs, so that no request pays seconds for one."""
-        from moeserve.kernels.mla_decode import MAX_KV_SPLITS, mla_decode
+        from moeserve.kernels.mla_decode import LONG_CONTEXT, LONG_CONTEXT_BATCHES, MAX_KV_SPLITS, mla_decode
         from moeserve.layers.attention import MLAAttention
 
         cache = self.pool.layer(self.stage.start_layer)
         H = next(m for m in self.model.modules() if isinstance(m, MLAAttention)).num_heads  # this rank's heads
         Lk = self.model_config.kv_lora_rank
-        for B in sorted({1, min(8, self.config.max_num_seqs)}):  # the head-block size changes at 8
+        # (rows, longest context): the head-block size changes at 8 rows; 32-64 rows beyond
+        # LONG_CONTEXT take another tile (mla_decode.decode_config)
+        shapes = {(1, 1), (min(8, self.config.max_num_seqs), 1)}
+        if max_model_len > LONG_CONTEXT and self.config.max_num_seqs >= LONG_CONTEXT_BATCHES[0]:
+            shapes.add((LONG_CONTEXT_BATCHES[0], max_model_len))
+        for B, longest in sorted(shapes):
             q_lat = torch.zeros(B, H, Lk, dtype=self.dtype, device=self.device)
             q_pe = torch.zeros(B, H, cache.shape[-1] - Lk, dtype=self.dtype, device=self.device)
             table = torch.zeros(B, 1, dtype=torch.int32, device=self.device)
             lens = torch.ones(B, dtype=torch.int32, device=self.device)
             splits = 1
             while splits <= MAX_KV_SPLITS:  # a merge width per power of two
-                mla_decode(q_lat, q_pe, cache, table, lens, self.page_size, 1.0, num_kv_splits=splits)
+                mla_decode(q_lat, q_pe, cache, table, lens, self.page_size, 1.0, num_kv_splits=splits, max_context_len=longest)
                 splits *= 2
         self._compile_prefix_attention()
         if self.is_last and self.sample_kernel:

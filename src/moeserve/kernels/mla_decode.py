@@ -236,9 +236,10 @@ def _mla_decode_merge_kernel(
     tl.store(Out + b * stride_out_b + h * stride_out_h + offs_c, out.to(Out.dtype.element_ty), mask=mask_c)
 
 
-def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int, device: torch.device) -> int:
+def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int, device: torch.device, programs_per_sm: int = 1) -> int:
     """As many splits as fill exactly one wave of stage-1 programs (``batch * head_blocks *
-    splits <= SMs``), but no split shorter than ``MIN_TOKENS_PER_SPLIT`` tokens.
+    splits <= SMs``; ``programs_per_sm`` waves for a tile that fits that many programs an SM),
+    but no split shorter than ``MIN_TOKENS_PER_SPLIT`` tokens.
 
     Measured on an H200 (132 SMs; 16 heads, Lk 512, CUDA-graph replay): the best split count
     put 128-132 programs in flight at every batch size tried: 32 splits at batch 4, 16 at 8,
@@ -246,13 +247,17 @@ def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int
     program than there are SMs costs a second wave: 24 splits at batch 8 ran 50% slower than
     16. Batch 1 is capped by the context instead (4k tokens -> 32 splits)."""
     programs = batch * num_head_blocks
-    want = max(1, num_sms(device) // programs)
+    want = max(1, programs_per_sm * num_sms(device) // programs)
     shortest = MIN_TOKENS_PER_SPLIT * (1 if max_context_len <= LONG_CONTEXT else 2)  # as _split_len
     useful = triton.cdiv(max(max_context_len, 1), shortest)
     return max(1, min(want, useful, MAX_KV_SPLITS))
 
 
-def decode_config(num_heads: int, kv_lora_rank: int, batch: int = 1, element_size: int = 2) -> dict:
+# Batches that take the long-context tile below (both ends measured: 32 and 64 rows at 4,096).
+LONG_CONTEXT_BATCHES = (32, 64)
+
+
+def decode_config(num_heads: int, kv_lora_rank: int, batch: int = 1, element_size: int = 2, max_context_len: int = 0) -> dict:
     """Tile sizes, from a sweep on an H200 at kv_lora_rank 512 (``python -m
     moeserve.kernels.bench --sweep``).
 
@@ -262,12 +267,20 @@ def decode_config(num_heads: int, kv_lora_rank: int, batch: int = 1, element_siz
     that fills the GPU, 64 heads a program halves the time against 16 (fewer re-reads of each
     tile, bigger MMAs); at batch 1 the extra parallelism of 16-head blocks wins instead.
     ``BLOCK_N`` 64 tokens a tile with 8 warps was best or within a few percent everywhere.
+    Beyond ``LONG_CONTEXT`` tokens at 32-64 rows (``scripts/decode_sweep.py``, pages of 16), 32-token
+    tiles with 4 warps and two programs an SM (twice the splits) were faster: 72.0 against 85.9 us
+    at 32 rows of 4,096 tokens, 131.8 against 160.0 at 64; at 1,024 tokens the 64-token tile stays
+    best (25.8 against 26.5 us at 32 rows, 74.8 against 79.7 at 128). Both are 30-48 % of the
+    bandwidth floor: the kernel, not the tile, is what is left.
     float32 caches (tests) take 32-token tiles and 4 warps: a 64 x 512 fp32 tile, double
     buffered, would not fit in shared memory."""
     if kv_lora_rank >= 256 and element_size > 2:
         return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2)
     if kv_lora_rank >= 256:
         block_h = 64 if num_heads >= 64 and batch >= 8 else 16
+        lo, hi = LONG_CONTEXT_BATCHES
+        if block_h == 16 and lo <= batch <= hi and max_context_len > LONG_CONTEXT:
+            return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=2, programs_per_sm=2)
         return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=8, num_stages=2)
     return dict(BLOCK_H=16, BLOCK_N=16, num_warps=4, num_stages=2)
 
@@ -309,13 +322,13 @@ def mla_decode(
     out = torch.empty_like(q_latent)
     if B == 0:
         return out
-    cfg = {**decode_config(H, Lk, B, cache.element_size()), **(config or {})}
+    if num_kv_splits is None and max_context_len is None:
+        max_context_len = int(context_lens.max())
+    cfg = {**decode_config(H, Lk, B, cache.element_size(), max_context_len or 0), **(config or {})}
     block_h = cfg["BLOCK_H"]
     head_blocks = triton.cdiv(H, block_h)
     if num_kv_splits is None:
-        if max_context_len is None:
-            max_context_len = int(context_lens.max())
-        num_kv_splits = default_num_kv_splits(B, head_blocks, max_context_len, q_latent.device)
+        num_kv_splits = default_num_kv_splits(B, head_blocks, max_context_len, q_latent.device, cfg.get("programs_per_sm", 1))
     direct = num_kv_splits == 1
     if direct:
         part_out = part_lse = out  # unused
