@@ -57,7 +57,6 @@ def _merge_parts_kernel(
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    STORE_LSE: tl.constexpr,
 ):
     """One program per (BLOCK_R rows, BLOCK_D columns): two passes over the parts' lse (the
     maximum, then the weights) and one over their outputs."""
@@ -80,10 +79,9 @@ def _merge_parts_kernel(
         total += w
     out = acc / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(Out + rows[:, None] * stride_out_r + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
-    if STORE_LSE:
-        if tl.program_id(1) == 0:
-            merged = tl.where(total > 0.0, top + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
-            tl.store(Lse + rows, merged, mask=mask_r)
+    if tl.program_id(1) == 0:
+        merged = tl.where(total > 0.0, top + tl.log2(tl.where(total > 0.0, total, 1.0)), float("-inf"))
+        tl.store(Lse + rows, merged, mask=mask_r)
 
 
 def merge_splits(
@@ -95,10 +93,27 @@ def merge_splits(
     if S == 1 and out_dtype == part_out.dtype:
         return part_out[0], part_lse[0]
     assert part_out.is_contiguous() and part_lse.is_contiguous()
-    rows = part_out[0].reshape(-1, D)
+    rows = part_out[0].reshape(-1, D)  # the first split's rows; the others part_out.stride(0) on
     out = part_out.new_empty(part_out.shape[1:], dtype=out_dtype)
     lse = part_lse.new_empty(part_lse.shape[1:], dtype=torch.float32)
-    _launch(rows, part_lse[0].reshape(-1), out.view(-1, D), lse.view(-1), S, part_out.stride(0), part_lse.stride(0))
+    out_rows, N = out.view(-1, D), rows.shape[0]
+    if N:
+        grid = (triton.cdiv(N, BLOCK_ROWS), triton.cdiv(D, BLOCK_COLS))
+        _merge_parts_kernel[grid](
+            rows,
+            part_lse[0],
+            out_rows,
+            lse,
+            S,
+            N,
+            part_out.stride(0),
+            rows.stride(0),
+            part_lse.stride(0),
+            out_rows.stride(0),
+            D=D,
+            BLOCK_R=BLOCK_ROWS,
+            BLOCK_D=BLOCK_COLS,
+        )
     return out, lse
 
 
@@ -156,29 +171,6 @@ def _merge_two_kernel(
     total = wa + wb
     out = (wa[:, None] * a + wb[:, None] * b) / tl.where(total > 0.0, total, 1.0)[:, None]
     tl.store(Out + rows[:, None] * D + offs_d[None, :], out.to(Out.dtype.element_ty), mask=mask)
-
-
-def _launch(rows, lse_rows, out, lse, num_parts, stride_po_s, stride_pl_s) -> None:
-    N, D = rows.shape
-    if N == 0:
-        return
-    grid = (triton.cdiv(N, BLOCK_ROWS), triton.cdiv(D, BLOCK_COLS))
-    _merge_parts_kernel[grid](
-        rows,
-        lse_rows,
-        out,
-        lse if lse is not None else lse_rows,
-        num_parts,
-        N,
-        stride_po_s,
-        rows.stride(0),
-        stride_pl_s,
-        out.stride(0),
-        D=D,
-        BLOCK_R=BLOCK_ROWS,
-        BLOCK_D=BLOCK_COLS,
-        STORE_LSE=lse is not None,
-    )
 
 
 __all__ = ["merge_splits", "merge_splits_ref", "merge_two", "merge_two_ref"]
