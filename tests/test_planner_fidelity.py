@@ -75,7 +75,7 @@ def test_layout_findings():
     assert AGREEING_RANKINGS <= agreeing
     # TP16 against TP8 x PP2 is a throughput finding, checked on the peak aggregate of a 1..128-request
     # sweep (docs/planner.md says why); at one request the model puts TP8 x PP2 ahead, as the
-    # same source's one-request figures do (TP16 40 or ~68 tok/s, TP8 79).
+    # one-request figures of the summary and its copy do (TP16 40 or ~68 tok/s, TP8 79 in the copy).
     assert results["rtx6kpro-daily-2026-02-20"].predicted == pytest.approx({"tp16": 2266.2, "tp8xpp2": 2049.2}, abs=0.5)
     one_request = fidelity.check_ranking(dataclasses.replace(results["rtx6kpro-daily-2026-02-20"].claim, metric="single", concurrency=1))
     assert one_request.predicted == pytest.approx({"tp16": 76.3, "tp8xpp2": 84.1}, abs=0.1)

@@ -314,9 +314,10 @@ RANKINGS: tuple[RankingClaim, ...] = (
         source="rtx6kpro-daily-2026-02-20",
         gpus_by_layout=(("tp16", 16), ("tp8xpp2", 16)),
         # The finding is about throughput: "aggregate" and "pipeline bubble" are, and at one request
-        # a two-stage pipeline runs at about its TP8 speed, which the same source put at 79 tok/s
-        # against TP16's 40 (or ~68, another copy) single-prompt. The sweep's top is not published:
-        # 128 requests, where the same source's llm_decode_bench tables stop (docs/planner.md).
+        # a two-stage pipeline runs at about its TP8 speed, which a copy of the same summary puts at
+        # 79 tok/s that day against TP16's ~68 (40 in the summary quoted above) single-prompt. The
+        # sweep's top is not published: 128 requests, where the same source's llm_decode_bench
+        # tables stop (docs/planner.md).
         metric="peak",
         concurrency=128,
         input_len=0,
