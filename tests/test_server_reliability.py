@@ -405,25 +405,30 @@ def test_systemd_unit_waits_longer_than_the_drain():
 
 
 # ---- 4. SIGTERM drains (last: it stops its server) ----
+SHORT_TOKENS = 160
+
+
 def test_sigterm_drains_then_cuts_with_errors(launched):
     srv = launched.drainer
     r = srv.startup_result()
     assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
-    short_body = {"prompt": "short", "max_tokens": 24, "ignore_eos": True}
+    # Long enough to be seen running beside the others on a fast machine (24 tokens could end
+    # between two polls), short enough to finish inside the 4 s drain on a slow one.
+    short_body = {"prompt": "short", "max_tokens": SHORT_TOKENS, "ignore_eos": True}
     long_body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True}  # well past the 4 s
     long = Stream(srv, long_body)
     with cf.ThreadPoolExecutor(2) as pool:
         plain_long = pool.submit(post, srv, "completions", json=long_body)
         plain_short = pool.submit(post, srv, "completions", json=short_body)
         short = [Stream(srv, short_body) for _ in range(2)]
-        poll(lambda: metric(srv.url, "moeserve:num_requests_running") == 5, 30, what="all five running")
+        poll(lambda: metric(srv.url, "moeserve:num_requests_running") == 5, 30, interval=0.02, what="all five running")
         os.kill(srv.proc.pid, signal.SIGTERM)  # the server alone, as systemd's KillMode=mixed does
         health = poll(lambda: (h := httpx.get(f"{srv.url}/health", timeout=10)).status_code == 503 and h, 10, what="draining")
         assert health.json()["status"] == "draining"
         assert_openai_error(post(srv, "completions", json={"prompt": "new"}), 503, code="shutting_down")
         for s in short:
             s.join(30)
-            assert s.done and len(s.chunks()) == 24 and s.chunks()[-1]["choices"][0]["finish_reason"] == "length"
+            assert s.done and len(s.chunks()) == SHORT_TOKENS and s.chunks()[-1]["choices"][0]["finish_reason"] == "length"
         assert plain_short.result(30).status_code == 200
         err = assert_openai_error(plain_long.result(30), 503, code="shutting_down")
     assert "--shutdown-timeout of 4 s" in err["message"]
