@@ -41,8 +41,8 @@ _PEER_LOSS = ("connection closed by peer", "connection reset by peer", "broken p
 
 
 def _is_peer_loss(traceback_text: str) -> bool:
-    last_line = traceback_text.strip().splitlines()[-1].lower() if traceback_text.strip() else ""
-    return any(p in last_line for p in _PEER_LOSS)
+    lines = traceback_text.strip().splitlines()
+    return bool(lines) and any(p in lines[-1].lower() for p in _PEER_LOSS)
 
 
 def _free_port() -> int:  # noqa: D103 - a port for the rendezvous of a single-host group

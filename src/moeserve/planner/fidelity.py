@@ -124,6 +124,15 @@ class RankingResult:
         return self.shortfall <= RANK_SLACK
 
 
+def _levels(claim: RankingClaim) -> list[int]:
+    """The request counts a claim's metric is taken at ("peak": the best of 1, 2, 4, ...)."""
+    if claim.metric == "single":
+        return [1]
+    if claim.metric == "peak":
+        return [1 << i for i in range(claim.concurrency.bit_length())]
+    return [claim.concurrency]
+
+
 def check_ranking(claim: RankingClaim) -> RankingResult:
     cfg = _config(claim.model)
     kv = _kv_bytes(claim.kv_cache_dtype)
@@ -131,13 +140,8 @@ def check_ranking(claim: RankingClaim) -> RankingResult:
     allreduce = dict(claim.allreduce_by_layout)
     for name, gpus in claim.gpus_by_layout:
         hw = hardware(claim.gpu, gpus, claim.interconnect, allreduce.get(name, claim.allreduce))
-        if claim.metric == "peak":  # the best aggregate over a sweep of 1, 2, 4, ... requests
-            sweep = [1 << i for i in range(claim.concurrency.bit_length()) if 1 << i <= claim.concurrency]
-            out[name] = max(rate(cfg, hw, _layout(name), c, claim.input_len, claim.output_len, kv, claim.serving) for c in sweep)
-            continue
-        c = 1 if claim.metric == "single" else claim.concurrency
-        r = rate(cfg, hw, _layout(name), c, claim.input_len, claim.output_len, kv, claim.serving)
-        out[name] = r if claim.metric == "single" else r / gpus
+        r = max(rate(cfg, hw, _layout(name), c, claim.input_len, claim.output_len, kv, claim.serving) for c in _levels(claim))
+        out[name] = r / gpus if claim.metric == "per_gpu" else r
     return RankingResult(claim, out)
 
 
