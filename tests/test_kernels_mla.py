@@ -119,6 +119,71 @@ def test_mla_decode_strided_queries_and_padded_sequences():
     assert torch.equal(out1[1], torch.zeros_like(out1[1]))
 
 
+def shared_prefix_inputs(B, H, Lk, R, ps, prefix, own, gen, dtype=torch.float32):
+    """B rows whose first ``prefix`` tokens are the same pages, then ``own[b]`` tokens on pages
+    of their own (a padding row has own 0 and a context shorter than the prefix)."""
+    shared = list(range(prefix // ps))
+    tables, at = [], len(shared)
+    for n in own:
+        k = triton.cdiv(n, ps)
+        tables.append(shared + list(range(at, at + k)))
+        at += k
+    table = torch.zeros(B, max(map(len, tables)), dtype=torch.int32)
+    for b, t in enumerate(tables):
+        table[b, : len(t)] = torch.tensor(t, dtype=torch.int32)
+    cache = torch.randn(at * ps + ps, Lk + R, generator=gen).to(DEV, dtype)
+    lens = torch.tensor([prefix + n if n else 1 for n in own], dtype=torch.int32, device=DEV)
+    q_latent = torch.randn(B, H, Lk, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(B, H, R, generator=gen).to(DEV, dtype)
+    return q_latent, q_pe, cache, table.to(DEV), lens
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_mla_decode_skips_a_shared_prefix_and_returns_lse(splits):
+    """``skip``: each row attends its own positions after the shared ones; ``return_lse`` gives
+    their base-2 log-sum-exp; a row shorter than the prefix (CUDA-graph padding) gets zeros
+    and -inf."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, Lk, R, ps, prefix = 4, 4, 16, 8, 4, 12
+    q_latent, q_pe, cache, table, lens = shared_prefix_inputs(B, H, Lk, R, ps, prefix, [1, 7, 0, 30], gen)
+    skip = torch.tensor([prefix], dtype=torch.int32, device=DEV)
+    out, lse = mla_decode(q_latent, q_pe, cache, table, lens, ps, 0.3, num_kv_splits=splits, skip=skip, return_lse=True)
+    for b in (0, 1, 3):  # the own part is an "extend row" of one query over its positions [prefix, L)
+        L = int(lens[b])
+        pos = torch.arange(prefix, L, device=DEV)
+        c = cache[table[b, pos // ps].long() * ps + pos % ps].float()
+        scores = (q_latent[b].float() @ c[:, :Lk].T + q_pe[b].float() @ c[:, Lk:].T) * 0.3
+        torch.testing.assert_close(out[b].float(), torch.softmax(scores, -1) @ c[:, :Lk], **TOL[torch.float32])
+        torch.testing.assert_close(lse[b], torch.logsumexp(scores, -1) * 1.4426950408889634, **TOL[torch.float32])
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "B,H,Lk,R,ps,prefix,own",
+    [
+        pytest.param(5, 4, 16, 8, 4, 12, [3, 1, 7, 9, 2], id="tiny"),
+        pytest.param(3, 4, 16, 8, 16, 160, [1, 0, 70], id="tiny-long-prefix-padding-row"),
+        pytest.param(32, 16, 512, 64, 16, 4096, [129 + 4 * i for i in range(32)], id="real-32-rows-4k", marks=real),
+        pytest.param(64, 16, 512, 64, 16, 4096, [200] * 64, id="real-64-rows-4k", marks=real),
+    ],
+)
+def test_cascade_decode_equals_plain_decode(B, H, Lk, R, ps, prefix, own, dtype):
+    """The shared prefix attended once for all rows, merged with each row's own tokens, is the
+    plain decode over the whole context (a padding row aside, whose output is unused)."""
+    from moeserve.kernels.mla_decode import mla_decode_cascade
+
+    gen = torch.Generator().manual_seed(B + prefix)
+    q_latent, q_pe, cache, table, lens = shared_prefix_inputs(B, H, Lk, R, ps, prefix, own, gen, dtype)
+    shared = torch.tensor([prefix], dtype=torch.int32, device=DEV)
+    all_rows = torch.tensor([0, B], dtype=torch.int32, device=DEV)
+    out = mla_decode_cascade(q_latent, q_pe, cache, table, lens, shared, all_rows, ps, 0.3, max_context_len=prefix + max(own) + 64)
+    ref = mla_decode_ref(q_latent, q_pe, cache, table, lens, ps, 0.3)
+    real_rows = [b for b, n in enumerate(own) if n]
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out[real_rows].float(), ref[real_rows].float(), **TOL[dtype])
+
+
 def test_num_kv_splits_heuristic():
     cpu = torch.device("cpu")
     assert default_num_kv_splits(1, 1, 4096, cpu) == 32  # batch 1: split, 128 tokens a piece

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moeserve.kernels.lse_merge import merge_splits
+from moeserve.kernels.lse_merge import merge_splits, merge_two
 from moeserve.kernels.utils import dot_args, mma, num_sms, pow2_at_least
 
 LOG2E = 1.4426950408889634
@@ -51,6 +51,16 @@ def _split_len(ctx_len, num_splits, BLOCK_N: tl.constexpr):
     split's last tile is partial), at least the minimum split length."""
     shortest = tl.where(ctx_len <= _LONG, _MIN_SPLIT, 2 * _MIN_SPLIT)
     return tl.cdiv(tl.maximum(tl.cdiv(ctx_len, num_splits), shortest), BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _first_position(Skip, ctx_len, HAS_SKIP: tl.constexpr):
+    """The first cache position a row attends: 0, or the shared-prefix length that ``Skip``
+    holds (the same for every row; the prefix is attended apart, see :func:`mla_decode_cascade`),
+    never past the row's end (a padding row of a CUDA graph is shorter than the prefix)."""
+    if HAS_SKIP:
+        return tl.minimum(tl.load(Skip), ctx_len)
+    return 0
 
 
 def mla_decode_ref(
@@ -81,7 +91,9 @@ def _mla_decode_split_kernel(
     Cache,
     PageTable,
     ContextLens,
+    Skip,
     Out,
+    OutLse,
     PartOut,
     PartLse,
     stride_qlat_b,
@@ -108,6 +120,8 @@ def _mla_decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DIRECT_OUT: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
@@ -116,8 +130,9 @@ def _mla_decode_split_kernel(
     split = tl.program_id(2)
 
     ctx_len = tl.load(ContextLens + b)
-    split_len = _split_len(ctx_len, num_splits, BLOCK_N)
-    start = split * split_len
+    first = _first_position(Skip, ctx_len, HAS_SKIP)
+    split_len = _split_len(ctx_len - first, num_splits, BLOCK_N)
+    start = first + split * split_len
     end = tl.minimum(start + split_len, ctx_len)
 
     offs_h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -166,14 +181,16 @@ def _mla_decode_split_kernel(
 
     has_tokens = l_i > 0.0  # an empty split (short context) leaves l_i == 0
     acc = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
     if DIRECT_OUT:
         tl.store(
             Out + b * stride_out_b + offs_h[:, None] * stride_out_h + offs_c[None, :],
             acc.to(Out.dtype.element_ty),
             mask=mask_h[:, None] & mask_c[None, :],
         )
+        if RETURN_LSE:
+            tl.store(OutLse + b * num_heads + offs_h, lse, mask=mask_h)
     else:
-        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
         tl.store(
             PartOut + b * stride_po_b + offs_h[:, None] * stride_po_h + split * stride_po_s + offs_c[None, :],
             acc,
@@ -187,6 +204,8 @@ def _mla_decode_merge_kernel(
     PartOut,
     PartLse,
     Out,
+    OutLse,
+    Skip,
     stride_po_b,
     stride_po_h,
     stride_po_s,
@@ -201,6 +220,8 @@ def _mla_decode_merge_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_S: tl.constexpr,
     CHUNK: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
     """One program per (sequence, head, BLOCK_C latent columns): merge the splits that hold
     tokens by their lse (log2 domain). All lse values are read at once for the max; the partial
@@ -212,7 +233,8 @@ def _mla_decode_merge_kernel(
     offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask_c = offs_c < LK
     ctx_len = tl.load(ContextLens + b)
-    used = tl.cdiv(ctx_len, _split_len(ctx_len, num_splits, BLOCK_N))
+    tokens = ctx_len - _first_position(Skip, ctx_len, HAS_SKIP)
+    used = tl.cdiv(tokens, _split_len(tokens, num_splits, BLOCK_N))
     lse_row = PartLse + b * stride_pl_b + h * stride_pl_h
     offs_s = tl.arange(0, BLOCK_S)
     m = tl.max(tl.load(lse_row + offs_s, mask=offs_s < used, other=float("-inf")), axis=0)
@@ -234,6 +256,11 @@ def _mla_decode_merge_kernel(
     denom = tl.sum(total, axis=0)
     out = out / tl.where(denom > 0.0, denom, 1.0)  # a padded sequence of length 0 gets zeros
     tl.store(Out + b * stride_out_b + h * stride_out_h + offs_c, out.to(Out.dtype.element_ty), mask=mask_c)
+    if RETURN_LSE:
+        if tl.program_id(2) == 0:
+            tl.store(
+                OutLse + b * tl.num_programs(1) + h, tl.where(denom > 0.0, m + tl.log2(tl.where(denom > 0.0, denom, 1.0)), float("-inf"))
+            )
 
 
 def default_num_kv_splits(batch: int, num_head_blocks: int, max_context_len: int, device: torch.device, programs_per_sm: int = 1) -> int:
@@ -300,7 +327,9 @@ def mla_decode(
     num_kv_splits: int | None = None,
     max_context_len: int | None = None,
     config: dict | None = None,
-) -> torch.Tensor:
+    skip: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode over the latent cache.
 
     q_latent: [B, H, Lk] (``q_nope`` absorbed through ``w_uk``); q_pe: [B, H, R];
@@ -312,6 +341,10 @@ def mla_decode(
     ``num_kv_splits`` defaults to :func:`default_num_kv_splits`, which needs the longest
     context: pass ``max_context_len`` (known on the host) to avoid a device sync; pass a fixed
     ``num_kv_splits`` when capturing CUDA graphs.
+
+    ``skip`` ([1] int32 on the device): every row attends only its positions from that one on
+    (the part after a prefix that all rows share, attended apart); ``return_lse`` also returns
+    the base-2 log-sum-exp [B, H] fp32 (-inf for a row with no positions), to merge with it.
     """
     B, H, Lk = q_latent.shape
     R = q_pe.shape[-1]
@@ -320,8 +353,9 @@ def mla_decode(
     q_latent, q_pe = _last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe)
     page_table, context_lens = _last_dim_contiguous(page_table), context_lens.contiguous()
     out = torch.empty_like(q_latent)
+    lse = q_latent.new_empty(B, H, dtype=torch.float32) if return_lse else out  # (out: unused)
     if B == 0:
-        return out
+        return (out, lse) if return_lse else out
     if num_kv_splits is None and max_context_len is None:
         max_context_len = int(context_lens.max())
     cfg = {**decode_config(H, Lk, B, cache.element_size(), max_context_len or 0), **(config or {})}
@@ -345,7 +379,9 @@ def mla_decode(
         cache,
         page_table,
         context_lens,
+        context_lens if skip is None else skip,
         out,
+        lse,
         part_out,
         part_lse,
         q_latent.stride(0),
@@ -369,6 +405,8 @@ def mla_decode(
         BLOCK_H=block_h,
         BLOCK_N=cfg["BLOCK_N"],
         DIRECT_OUT=direct,
+        HAS_SKIP=skip is not None,
+        RETURN_LSE=return_lse,
         **dot_args(cache.dtype),
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
@@ -379,6 +417,8 @@ def mla_decode(
             part_out,
             part_lse,
             out,
+            lse,
+            context_lens if skip is None else skip,
             *po_strides,
             *pl_strides,
             out.stride(0),
@@ -390,9 +430,11 @@ def mla_decode(
             BLOCK_N=cfg["BLOCK_N"],
             BLOCK_S=triton.next_power_of_2(num_kv_splits),
             CHUNK=8,
+            HAS_SKIP=skip is not None,
+            RETURN_LSE=return_lse,
             num_warps=4,
         )
-    return out
+    return (out, lse) if return_lse else out
 
 
 def mla_prefix_absorbed_ref(
@@ -604,8 +646,49 @@ def mla_prefix_absorbed(
     return merge_splits(part_out, part_lse, out_dtype)
 
 
+def mla_decode_cascade(
+    q_latent: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: torch.Tensor,
+    page_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    shared_len: torch.Tensor,
+    all_rows: torch.Tensor,
+    page_size: int,
+    scale: float,
+    max_context_len: int,
+) -> torch.Tensor:
+    """:func:`mla_decode` for rows whose first ``shared_len`` positions ([1] int32 on the device,
+    a multiple of ``page_size``) are the same pages: a system prompt that the prefix cache gave
+    every request. The shared prefix is attended once for all rows, as one block of B x H
+    queries that shares each cache tile (:func:`mla_prefix_absorbed` over row 0's pages; a
+    GEMM's shape instead of B matrix-vector passes over the same tiles), each row's own
+    positions after it by :func:`mla_decode` with ``skip``, and the two are merged by their
+    log-sum-exp. ``all_rows`` is ``[0, B]`` int32 on the device (the queries' one run).
+    ``max_context_len`` bounds both parts on the host (it only sizes their split counts), so
+    one CUDA graph serves every prefix length. Same result as :func:`mla_decode`."""
+    B = q_latent.shape[0]
+    prefix_out, prefix_lse = mla_prefix_absorbed(
+        q_latent, q_pe, cache, page_tables[:1], all_rows, shared_len, page_size, scale, B, max_context_len, out_dtype=q_latent.dtype
+    )
+    own_out, own_lse = mla_decode(
+        q_latent,
+        q_pe,
+        cache,
+        page_tables,
+        context_lens,
+        page_size,
+        scale,
+        max_context_len=max_context_len,
+        skip=shared_len,
+        return_lse=True,
+    )
+    return merge_two(own_out, own_lse, prefix_out, prefix_lse, q_latent.dtype)
+
+
 __all__ = [
     "mla_decode",
+    "mla_decode_cascade",
     "mla_decode_ref",
     "mla_prefix_absorbed",
     "mla_prefix_absorbed_ref",
