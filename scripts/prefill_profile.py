@@ -62,31 +62,36 @@ def prefill_matmul_flops(config: ModelConfig, length: int, prefix: int = 0) -> f
     return 2 * length * (p.active_per_token(config) - p.lm_head) + 2 * p.lm_head + prefill_attention_flops(config, 1, length) + over_prefix
 
 
-def step_flops(config: ModelConfig, length: int, prefix: int, decodes: int, decode_context: int) -> float:
-    flops = prefill_matmul_flops(config, length, prefix)
+def step_flops(config: ModelConfig, length: int, prefix: int, decodes: int, decode_context: int, rows: int = 1) -> float:
+    flops = rows * prefill_matmul_flops(config, length, prefix)
     if decodes:
         flops += decode_step_cost(config, decodes, decode_context, 2).flops
     return flops
 
 
-def profiled_step(length: int, prefix: int, decodes: int, decode_context: int, vocab: int, page_size: int, seed: int) -> StepInput:
+def profiled_step(
+    length: int, prefix: int, decodes: int, decode_context: int, vocab: int, page_size: int, seed: int, rows: int = 1
+) -> StepInput:
     """One step as the scheduler orders it: ``decodes`` sequences adding their token at position
-    ``decode_context`` first, then a prompt chunk of ``length`` tokens after ``prefix`` cached
-    ones; every sequence samples. Each sequence owns its own pages (the cached KV is whatever
-    the pool holds: only the time matters here)."""
+    ``decode_context`` first, then ``rows`` prompt chunks of ``length`` tokens, each after the
+    same ``prefix`` cached tokens (one prefix's pages, as the prefix cache maps a shared system
+    prompt); every sequence samples. The others own their pages (the cached KV is whatever the
+    pool holds: only the time matters here)."""
     g = torch.Generator().manual_seed(seed)
     ids, positions, slots, query_lens, context_lens, tables = [], [], [], [], [], []
-    next_page = 0
-    for start, n in [(decode_context, 1)] * decodes + [(prefix, length)]:
-        pages = list(range(next_page, next_page + -(-(start + n) // page_size)))
-        next_page += len(pages)
+    prefix_pages = list(range(prefix // page_size))
+    next_page = len(prefix_pages)
+    for start, n in [(decode_context, 1)] * decodes + [(prefix, length)] * rows:
+        shared = prefix_pages if n > 1 else []
+        pages = shared + list(range(next_page, next_page + -(-(start + n) // page_size) - len(shared)))
+        next_page += len(pages) - len(shared)
         ids += torch.randint(0, vocab, (n,), generator=g).tolist()
         positions += list(range(start, start + n))
         slots += [pages[i // page_size] * page_size + i % page_size for i in range(start, start + n)]
         query_lens.append(n)
         context_lens.append(start + n)
         tables.append(pages)
-    B = decodes + 1
+    B = decodes + rows
     logits = [sum(query_lens[: i + 1]) - 1 for i in range(B)]
     return StepInput(
         input_ids=ids,
@@ -236,6 +241,7 @@ def main() -> None:
         help="cached tokens before the prompt chunk (a later chunk of a long prompt); time the "
         "two ways of attending to them with MOESERVE_MLA_PREFIX=chunked|absorbed",
     )
+    ap.add_argument("--rows", type=int, default=1, help="prompt chunks of each length in the step, all after the one cached prefix")
     ap.add_argument("--decodes", type=int, default=0, help="decoding sequences in the same step (a mixed step)")
     ap.add_argument("--decode-context", type=int, default=1024, help="tokens each decoding sequence has cached")
     ap.add_argument("--page-size", type=int, default=16)
@@ -251,7 +257,7 @@ def main() -> None:
     config = parse_model_config(config_dict(args.model, args.layers))
     longest = max(lengths)
     ps = args.page_size
-    pages = -(-(args.prefix + longest) // ps) + args.decodes * -(-(args.decode_context + 1) // ps)
+    pages = -(-args.prefix // ps) + args.rows * -(-longest // ps) + 1 + args.decodes * -(-(args.decode_context + 1) // ps)
     engine = EngineConfig(
         model=None,
         dtype=args.dtype,
@@ -260,8 +266,8 @@ def main() -> None:
         backend=args.backend,
         page_size=ps,
         enforce_eager=not args.graphs,
-        max_num_seqs=args.decodes + 1,
-        max_num_batched_tokens=longest + args.decodes,
+        max_num_seqs=args.decodes + args.rows,
+        max_num_batched_tokens=args.rows * longest + args.decodes,
         max_model_len=max(args.prefix + longest, args.decode_context + 1) + 1,
         num_kv_pages=pages,
     )
@@ -276,17 +282,17 @@ def main() -> None:
     )
     with torch.inference_mode():
         for length in lengths:
-            step = profiled_step(length, args.prefix, args.decodes, args.decode_context, config.vocab_size, ps, seed=length)
+            step = profiled_step(length, args.prefix, args.decodes, args.decode_context, config.vocab_size, ps, seed=length, rows=args.rows)
             for _ in range(2):  # Triton compiles and autotunes for this shape outside the timings
                 runner.collect(runner.launch(step))
             wall = wall_ms(runner, step, args.repeats)
             table = kernel_table(runner, step, args.iters)
             title = (
-                f"prompt of {length} tokens"
+                (f"{args.rows} prompts of {length} tokens" if args.rows > 1 else f"prompt of {length} tokens")
                 + (f" after {args.prefix} cached" if args.prefix else "")
                 + (f", beside {args.decodes} decodes of {args.decode_context}" if args.decodes else "")
             )
-            flops = step_flops(config, length, args.prefix, args.decodes, args.decode_context)
+            flops = step_flops(config, length, args.prefix, args.decodes, args.decode_context, args.rows)
             report(title, flops, wall, table, args.tflops, args.top, runner.device.type == "cuda")
             if args.graphs:
                 print(graphs_vs_eager(runner, step))

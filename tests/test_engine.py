@@ -190,3 +190,5 @@ def test_step_trace_has_one_line_per_step(v3_checkpoint, tmp_path, monkeypatch):
     assert [(s["rows"], s["decode_rows"], s["tokens"], s["cached"]) for s in steps[:2]] == [(1, 0, 8, 0), (2, 1, 3, 0)]
     assert all(s["rows"] == s["decode_rows"] == 2 for s in steps[2:]) and len(steps) == 4
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
+    # the intake fields are the server's engine loop's; offline nothing is counted there
+    assert all(s["added"] == 0 and s["intake_ms"] == 0.0 for s in steps)

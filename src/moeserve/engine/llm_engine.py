@@ -88,6 +88,8 @@ class LLMEngine:
         # to see how a serving workload's steps are composed and how long each takes.
         trace = os.environ.get("MOESERVE_STEP_TRACE")
         self._trace = open(trace, "a", buffering=1) if trace else None
+        # what the server's engine loop spent taking in requests since the last traced step
+        self.intake_requests, self.intake_s = 0, 0.0
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -256,7 +258,10 @@ class LLMEngine:
             "tokens": step.num_tokens,
             "cached": sum(c - n for c, n in zip(step.context_lens[decodes:], step.query_lens[decodes:])),
             "waiting": self.scheduler.num_waiting,
+            "added": self.intake_requests,
+            "intake_ms": round(self.intake_s * 1e3, 3),
         }
+        self.intake_requests, self.intake_s = 0, 0.0
         self._trace.write(json.dumps(line) + "\n")
 
     def _forget_in_flight(self, *batches: ScheduledBatch) -> None:

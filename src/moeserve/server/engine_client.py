@@ -51,6 +51,22 @@ class ShuttingDownError(APIError):
         super().__init__(503, message, code="shutting_down")
 
 
+# A pipe holds 64 KiB by default: two 4,096-token prompts. A wave of requests that arrives while
+# the engine runs a step then waits on the pipe, a few per step, instead of all joining the next.
+PIPE_BYTES = 1 << 20
+
+
+def _widen_pipe(conn: Any) -> None:
+    """Ask the kernel for a ``PIPE_BYTES`` buffer on this pipe (Linux; capped by
+    /proc/sys/fs/pipe-max-size, 1 MiB by default); elsewhere, or when refused, it stays."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except (ImportError, AttributeError, OSError):
+        pass
+
+
 class AsyncEngineClient:
     """States: ``starting`` → ``loading`` → ``ready`` → ``draining`` (a signal: no new requests)
     → ``stopped``; ``failed`` when the engine process dies."""
@@ -88,6 +104,8 @@ class AsyncEngineClient:
         ctx = mp.get_context("spawn")
         cmd_r, self._cmd_w = ctx.Pipe(duplex=False)
         self._evt_r, evt_w = ctx.Pipe(duplex=False)
+        for conn in (cmd_r, evt_w):
+            _widen_pipe(conn)
         self._proc = ctx.Process(
             target=engine_main, name="moeserve-engine", args=(self.engine_kwargs, cmd_r, evt_w, self.max_waiting, self.engine_log_level)
         )

@@ -207,14 +207,21 @@ class EngineLoop:
 
     def run(self) -> None:
         while True:
-            cmds = self._drain(block=not self.engine.has_unfinished_requests())
+            busy = self.engine.has_unfinished_requests()
+            t0 = time.perf_counter()
+            cmds = self._drain(block=not busy)
             if cmds is None:
                 return
+            if not busy:  # not the idle wait: only the reading and the handling count
+                t0 = time.perf_counter()
             events: list[tuple] = []
             for cmd in cmds:
                 if cmd[0] == "shutdown":
                     return
                 events.extend(self._handle(cmd))
+            if cmds:  # the step trace's intake (MOESERVE_STEP_TRACE)
+                self.engine.intake_requests += sum(len(c[2]) for c in cmds if c[0] == "add")
+                self.engine.intake_s += time.perf_counter() - t0
             deltas = self.step() if self.engine.has_unfinished_requests() else []
             if events or deltas or cmds:
                 self.events.send(self.message(events, deltas))
