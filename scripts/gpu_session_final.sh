@@ -17,6 +17,7 @@
 #     first token, 11 ms a token: the c32 shared-prefix workload's ideal is 2,896 tok/s), and any
 #     extra/*.py client scripts carried beside the snapshot
 #   SERVING=0: only the steps above (checks, profiles, tests), no server
+#   TRACE=1: each server writes its step trace (MOESERVE_STEP_TRACE) to steps_NAME.jsonl
 #   PYTEST=1: first the CUDA-only tests of the attention kernels, the merges and the piecewise graphs
 # Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
 source "$(dirname "$0")/gpu_steps.sh"
@@ -37,7 +38,7 @@ if [ "${CLIENT:-0}" = 1 ]; then
   kill $stub
 fi
 if [ "${PYTEST:-0}" = 1 ]; then
-  step pytest_cuda 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lse_merge.py tests/test_kernels_mla.py \
+  step pytest_cuda ${PYTEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lse_merge.py tests/test_kernels_mla.py \
     tests/test_fast_path.py -k "real or lse or merge or cuda"
   tail -3 "$work/pytest_cuda.log" >> "$work/summary.txt"
 fi
@@ -56,6 +57,7 @@ if [ "${SERVING:-1}" = 0 ]; then pack; exit 0; fi
 URL=http://127.0.0.1:8015
 serve() {  # name, serve flags...
   local name=$1; shift
+  [ "${TRACE:-0}" = 1 ] && export MOESERVE_STEP_TRACE=$work/steps_$name.jsonl
   python3 -m moeserve serve --model moonlight-16b-a3b --load-format dummy --dtype bfloat16 "$@" \
     --host 127.0.0.1 --port 8015 > "$work/server_$name.log" 2>&1 &
   server=$!
@@ -96,6 +98,9 @@ echo "kernels first used after ready: $(grep -c 'first used after ready' "$work"
 grep -h "^batch" "$work"/offline.log >> "$work/summary.txt" 2>/dev/null
 for f in "$work"/free_*.log "$work"/shared_*.log "$work"/turns_*.log; do
   echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"
+done
+for f in "$work"/steps_shared_*.jsonl; do
+  [ -f "$f" ] && echo "$(basename "$f"): $(python3 scripts/step_trace_summary.py "$f" --show 0 | grep -h 'intake\|waves')" >> "$work/summary.txt"
 done
 for f in "$work"/*_c1/concurrency_1.json "$work"/*_c1_first/concurrency_1.json; do
   [ -f "$f" ] && python3 -c "import json,sys,statistics as st; t=json.load(open(sys.argv[1]))['ttfts_ms']; print(sys.argv[2], 'TTFT ms: first', round(t[0],1), 'median', round(st.median(t),1), 'all', [round(x,1) for x in t])" "$f" "$(basename "$(dirname "$f")")" >> "$work/summary.txt"
