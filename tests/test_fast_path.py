@@ -99,6 +99,17 @@ def test_prefill_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
                 assert b[t] == pytest.approx(a[t], abs=1e-4)
 
 
+def test_piecewise_sizes_take_a_wave_of_suffixes_with_little_padding():
+    """A wave of 128-token suffixes over a cached prompt (~3,500 tokens) is a graphed mixed step,
+    padded by at most 512 tokens; the step budget caps the sizes."""
+    from moeserve.engine.piecewise_graph import PIECEWISE_MAX_TOKENS, piecewise_capture_sizes
+
+    sizes = piecewise_capture_sizes(8192)
+    assert sizes[-1] == PIECEWISE_MAX_TOKENS == 4096
+    assert all(b - a <= 512 for a, b in zip(sizes, sizes[1:]) if a >= 2048)
+    assert piecewise_capture_sizes(3000)[-1] == 3000 and max(piecewise_capture_sizes(2048)) == 2048
+
+
 def test_piecewise_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     """The steps no whole-step graph takes (several prompts' chunks in one step, decode rows
     beside a prompt's chunk) through the piecewise graphs' static buffers, emulated on CPU: the

@@ -177,8 +177,9 @@ def test_cascade_decode_equals_plain_decode(B, H, Lk, R, ps, prefix, own, dtype)
     q_latent, q_pe, cache, table, lens = shared_prefix_inputs(B, H, Lk, R, ps, prefix, own, gen, dtype)
     shared = torch.tensor([prefix], dtype=torch.int32, device=DEV)
     all_rows = torch.tensor([0, B], dtype=torch.int32, device=DEV)
-    out = mla_decode_cascade(q_latent, q_pe, cache, table, lens, shared, all_rows, ps, 0.3, max_context_len=prefix + max(own) + 64)
-    ref = mla_decode_ref(q_latent, q_pe, cache, table, lens, ps, 0.3)
+    scale = (Lk + R) ** -0.5
+    out = mla_decode_cascade(q_latent, q_pe, cache, table, lens, shared, all_rows, ps, scale, max_context_len=prefix + max(own) + 64)
+    ref = mla_decode_ref(q_latent, q_pe, cache, table, lens, ps, scale)
     real_rows = [b for b, n in enumerate(own) if n]
     assert out.shape == ref.shape and out.dtype == dtype
     torch.testing.assert_close(out[real_rows].float(), ref[real_rows].float(), **TOL[dtype])

@@ -33,15 +33,19 @@ from moeserve.engine.cuda_graph import DEFAULT_CAPTURE_SIZES, PREFILL_CAPTURE_SI
 
 log = logging.getLogger("moeserve")
 
-# Beyond 2,048 tokens a step's kernels outlast its eager launches (as for the prefill graphs).
-PIECEWISE_MAX_TOKENS = 2048
+# Up to 4,096 tokens: a wave of requests over one cached system prompt joins the batch in one
+# mixed step of ~3,500 tokens, whose eager layers (~33 ms of launches on an H200 host) beside its
+# attention cores (~1 ms a layer of host time in the chunked form) outlasted its kernels.
+PIECEWISE_MAX_TOKENS = 4096
+# Captured beyond the prefill graphs' sizes, so that such a step pads by at most 512 tokens.
+PIECEWISE_LARGE_SIZES = (2560, 3072, 3584, 4096)
 
 
 def piecewise_capture_sizes(max_num_batched_tokens: int) -> list[int]:
     """Token counts to capture: the decode sizes (a few decode rows beside a short suffix) and the
     prefill sizes, from 4 tokens (a step of fewer is decode-only or one short extend, which the
     whole-step graphs take) up to ``PIECEWISE_MAX_TOKENS`` and the step budget."""
-    sizes = tuple(sorted(set(DEFAULT_CAPTURE_SIZES) | set(PREFILL_CAPTURE_SIZES)))
+    sizes = tuple(sorted(set(DEFAULT_CAPTURE_SIZES) | set(PREFILL_CAPTURE_SIZES) | set(PIECEWISE_LARGE_SIZES)))
     budget = min(max_num_batched_tokens, PIECEWISE_MAX_TOKENS)
     return [s for s in prefill_capture_sizes(budget, sizes) if s >= 4]
 
