@@ -6,6 +6,9 @@
 #   run: bash scripts/gpu_session_trace.sh $OUT
 #   PROFILE=1: first the absorbed prefix kernel's tile / split sweep and the merges
 #   (scripts/absorbed_sweep.py), and the graphed 128-token step over 4,096 cached, profiled
+#   MIXED=1: first the graphed mixed step a wave's arrivals make (ROWS prompts of 128 tokens after
+#   one 4,096-token cached prefix, beside DECODES decodes over 4,200; 9 and 12 by default),
+#   profiled with its host functions
 source "$(dirname "$0")/gpu_steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
@@ -15,6 +18,11 @@ if [ "${PROFILE:-0}" = 1 ]; then
   step prefix_graphs 150 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --graphs --top 16
   grep -v "^ *{" "$work/absorbed_sweep.log" >> "$work/summary.txt"
   grep -h "^## prompt\|graphs vs eager" "$work/prefix_graphs.log" >> "$work/summary.txt"
+fi
+if [ "${MIXED:-0}" = 1 ]; then
+  step mixed_profile 200 python3 scripts/prefill_profile.py --graphs --lengths 128 --prefix 4096 --rows "${ROWS:-9}" \
+    --decodes "${DECODES:-12}" --decode-context 4200 --top 25 --host
+  grep -h "^## \|host enqueue" "$work/mixed_profile.log" >> "$work/summary.txt"
 fi
 URL=http://127.0.0.1:8017
 SHARED=(--input-len 128 --output-len 128 --shared-prefix-len 4096)
