@@ -18,6 +18,11 @@ split) and writes the split's softmax-normalised partial output and its log-sum-
 stage 2 merges the splits. When one split suffices (large batches) stage 1 writes the output
 directly and stage 2 is skipped.
 
+Rows whose first positions are the same pages (a system prompt the prefix cache shares) can
+be attended as a cascade (:func:`mla_decode_cascade`): the shared prefix once for all rows, each
+row's own positions with ``skip``, merged by log-sum-exp. On an H200 it only pays from ~64 rows
+(L2 already serves the shared pages to the plain kernel), so the engine does not use it yet.
+
 ``mla_decode_ref`` is the plain-PyTorch oracle.
 """
 
@@ -353,7 +358,7 @@ def mla_decode(
     q_latent, q_pe = _last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe)
     page_table, context_lens = _last_dim_contiguous(page_table), context_lens.contiguous()
     out = torch.empty_like(q_latent)
-    lse = q_latent.new_empty(B, H, dtype=torch.float32) if return_lse else out  # (out: unused)
+    lse = q_latent.new_empty(B, H, dtype=torch.float32) if return_lse else out  # out: a pointer never written
     if B == 0:
         return (out, lse) if return_lse else out
     if num_kv_splits is None and max_context_len is None:

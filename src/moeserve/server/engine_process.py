@@ -212,7 +212,7 @@ class EngineLoop:
             cmds = self._drain(block=not busy)
             if cmds is None:
                 return
-            if not busy:  # not the idle wait: only the reading and the handling count
+            if not busy:  # the intake the step trace reports leaves out an idle engine's wait
                 t0 = time.perf_counter()
             events: list[tuple] = []
             for cmd in cmds:
