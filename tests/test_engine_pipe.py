@@ -1,17 +1,22 @@
 """The HTTP process's pipe to the engine holds a whole wave of long prompts: while the engine
 runs a step, the writer hands over every request that arrived, and the engine's next drain
 takes them all (with the default 64 KiB, two 4,096-token prompts filled it, and a wave joined
-the batch a few requests a step)."""
+the batch a few requests a step). The server's step trace counts what the engine loop takes in."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import sys
 import threading
 
+import httpx
 import pytest
 
+from moeserve.demo import ensure_demo_model
 from moeserve.server.engine_client import PIPE_BYTES, _widen_pipe
+from moeserve.server.wait_ready import EXIT_READY
+from server_utils import ServerProcess
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="F_SETPIPE_SZ is Linux's")
 
@@ -68,3 +73,23 @@ def test_the_default_pipe_would_not_hold_it():
             reader.recv()
     reader.close()
     writer.close()
+
+
+def test_the_server_step_trace_counts_each_request_it_takes_in(tmp_path):
+    """MOESERVE_STEP_TRACE under the server: the engine loop's intake (``added``, ``intake_ms``)
+    counts every request once, in the step that took it in (the warm-up adds its own directly)."""
+    trace = tmp_path / "steps.jsonl"
+    srv = ServerProcess(str(ensure_demo_model()), tmp_path / "server.log", env={"MOESERVE_STEP_TRACE": str(trace)}).start()
+    try:
+        assert srv.wait().code == EXIT_READY, srv.log()
+        before = len(trace.read_text().splitlines())
+        prompts = [[(7 * i + k) % 300 for i in range(40 + k)] for k in range(3)]
+        with httpx.Client(base_url=srv.url, timeout=60) as client:
+            for p in prompts:
+                r = client.post("/v1/completions", json={"prompt": p, "max_tokens": 2, "temperature": 0})
+                assert r.status_code == 200, r.text
+    finally:
+        srv.stop()
+    steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
+    assert sum(s["added"] for s in steps) == len(prompts)
+    assert all(s["intake_ms"] > 0 for s in steps if s["added"]) and all(s["intake_ms"] == 0 for s in steps if not s["added"])
