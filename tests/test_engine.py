@@ -192,3 +192,29 @@ def test_step_trace_has_one_line_per_step(v3_checkpoint, tmp_path, monkeypatch):
     assert [s["t"] for s in steps] == sorted(s["t"] for s in steps)
     # the intake fields are the server's engine loop's; offline nothing is counted there
     assert all(s["added"] == 0 and s["intake_ms"] == 0.0 for s in steps)
+
+
+@pytest.mark.parametrize("which", ["plain", "fp8"])
+def test_host_memory_check_counts_the_weights_as_held(which, v3_checkpoint, fp8_checkpoint, monkeypatch):
+    """The CPU host-memory check's estimate (a build on the meta device) is the loaded stage's
+    parameter bytes: FP8 weights at one byte (the old estimate counted them in the activation
+    dtype, 2.9x too much for DeepSeek-V3 in float32), each pipeline stage its own layers. Too
+    little RAM is refused before anything is allocated."""
+    import moeserve.engine.model_runner as mr
+    from moeserve.cache.kv_pool import StageRange
+    from moeserve.config import load_model_config
+    from moeserve.engine.config import EngineConfig
+
+    path = str(v3_checkpoint if which == "plain" else fp8_checkpoint[0])
+    config = load_model_config(path)
+    engine = EngineConfig(model=path, device="cpu", dtype="float32", num_kv_pages=9)
+    L = config.num_hidden_layers
+    for stage, first, last in [(StageRange(0, L), True, True), (StageRange(0, 1), True, False), (StageRange(1, L), False, True)]:
+        runner = mr.ModelRunner(config, engine, stage, first, last)
+        assert mr.stage_weight_bytes(config, stage, first, last, torch.float32) == runner.weight_bytes
+    if which == "fp8":
+        assert any(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
+    page = mr.os.sysconf("SC_PAGE_SIZE")
+    monkeypatch.setattr(mr.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else runner.weight_bytes // page)
+    with pytest.raises(ValueError, match="more than this machine's"):
+        mr.ModelRunner(config, engine, StageRange(1, L), False, True)

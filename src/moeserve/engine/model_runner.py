@@ -50,6 +50,15 @@ def build_defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(prev)
 
 
+def stage_weight_bytes(model_config: ModelConfig, stage: StageRange, is_first: bool, is_last: bool, dtype: torch.dtype) -> int:
+    """Bytes of a stage's parameters as the model holds them (FP8 weights one byte each with their
+    scales, INT4 packed words, a weight dequantized at load in ``dtype``), from a build of the
+    stage on the meta device: nothing is allocated."""
+    with build_defaults(torch.device("meta"), dtype):
+        shell = model_class(model_config.architecture)(model_config, stage, is_first, is_last)
+    return sum(p.numel() * p.element_size() for p in shell.parameters())
+
+
 def choose_backend(name: str, device: torch.device) -> str:
     if name != "auto":
         return name
@@ -238,14 +247,7 @@ class ModelRunner:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""
         if self.device.type != "cpu":
             return
-        from moeserve.models.deepseek import checkpoint_tensor_shapes
-
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        need = sum(
-            math.prod(shape) * (4 if name.endswith("_packed") else elem)  # INT4: int32 words
-            for name, shape in checkpoint_tensor_shapes(self.model_config)
-        )
-        need = need * self.stage.num_layers // self.model_config.num_hidden_layers
+        need = stage_weight_bytes(self.model_config, self.stage, self.is_first, self.is_last, self.dtype)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > 0.8 * total:
             raise ValueError(
