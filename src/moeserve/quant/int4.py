@@ -13,7 +13,9 @@ from __future__ import annotations
 import torch
 
 PACK = 8  # 4-bit values per int32 word
-_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+# On the CPU explicitly: this module may first be imported inside a build under another default
+# device (the meta-device build that sizes a stage's weights).
+_SHIFTS = torch.arange(PACK, dtype=torch.int32, device="cpu") * 4
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
