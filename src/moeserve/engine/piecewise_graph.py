@@ -36,9 +36,9 @@ log = logging.getLogger("moeserve")
 # Up to 4,096 tokens: a wave of requests over one cached system prompt joins the batch in one
 # mixed step of ~3,500 tokens, whose eager layers (~33 ms of launches on an H200 host) beside its
 # attention cores (~1 ms a layer of host time in the chunked form) outlasted its kernels.
-PIECEWISE_MAX_TOKENS = 4096
 # Captured beyond the prefill graphs' sizes, so that such a step pads by at most 512 tokens.
 PIECEWISE_LARGE_SIZES = (2560, 3072, 3584, 4096)
+PIECEWISE_MAX_TOKENS = PIECEWISE_LARGE_SIZES[-1]
 
 
 def piecewise_capture_sizes(max_num_batched_tokens: int) -> list[int]:

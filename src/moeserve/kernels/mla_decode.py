@@ -378,13 +378,14 @@ def mla_decode(
         po_strides, pl_strides = part_out.stride()[:3], part_lse.stride()[:2]
 
     block_lk, block_r = pow2_at_least(Lk), pow2_at_least(R)
+    skip_at = context_lens if skip is None else skip  # a pointer never read without HAS_SKIP
     _mla_decode_split_kernel[(B, head_blocks, num_kv_splits)](
         q_latent,
         q_pe,
         cache,
         page_table,
         context_lens,
-        context_lens if skip is None else skip,
+        skip_at,
         out,
         lse,
         part_out,
@@ -423,7 +424,7 @@ def mla_decode(
             part_lse,
             out,
             lse,
-            context_lens if skip is None else skip,
+            skip_at,
             *po_strides,
             *pl_strides,
             out.stride(0),
