@@ -18,6 +18,8 @@
 #     extra/*.py client scripts carried beside the snapshot
 #   SERVING=0: only the steps above (checks, profiles, tests), no server
 #   TRACE=1: each server writes its step trace (MOESERVE_STEP_TRACE) to steps_NAME.jsonl
+#   REQTRACE=1: each server writes its request trace (MOESERVE_REQUEST_TRACE) to req_NAME.*.jsonl;
+#     the summary has where the shared-prefix c1 requests' time to first token goes
 #   PYTEST=1: first the CUDA-only tests of the attention kernels, the merges and the piecewise graphs
 # Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
 source "$(dirname "$0")/gpu_steps.sh"
@@ -58,6 +60,7 @@ URL=http://127.0.0.1:8015
 serve() {  # name, serve flags...
   local name=$1; shift
   [ "${TRACE:-0}" = 1 ] && export MOESERVE_STEP_TRACE=$work/steps_$name.jsonl
+  [ "${REQTRACE:-0}" = 1 ] && export MOESERVE_REQUEST_TRACE=$work/req_$name
   python3 -m moeserve serve --model moonlight-16b-a3b --load-format dummy --dtype bfloat16 "$@" \
     --host 127.0.0.1 --port 8015 > "$work/server_$name.log" 2>&1 &
   server=$!
@@ -101,6 +104,10 @@ for f in "$work"/free_*.log "$work"/shared_*.log "$work"/turns_*.log; do
 done
 for f in "$work"/steps_shared_*.jsonl; do
   [ -f "$f" ] && echo "$(basename "$f"): $(python3 scripts/step_trace_summary.py "$f" --show 0 | grep -h 'intake\|waves')" >> "$work/summary.txt"
+done
+for mode in on off; do  # the c1 run's 8 requests, after the 4 of c1_first
+  [ -f "$work/req_shared_$mode.http.jsonl" ] && { echo "request trace, shared_${mode}_c1:"; python3 scripts/request_trace_summary.py \
+    "$work/req_shared_$mode" --skip 4 --count 8; } >> "$work/summary.txt" 2>&1
 done
 for f in "$work"/*_c1/concurrency_1.json "$work"/*_c1_first/concurrency_1.json; do
   [ -f "$f" ] && python3 -c "import json,sys,statistics as st; t=json.load(open(sys.argv[1]))['ttfts_ms']; print(sys.argv[2], 'TTFT ms: first', round(t[0],1), 'median', round(st.median(t),1), 'all', [round(x,1) for x in t])" "$f" "$(basename "$(dirname "$f")")" >> "$work/summary.txt"

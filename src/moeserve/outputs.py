@@ -47,6 +47,11 @@ class RequestDelta:
         seqs = [SeqDelta(*wire[i : i + _PER_SEQ]) for i in range(_HEAD, len(wire), _PER_SEQ)]
         return cls(rid, seqs, finished, error, prompt_tokens, cached_tokens)
 
+    @staticmethod
+    def wire_has_tokens(wire: tuple) -> bool:
+        """Whether the delta packed as ``wire`` carries new tokens (without unpacking it)."""
+        return any(wire[i + 1] for i in range(_HEAD, len(wire), _PER_SEQ))
+
 
 _HEAD, _PER_SEQ = 5, 7  # RequestDelta.to_wire: the request's fields, then each completion's
 

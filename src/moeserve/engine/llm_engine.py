@@ -90,6 +90,8 @@ class LLMEngine:
         self._trace = open(trace, "a", buffering=1) if trace else None
         # what the server's engine loop spent taking in requests since the last traced step
         self.intake_requests, self.intake_s = 0, 0.0
+        # the server's request trace (``moeserve.server.request_trace``): ``mark(rids, point)``
+        self.request_trace: Any | None = None
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
@@ -229,6 +231,9 @@ class LLMEngine:
             batch = self.scheduler.schedule(max_seqs=cap, async_scheduling=async_scheduling)
             if not batch.seqs:
                 break
+            first = self._first_chunks(batch) if self.request_trace is not None else None
+            if first:
+                self.request_trace.mark(first, "scheduled")
             step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
             self._finished_seq_ids = []
             try:
@@ -236,6 +241,8 @@ class LLMEngine:
             except BaseException:
                 self._forget_in_flight(batch)
                 raise
+            if first:
+                self.request_trace.mark(first, "launched")
             self._in_flight.append((batch, step, handle))
         if not self._in_flight:
             return []
@@ -248,6 +255,15 @@ class LLMEngine:
         if self._trace is not None:
             self._trace_step(step)
         return self.process_result(batch, step, result)
+
+    @staticmethod
+    def _first_chunks(batch: ScheduledBatch) -> list[str]:
+        """The requests whose first sample computes the first chunk of its prompt in ``batch``."""
+        return [
+            seq.request_id
+            for seq, start in zip(batch.seqs, batch.starts)
+            if seq.index == 0 and seq.num_output_tokens == 0 and start == (seq.num_cached_tokens or 0)
+        ]
 
     def _trace_step(self, step: StepInput) -> None:
         decodes = leading_decode_rows(step.query_lens)
@@ -279,6 +295,7 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         by_id = {s.seq_id: s for s in batch.seqs}
         now = time.monotonic()
+        firsts: list[str] = []
         for j, seq_id in enumerate(step.sample_seq_ids):
             seq = by_id[seq_id]
             if seq.finished:  # e.g. a stop token in the step before (asynchronous scheduling)
@@ -292,6 +309,7 @@ class LLMEngine:
                 continue
             if req.first_token_time is None:
                 req.first_token_time = now
+                firsts.append(req.request_id)
             try:
                 self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
             except Exception as e:  # noqa: BLE001 - its detokenizer, stop strings or logprobs: its problem alone
@@ -304,6 +322,9 @@ class LLMEngine:
             if req.aborted or req.error is not None:
                 self._finish(seq, "abort" if req.aborted else "error")
                 touched[req.request_id] = req
+        if firsts and self.request_trace is not None:
+            self.request_trace.mark(firsts, "stepped", now)
+            self.request_trace.mark(firsts, "processed")
         changed = []
         for req in touched.values():
             finished = req.finished

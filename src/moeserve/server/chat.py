@@ -103,7 +103,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
     text, ids = await ctx.blocking(chat_prompt, req, ctx, inline=await ctx.is_small(raw))
     as_ids = req.return_tokens_as_token_ids
     cid = new_id("chatcmpl")
-    group = await submit(ctx, cid, [(text, ids)], kwargs, {"prompt": "messages"})
+    group = await submit(ctx, raw, cid, [(text, ids)], kwargs, {"prompt": "messages"})
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
 
     if req.stream:

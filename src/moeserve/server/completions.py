@@ -49,6 +49,11 @@ def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | Non
     return out
 
 
+def _has_text(req: CompletionRequest) -> bool:
+    p = req.prompt  # validated: a string, or a list of one kind
+    return isinstance(p, str) or (bool(p) and isinstance(p[0], str))
+
+
 def _echo(req: CompletionRequest, ctx: ServerContext, prompts: list[tuple[str | None, list[int]]]) -> list[str]:
     if not (req.echo and ctx.tokenizer):
         return [""] * len(prompts)
@@ -92,9 +97,10 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {}, ctx.max_n)
     ctx.client.check_available()
     small = await ctx.is_small(raw)
-    prompts = await ctx.blocking(_prompts, req, ctx, inline=small)  # off the event loop when large
+    # Off the event loop when there is text to tokenize in a large body; token ids are only copied.
+    prompts = await ctx.blocking(_prompts, req, ctx, inline=small or not _has_text(req))
     cid = new_id("cmpl")
-    group = await submit(ctx, cid, prompts, kwargs, {"prompt": "prompt"})
+    group = await submit(ctx, raw, cid, prompts, kwargs, {"prompt": "prompt"})
     try:  # decoded only once the engine has checked the token ids
         echo = await ctx.blocking(_echo, req, ctx, prompts, inline=small) if req.echo else [""] * len(prompts)
     except BaseException:

@@ -20,6 +20,7 @@ from moeserve.outputs import RequestDelta
 from moeserve.server.engine_process import engine_main
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
+from moeserve.server.request_trace import open_request_trace
 
 log = logging.getLogger("moeserve.server")
 
@@ -97,6 +98,7 @@ class AsyncEngineClient:
         self._fatal: str | None = None
         self._closing = False
         self._proc: Any = None
+        self.trace = open_request_trace("http")
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -303,6 +305,8 @@ class AsyncEngineClient:
         tracked.prompt_tokens = delta.prompt_tokens
         new_tokens = sum(len(s.token_ids) for s in delta.seqs)
         if new_tokens:
+            if self.trace is not None and tracked.first_token is None:
+                self.trace.mark([rid], "delivered", now)
             tracked.generated += new_tokens
             tracked.first_token = tracked.first_token or now
             tracked.last_token = now

@@ -31,6 +31,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from moeserve.kernels.compile_watch import watch_kernel_compiles
+from moeserve.outputs import RequestDelta
+from moeserve.server.request_trace import open_request_trace
 
 log = logging.getLogger("moeserve")
 
@@ -204,6 +206,8 @@ class EngineLoop:
         self.cmds = cmds
         self.events = events
         self.max_waiting = max_waiting
+        self.trace = engine.request_trace = open_request_trace("engine")
+        self._untold: set[str] = set()  # traced requests whose first token is not sent yet
 
     def run(self) -> None:
         while True:
@@ -218,13 +222,27 @@ class EngineLoop:
             for cmd in cmds:
                 if cmd[0] == "shutdown":
                     return
+                if self.trace is not None and cmd[0] == "add":
+                    self._trace_intake(cmd, t0)
                 events.extend(self._handle(cmd))
             if cmds:  # the step trace's intake (MOESERVE_STEP_TRACE)
                 self.engine.intake_requests += sum(len(c[2]) for c in cmds if c[0] == "add")
                 self.engine.intake_s += time.perf_counter() - t0
             deltas = self.step() if self.engine.has_unfinished_requests() else []
             if events or deltas or cmds:
-                self.events.send(self.message(events, deltas))
+                message = self.message(events, deltas)
+                if self._untold and deltas:
+                    self._trace_sent(deltas)
+                self.events.send(message)
+
+    def _trace_intake(self, cmd: tuple, t_recv: float) -> None:
+        self.trace.mark([rid for rid, _, _ in cmd[2]], "recv", t_recv)
+
+    def _trace_sent(self, deltas: list[tuple]) -> None:
+        """Mark the requests whose first token goes out in the message about to be sent."""
+        sent = [d[0] for d in deltas if d[0] in self._untold and RequestDelta.wire_has_tokens(d)]
+        self.trace.mark(sent, "sent")
+        self._untold.difference_update(sent)
 
     def step(self) -> list[tuple]:
         """One engine step's deltas, packed for the pipe."""
@@ -275,6 +293,9 @@ class EngineLoop:
             if isinstance(e, ValueError):
                 return [("error", key, 400, str(e))]
             return [("error", key, 500, f"{type(e).__name__}: {e}")]
+        if self.trace is not None:
+            self.trace.mark(added, "added")
+            self._untold.update(added)
         return [("accepted", key)]
 
     def _overloaded(self, cost: int) -> str | None:

@@ -25,6 +25,7 @@ from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import _SamplingFields
+from moeserve.server.request_trace import RequestTrace
 
 MAX_LOGPROBS = 20
 PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
@@ -48,6 +49,10 @@ class ServerContext:
     _token_strs: dict[int, str] = field(default_factory=dict)
     _token_bytes: dict[int, list[int]] = field(default_factory=dict)
     _limiter: anyio.CapacityLimiter | None = None
+
+    @property
+    def trace(self) -> RequestTrace | None:
+        return self.client.trace
 
     @property
     def model_name(self) -> str:
@@ -89,7 +94,11 @@ class ServerContext:
         """The request body as ``model`` (off the event loop unless :meth:`is_small`); a 400 in
         OpenAI's format when it is not valid JSON (a lone surrogate escape included) or not a
         valid request."""
-        return await self.blocking(parse_body, model, await raw.body(), inline=await self.is_small(raw))
+        start = time.monotonic()
+        parsed = await self.blocking(parse_body, model, await raw.body(), inline=await self.is_small(raw))
+        if self.trace is not None:
+            raw.state.trace_marks = {"start": start, "parsed": time.monotonic()}
+        return parsed
 
     @staticmethod
     async def is_small(raw: Request) -> bool:
@@ -268,12 +277,22 @@ def sampling_kwargs(
 
 
 async def submit(
-    ctx: ServerContext, request_id: str, prompts: list[tuple[str | None, list[int]]], kwargs: dict, param_map: dict[str, str] | None = None
+    ctx: ServerContext,
+    raw: Request,
+    request_id: str,
+    prompts: list[tuple[str | None, list[int]]],
+    kwargs: dict,
+    param_map: dict[str, str] | None = None,
 ) -> RequestGroup:
     """One engine request per prompt (``{request_id}-{i}``); all accepted, or none left running."""
     ctx.client.check_available()
     group = ctx.client.group()
     items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, kwargs) for i, (text, ids) in enumerate(prompts)]
+    if ctx.trace is not None:
+        rids = [rid for rid, _, _ in items]
+        for at, t in getattr(raw.state, "trace_marks", {}).items():
+            ctx.trace.mark(rids, at, t)
+        ctx.trace.mark(rids, "prompts")
     try:
         await group.add_all(items)
     except BaseException as e:
@@ -369,9 +388,13 @@ def sse(data: dict | str) -> str:
 
 async def sse_events(chunks: AsyncIterator[dict], group: RequestGroup) -> AsyncIterator[str]:
     """SSE lines for the chunks, then ``[DONE]``; an error mid-stream becomes an error event."""
+    trace = group.client.trace
     try:
         async for chunk in chunks:
             yield sse(chunk)
+            if trace is not None and _carries_output(chunk):  # resumed: the chunk went to the connection
+                trace.mark(group.rids, "streamed")
+                trace = None
     except APIError as e:
         yield sse(e.body())
     except Exception as e:  # noqa: BLE001 - the headers are gone; say it in the stream
@@ -379,6 +402,11 @@ async def sse_events(chunks: AsyncIterator[dict], group: RequestGroup) -> AsyncI
     finally:
         group.abort_unfinished()
     yield sse("[DONE]")
+
+
+def _carries_output(chunk: dict) -> bool:
+    """Whether a chunk holds generated output (not only chat's opening role)."""
+    return any("role" not in c.get("delta", {}) for c in chunk.get("choices", []))
 
 
 class SSEResponse(StreamingResponse):
