@@ -41,6 +41,22 @@ def test_hash_chain_matches_only_the_same_tokens_in_the_same_positions():
     assert alloc.lookup(b, 3, known) == [] and known == chain_hashes(b, PS, 1)
 
 
+def test_a_hash_collision_never_maps_a_page_of_other_tokens(monkeypatch):
+    """The index is keyed by the hash, but a lookup compares the page's own tokens and its
+    parent's hash exactly: with every hash equal, only the page that was cached is found."""
+    import moeserve.cache.allocator as allocator
+
+    monkeypatch.setattr(allocator, "page_hash", lambda key: 7)
+    alloc = PagedAllocator(8, PS)
+    a, b = list(range(8)), list(range(50, 58))
+    pages, _ = cached_pages(alloc, a, 2)  # page 2 of a collides with page 1: it stays private
+    assert alloc.lookup(a, 2) == pages[:1] and alloc.is_cached(pages[0]) and not alloc.is_cached(pages[1])
+    assert alloc.lookup(b, 2) == []
+    other, _ = cached_pages(alloc, b, 1)
+    assert not alloc.is_cached(other[0]) and alloc.lookup(b, 1) == []
+    alloc.check()
+
+
 def test_refcounts_and_lru_eviction_never_take_a_page_in_use():
     alloc = PagedAllocator(6, PS)
     a, b = list(range(8)), list(range(100, 108))

@@ -27,8 +27,9 @@ class _Body:
 
 
 def test_small_bodies_are_parsed_on_the_event_loop_large_ones_in_a_worker_thread(monkeypatch):
-    """A worker-thread round trip costs more than parsing a small body, and it is paid before
-    the first token; a large body still leaves the event loop free."""
+    """A worker-thread round trip costs more than parsing a body of a few tens of KB (a 4,096-token
+    prompt's ids), and it is paid before the first token; a larger body still leaves the event
+    loop free. Text is tokenized on the loop only in bodies up to ``INLINE_BODY_BYTES``."""
     import threading
 
     import moeserve.server.openai_shared as shared
@@ -43,15 +44,19 @@ def test_small_bodies_are_parsed_on_the_event_loop_large_ones_in_a_worker_thread
         return real_parse(model, body)
 
     monkeypatch.setattr(shared, "parse_body", recording_parse)
+    ids = ", ".join(str(100_000 + i) for i in range(4224))
+    bodies = [
+        _Body(b'{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}'),
+        _Body(('{"model": "m", "prompt": [' + ids + '], "max_tokens": 1}').encode()),
+        _Body(('{"model": "m", "prompt": "' + "a" * (2 * shared.INLINE_PARSE_BYTES) + '", "max_tokens": 1}').encode()),
+    ]
+    assert shared.INLINE_BODY_BYTES < len(bodies[1]._body) <= shared.INLINE_PARSE_BYTES
 
     async def run() -> tuple[int, list[bool]]:
-        small = _Body(b'{"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}')
-        large = _Body(('{"model": "m", "prompt": "' + "a" * (2 * shared.INLINE_BODY_BYTES) + '", "max_tokens": 1}').encode())
-        await ctx.parse(small, CompletionRequest)
-        await ctx.parse(large, CompletionRequest)
-        return threading.get_ident(), [await ctx.is_small(small), await ctx.is_small(large)]
+        for body in bodies:
+            await ctx.parse(body, CompletionRequest)
+        return threading.get_ident(), [await ctx.is_small(body) for body in bodies]
 
     loop_thread, small_flags = asyncio.run(run())
-    assert threads[0] == loop_thread
-    assert threads[1] != loop_thread
-    assert small_flags == [True, False]
+    assert [t == loop_thread for t in threads] == [True, True, False]
+    assert small_flags == [True, False, False]

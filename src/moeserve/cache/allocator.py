@@ -20,8 +20,10 @@ from typing import Iterable, Sequence as Seq
 
 # A full page of tokens is known by a hash chained over its parent page's hash and its own
 # token ids, so equal hashes mean equal tokens in the same positions from the start of the
-# sequence. The index is keyed by (parent hash, the page's own token ids): a page's own tokens
-# are compared exactly, only its ancestry is trusted to the 64-bit hash (as vLLM's default).
+# sequence. The index is keyed by that hash and holds each page's key (parent hash, its own
+# token ids), which a lookup compares: a page's own tokens are compared exactly, only its
+# ancestry is trusted to the 64-bit hash (as vLLM's default). (Keyed by the hash, a lookup
+# hashes each page's tokens once, not again inside the dict.)
 PageHash = int
 PageKey = tuple[PageHash, tuple[int, ...]]
 ROOT_HASH: PageHash = 0
@@ -57,8 +59,8 @@ class PagedAllocator:
         self.page_size = page_size
         self._free: deque[int] = deque(range(num_pages))
         self._refs = [0] * num_pages
-        self._index: dict[PageKey, int] = {}  # cached pages
-        self._key_of: dict[int, PageKey] = {}
+        self._index: dict[PageHash, tuple[PageKey, int]] = {}  # cached pages: hash -> (key, page)
+        self._hash_of: dict[int, PageHash] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced: LRU first
 
     @property
@@ -78,7 +80,7 @@ class PagedAllocator:
         return self._refs[page]
 
     def is_cached(self, page: int) -> bool:
-        return page in self._key_of
+        return page in self._hash_of
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -92,7 +94,7 @@ class PagedAllocator:
                 page = self._free.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
-                del self._index[self._key_of.pop(page)]
+                del self._index[self._hash_of.pop(page)]
             self._refs[page] = 1
             pages.append(page)
         return pages
@@ -106,7 +108,7 @@ class PagedAllocator:
                 raise AssertionError(f"page {page} freed more often than it was referenced")
             if self._refs[page]:
                 continue
-            if page in self._key_of:
+            if page in self._hash_of:
                 self._evictable[page] = None
             else:
                 self._free.append(page)
@@ -118,16 +120,16 @@ class PagedAllocator:
         hashes computed so far, as ``chain_hashes`` keeps them) is extended in place up to the
         first page not found: each page's key is built once, for its hash and its lookup."""
         hashes = known if known is not None else []
-        ps = self.page_size
+        ps, index = self.page_size, self._index
         pages = []
         for i in range(num_pages):
             key = page_key(hashes[i - 1] if i else ROOT_HASH, token_ids[i * ps : (i + 1) * ps])
             if i == len(hashes):
                 hashes.append(page_hash(key))
-            page = self._index.get(key)
-            if page is None:
+            entry = index.get(hashes[i])
+            if entry is None or entry[0] != key:
                 break
-            pages.append(page)
+            pages.append(entry[1])
         return pages
 
     def num_evictable(self, pages: Iterable[int]) -> int:
@@ -145,10 +147,11 @@ class PagedAllocator:
         """Index a full page whose KV is written (see the scheduler for when that is). A page
         with the same tokens cached already keeps its place; this one stays private."""
         key = page_key(parent, tokens)
-        if key in self._index or page in self._key_of:
+        h = page_hash(key)
+        if h in self._index or page in self._hash_of:  # (or another key of this hash: this one stays private)
             return
-        self._index[key] = page
-        self._key_of[page] = key
+        self._index[h] = (key, page)
+        self._hash_of[page] = h
 
     def check(self) -> None:
         """Every page is in exactly one state (tests call this)."""
@@ -157,6 +160,6 @@ class PagedAllocator:
         for page in range(self.num_pages):
             states = [page in free, self._refs[page] > 0, page in self._evictable]
             assert sum(states) == 1, f"page {page}: free/in use/evictable = {states}"
-            assert page not in self._evictable or page in self._key_of
-            assert page not in free or page not in self._key_of
-        assert all(self._index[k] == p for p, k in self._key_of.items()) and len(self._index) == len(self._key_of)
+            assert page not in self._evictable or page in self._hash_of
+            assert page not in free or page not in self._hash_of
+        assert all(self._index[h][1] == p for p, h in self._hash_of.items()) and len(self._index) == len(self._hash_of)

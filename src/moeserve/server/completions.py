@@ -30,7 +30,7 @@ def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | Non
     p = req.prompt
     if isinstance(p, str):
         items: list = [p]
-    elif p and all(isinstance(x, int) for x in p):
+    elif p and isinstance(p[0], int):  # validated: a list holds one kind
         items = [p]
     else:
         items = list(p)
