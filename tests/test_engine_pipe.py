@@ -93,3 +93,39 @@ def test_the_server_step_trace_counts_each_request_it_takes_in(tmp_path):
     steps = [json.loads(line) for line in trace.read_text().splitlines()[before:]]
     assert sum(s["added"] for s in steps) == len(prompts)
     assert all(s["intake_ms"] > 0 for s in steps if s["added"]) and all(s["intake_ms"] == 0 for s in steps if not s["added"])
+
+
+def test_the_engine_answers_an_add_before_the_step_that_computes_its_first_token():
+    """The ``accepted`` event goes out in a message of its own before the loop's step (the HTTP
+    side opens the response while the first token is computed); the step's deltas follow."""
+    from moeserve.engine.config import EngineConfig
+    from moeserve.engine.llm import build_engine
+    from moeserve.server.engine_process import EngineLoop
+
+    engine = build_engine(EngineConfig(model=str(ensure_demo_model())))
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    evt_r, evt_w = mp.Pipe(duplex=False)
+    cmd_w.send(("add", "k", [("k-0", {"prompt": None, "prompt_token_ids": [5, 6, 7]}, {"max_tokens": 2, "temperature": 0.0})]))
+    steps = []
+    real_step = EngineLoop.step
+
+    def recording_step(self):
+        steps.append(evt_r.poll(0))  # whether a message was waiting when the step began
+        deltas = real_step(self)
+        if not self.engine.has_unfinished_requests():
+            cmd_w.send(("shutdown",))
+        return deltas
+
+    try:
+        loop = EngineLoop(engine, cmd_r, evt_w, None)
+        loop.step = recording_step.__get__(loop)
+        loop.run()
+    finally:
+        engine.shutdown()
+    messages = []
+    while evt_r.poll(0):
+        messages.append(evt_r.recv())
+    assert steps[0] is True
+    assert messages[0][:3] == ("batch", [("accepted", "k")], [])
+    tokens = [len(d[6]) for m in messages[1:] for d in m[2]]
+    assert sum(tokens) == 2 and all(not m[1] for m in messages[1:])

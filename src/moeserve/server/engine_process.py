@@ -10,7 +10,8 @@ Messages out (``events``):
   ``("batch", events, deltas, stats)`` after each loop turn that changed something, where an event
   is ``("accepted", key)`` or ``("error", key, http_status, message)``, and ``deltas`` are the
   engine step's ``RequestDelta``s (what each request made since its previous one, text that a
-  stop string could still cut held back) as ``RequestDelta.to_wire`` packs them;
+  stop string could still cut held back) as ``RequestDelta.to_wire`` packs them. A turn that took
+  in requests sends their events before its step (with no deltas), its deltas after it;
   ``("fatal", text)`` right before the process exits on an error.
 A request that failed during generation ends with a delta whose ``error`` says why.
 
@@ -228,9 +229,11 @@ class EngineLoop:
             if cmds:  # the step trace's intake (MOESERVE_STEP_TRACE)
                 self.engine.intake_requests += sum(len(c[2]) for c in cmds if c[0] == "add")
                 self.engine.intake_s += time.perf_counter() - t0
+            if events:  # answered before the step: the HTTP side opens the responses while it runs
+                self.events.send(self.message(events, []))
             deltas = self.step() if self.engine.has_unfinished_requests() else []
-            if events or deltas or cmds:
-                message = self.message(events, deltas)
+            if deltas or (cmds and not events):
+                message = self.message([], deltas)
                 if self._untold and deltas:
                     self._trace_sent(deltas)
                 self.events.send(message)
