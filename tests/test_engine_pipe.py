@@ -95,9 +95,10 @@ def test_the_server_step_trace_counts_each_request_it_takes_in(tmp_path):
     assert all(s["intake_ms"] > 0 for s in steps if s["added"]) and all(s["intake_ms"] == 0 for s in steps if not s["added"])
 
 
-def test_the_engine_answers_an_add_before_the_step_that_computes_its_first_token():
-    """The ``accepted`` event goes out in a message of its own before the loop's step (the HTTP
-    side opens the response while the first token is computed); the step's deltas follow."""
+def test_the_engine_answers_an_add_once_the_step_that_computes_its_first_token_is_launched():
+    """The ``accepted`` event goes out in a message of its own after the loop's step is submitted
+    and before it is waited for (the HTTP side opens the response while the first token is
+    computed, without taking the CPU from the launch); the step's deltas follow."""
     from moeserve.engine.config import EngineConfig
     from moeserve.engine.llm import build_engine
     from moeserve.server.engine_process import EngineLoop
@@ -106,26 +107,36 @@ def test_the_engine_answers_an_add_before_the_step_that_computes_its_first_token
     cmd_r, cmd_w = mp.Pipe(duplex=False)
     evt_r, evt_w = mp.Pipe(duplex=False)
     cmd_w.send(("add", "k", [("k-0", {"prompt": None, "prompt_token_ids": [5, 6, 7]}, {"max_tokens": 2, "temperature": 0.0})]))
-    steps = []
-    real_step = EngineLoop.step
+    seen: list[tuple[str, bool]] = []  # (call, whether a message was waiting for the HTTP side)
+    executor = engine.executor
+    real_submit, real_wait = executor.submit, executor.wait
 
-    def recording_step(self):
-        steps.append(evt_r.poll(0))  # whether a message was waiting when the step began
-        deltas = real_step(self)
-        if not self.engine.has_unfinished_requests():
+    def submit(step):
+        seen.append(("submit", evt_r.poll(0)))
+        return real_submit(step)
+
+    def wait(handle):
+        seen.append(("wait", evt_r.poll(0)))
+        return real_wait(handle)
+
+    loop = EngineLoop(engine, cmd_r, evt_w, None)
+    real_step = loop.step
+
+    def step(after_launch=None):
+        deltas = real_step(after_launch)
+        if not engine.has_unfinished_requests():
             cmd_w.send(("shutdown",))
         return deltas
 
+    executor.submit, executor.wait, loop.step = submit, wait, step
     try:
-        loop = EngineLoop(engine, cmd_r, evt_w, None)
-        loop.step = recording_step.__get__(loop)
         loop.run()
     finally:
         engine.shutdown()
     messages = []
     while evt_r.poll(0):
         messages.append(evt_r.recv())
-    assert steps[0] is True
+    assert seen[:2] == [("submit", False), ("wait", True)]
     assert messages[0][:3] == ("batch", [("accepted", "k")], [])
     tokens = [len(d[6]) for m in messages[1:] for d in m[2]]
     assert sum(tokens) == 2 and all(not m[1] for m in messages[1:])

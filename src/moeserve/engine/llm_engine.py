@@ -12,7 +12,7 @@ from collections import deque
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from moeserve.cache.allocator import PagedAllocator
 from moeserve.config import ModelConfig
@@ -200,9 +200,11 @@ class LLMEngine:
         return self.allocator.usage
 
     # ---- the loop ----
-    def step_deltas(self) -> list[RequestDelta]:
-        """Run one step; return what it changed: a delta for each request it changed."""
-        return [delta for _, delta in self._run_step()]
+    def step_deltas(self, after_launch: Callable[[], None] | None = None) -> list[RequestDelta]:
+        """Run one step; return what it changed: a delta for each request it changed.
+        ``after_launch`` runs once the step is submitted, before it is waited for (host work that
+        the device's then hides), and runs whatever happens."""
+        return [delta for _, delta in self._run_step(after_launch)]
 
     def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """``step_deltas`` folded into vLLM's cumulative outputs: the requests the step changed
@@ -220,8 +222,26 @@ class LLMEngine:
                 outputs.append(req.output)
         return outputs
 
-    def _run_step(self) -> list[tuple[Request, RequestDelta]]:
+    def _run_step(self, after_launch: Callable[[], None] | None = None) -> list[tuple[Request, RequestDelta]]:
         """Keep up to ``settings.max_in_flight`` batches submitted, then complete the oldest one."""
+        try:
+            self._launch()
+        finally:
+            if after_launch is not None:
+                after_launch()
+        if not self._in_flight:
+            return []
+        batch, step, handle = self._in_flight.popleft()
+        try:
+            result = self.executor.wait(handle)
+        except BaseException:
+            self._forget_in_flight(batch)
+            raise
+        if self._trace is not None:
+            self._trace_step(step)
+        return self.process_result(batch, step, result)
+
+    def _launch(self) -> None:
         depth = self.settings.max_in_flight
         async_scheduling = self.settings.async_scheduling
         while len(self._in_flight) < depth:
@@ -244,17 +264,6 @@ class LLMEngine:
             if first:
                 self.request_trace.mark(first, "launched")
             self._in_flight.append((batch, step, handle))
-        if not self._in_flight:
-            return []
-        batch, step, handle = self._in_flight.popleft()
-        try:
-            result = self.executor.wait(handle)
-        except BaseException:
-            self._forget_in_flight(batch)
-            raise
-        if self._trace is not None:
-            self._trace_step(step)
-        return self.process_result(batch, step, result)
 
     @staticmethod
     def _first_chunks(batch: ScheduledBatch) -> list[str]:

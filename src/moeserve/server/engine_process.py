@@ -11,7 +11,8 @@ Messages out (``events``):
   is ``("accepted", key)`` or ``("error", key, http_status, message)``, and ``deltas`` are the
   engine step's ``RequestDelta``s (what each request made since its previous one, text that a
   stop string could still cut held back) as ``RequestDelta.to_wire`` packs them. A turn that took
-  in requests sends their events before its step (with no deltas), its deltas after it;
+  in requests sends their events as soon as its step is launched (with no deltas), its deltas
+  after the step;
   ``("fatal", text)`` right before the process exits on an error.
 A request that failed during generation ends with a delta whose ``error`` says why.
 
@@ -22,6 +23,7 @@ the requests the server is still finishing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -29,7 +31,7 @@ import sys
 import time
 import traceback
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Callable
 
 from moeserve.kernels.compile_watch import watch_kernel_compiles
 from moeserve.outputs import RequestDelta
@@ -229,9 +231,16 @@ class EngineLoop:
             if cmds:  # the step trace's intake (MOESERVE_STEP_TRACE)
                 self.engine.intake_requests += sum(len(c[2]) for c in cmds if c[0] == "add")
                 self.engine.intake_s += time.perf_counter() - t0
-            if events:  # answered before the step: the HTTP side opens the responses while it runs
-                self.events.send(self.message(events, []))
-            deltas = self.step() if self.engine.has_unfinished_requests() else []
+            # The answers go out in a message of their own once the step is launched: the HTTP
+            # side opens the responses while it runs (before it, that work could take the engine's
+            # CPU core from the launch; after it, it waited for the first token).
+            answer = functools.partial(self.events.send, self.message(events, [])) if events else None
+            if self.engine.has_unfinished_requests():
+                deltas = self.step(after_launch=answer)
+            else:
+                deltas = []
+                if answer is not None:
+                    answer()
             if deltas or (cmds and not events):
                 message = self.message([], deltas)
                 if self._untold and deltas:
@@ -247,9 +256,9 @@ class EngineLoop:
         self.trace.mark(sent, "sent")
         self._untold.difference_update(sent)
 
-    def step(self) -> list[tuple]:
-        """One engine step's deltas, packed for the pipe."""
-        return [d.to_wire() for d in self.engine.step_deltas()]
+    def step(self, after_launch: Callable[[], None] | None = None) -> list[tuple]:
+        """One engine step's deltas, packed for the pipe (``after_launch``: see ``step_deltas``)."""
+        return [d.to_wire() for d in self.engine.step_deltas(after_launch)]
 
     def message(self, events: list[tuple], deltas: list[tuple]) -> tuple:
         return ("batch", events, deltas, self.stats())
