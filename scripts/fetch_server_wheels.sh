@@ -5,10 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+# The versions installed in the project's venv (where the tests ran), else in python3's: one
+# consistent set (a newer anyio than typing-extensions fails to import).
+py=.venv/bin/python; [ -x "$py" ] || py=python3
 # fastapi needs opentelemetry-api and a newer typing-extensions than the GPU image holds.
 for pkg in fastapi uvicorn starlette pydantic pydantic_core annotated-types typing-inspection annotated-doc \
     opentelemetry-api typing-extensions anyio uvloop httptools aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl; do
-  version=$(python3 -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
+  version=$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
   spec=$pkg${version:+==$version}
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
