@@ -242,6 +242,7 @@ class LLMEngine:
         return self.process_result(batch, step, result)
 
     def _launch(self) -> None:
+        """Schedule and submit batches until ``max_in_flight`` are in flight or none is left."""
         depth = self.settings.max_in_flight
         async_scheduling = self.settings.async_scheduling
         while len(self._in_flight) < depth:
@@ -267,7 +268,7 @@ class LLMEngine:
 
     @staticmethod
     def _first_chunks(batch: ScheduledBatch) -> list[str]:
-        """The requests whose first sample computes the first chunk of its prompt in ``batch``."""
+        """The requests whose first sample computes the first chunk of their prompt in ``batch``."""
         return [
             seq.request_id
             for seq, start in zip(batch.seqs, batch.starts)

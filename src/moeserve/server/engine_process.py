@@ -221,12 +221,13 @@ class EngineLoop:
                 return
             if not busy:  # the intake the step trace reports leaves out an idle engine's wait
                 t0 = time.perf_counter()
+            received = time.monotonic()  # the request trace's clock
             events: list[tuple] = []
             for cmd in cmds:
                 if cmd[0] == "shutdown":
                     return
                 if self.trace is not None and cmd[0] == "add":
-                    self._trace_intake(cmd, t0)
+                    self._trace_intake(cmd, received)
                 events.extend(self._handle(cmd))
             if cmds:  # the step trace's intake (MOESERVE_STEP_TRACE)
                 self.engine.intake_requests += sum(len(c[2]) for c in cmds if c[0] == "add")
@@ -289,6 +290,7 @@ class EngineLoop:
     def _handle(self, cmd: tuple) -> list[tuple]:
         if cmd[0] == "abort":
             self.engine.abort_request(cmd[1])
+            self._untold.discard(cmd[1])
             return []
         _, key, items = cmd
         refusal = self._overloaded(sum(int(kwargs.get("n", 1)) for _, _, kwargs in items))
