@@ -28,6 +28,8 @@ from server_utils import ServerProcess, free_port, metric, poll, sse_data
 FAIL_MARKER = "<<fail-me>>"
 LIMIT = 4 << 20
 MAX_LEN = 512
+DRAIN_S = 8  # the drainer's --shutdown-timeout
+DRAIN_MAX_LEN = 32768  # the SIGTERM test's long request: past the demo's 4,096 positions (rope is computed, not tabled)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +56,7 @@ def launched(demo_dir, tmp_path_factory):
             str(LIMIT),
             env={"MOESERVE_INJECT_REQUEST_FAILURE": FAIL_MARKER},
         ),
-        drainer=ServerProcess(demo_dir, tmp / "drainer.log", "--max-model-len", "2048", "--shutdown-timeout", "4"),
+        drainer=ServerProcess(demo_dir, tmp / "drainer.log", "--max-model-len", str(DRAIN_MAX_LEN), "--shutdown-timeout", str(DRAIN_S)),
     )
     try:
         for p in vars(procs).values():
@@ -405,17 +407,37 @@ def test_systemd_unit_waits_longer_than_the_drain():
 
 
 # ---- 4. SIGTERM drains (last: it stops its server) ----
-SHORT_TOKENS = 160
+SHORT_DECODE_S = 1.5  # how long the short requests decode, at the speed measured just before
+
+
+def decode_step_seconds(srv, requests: int = 5, tokens: int = 48) -> float:
+    """Seconds between two tokens of a stream while ``requests`` streams decode together: the
+    machine's pace, which sizes the requests whose timing the SIGTERM test depends on."""
+    body = {"prompt": "pace", "max_tokens": tokens, "ignore_eos": True}
+    streams = [Stream(srv, body) for _ in range(requests)]
+    paces = []
+    for s in streams:
+        s.join(60)
+        assert s.done and len(s.times) == tokens + 1, s.events[-3:]
+        paces.append((s.times[-2] - s.times[0]) / (tokens - 1))  # first to last token ([DONE] is last)
+    return max(paces)
 
 
 def test_sigterm_drains_then_cuts_with_errors(launched):
     srv = launched.drainer
     r = srv.startup_result()
     assert r.code == EXIT_READY, f"{r.message}\n{srv.log()}"
-    # Long enough to be seen running beside the others on a fast machine (24 tokens could end
-    # between two polls), short enough to finish inside the 4 s drain on a slow one.
-    short_body = {"prompt": "short", "max_tokens": SHORT_TOKENS, "ignore_eos": True}
-    long_body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True}  # well past the 4 s
+    # The short requests must still be running when the poll below looks (24 tokens ended between
+    # two polls on a fast machine) and end well inside the drain (160 did not on a slow CI one):
+    # sized by this machine's pace, they decode ~SHORT_DECODE_S, a fifth of the drain.
+    step_s = decode_step_seconds(srv)
+    short_tokens = max(24, math.ceil(SHORT_DECODE_S / step_s))
+    long_tokens = DRAIN_MAX_LEN - 16
+    assert long_tokens * step_s > 1.25 * DRAIN_S, (
+        f"a {long_tokens}-token request would not outlast the {DRAIN_S} s drain at {step_s * 1e3:.2f} ms a token"
+    )
+    short_body = {"prompt": "short", "max_tokens": short_tokens, "ignore_eos": True}
+    long_body = {"prompt": "long", "max_tokens": long_tokens, "ignore_eos": True}
     long = Stream(srv, long_body)
     with cf.ThreadPoolExecutor(2) as pool:
         plain_long = pool.submit(post, srv, "completions", json=long_body)
@@ -428,10 +450,10 @@ def test_sigterm_drains_then_cuts_with_errors(launched):
         assert_openai_error(post(srv, "completions", json={"prompt": "new"}), 503, code="shutting_down")
         for s in short:
             s.join(30)
-            assert s.done and len(s.chunks()) == SHORT_TOKENS and s.chunks()[-1]["choices"][0]["finish_reason"] == "length"
+            assert s.done and len(s.chunks()) == short_tokens and s.chunks()[-1]["choices"][0]["finish_reason"] == "length"
         assert plain_short.result(30).status_code == 200
         err = assert_openai_error(plain_long.result(30), 503, code="shutting_down")
-    assert "--shutdown-timeout of 4 s" in err["message"]
+    assert f"--shutdown-timeout of {DRAIN_S} s" in err["message"]
     long.join(30)
     assert long.done and json.loads(long.events[-2])["error"]["code"] == "shutting_down"
     assert srv.proc.wait(30) == 0
