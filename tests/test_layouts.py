@@ -3,6 +3,7 @@
 import pytest
 
 from moeserve import LLM, SamplingParams
+from moeserve.kernels.compile_watch import triton_reports_compiles
 from moeserve.parallel.executor import RankFailure
 from moeserve.distributed.layout import Layout
 
@@ -46,6 +47,9 @@ LAYOUTS = [
 @pytest.mark.parametrize("model, layout", LAYOUTS, ids=[f"{m}-{'-'.join(f'{k[:2]}{v}' for k, v in l.items())}" for m, l in LAYOUTS])
 def test_layout_matches_single_process(checkpoints, reference, model, layout):
     with LLM(str(checkpoints[model]), device="cpu", dtype="float32", max_num_batched_tokens=8, **layout) as llm:
+        # Every rank watches its own kernel compiles (as the server starts it after its warm-up),
+        # and the steps that follow run as before.
+        assert llm.engine.executor.watch_kernel_compiles() == triton_reports_compiles()
         outs = llm.generate(PROMPTS, GREEDY)
         lines = llm.engine.executor.describe()
     assert [o.outputs[0].token_ids for o in outs] == reference[model]

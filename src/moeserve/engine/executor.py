@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import torch
 
@@ -11,6 +12,9 @@ from moeserve.engine.config import EngineConfig, ResolvedSettings, resolve_setti
 from moeserve.engine.model_runner import ModelRunner, PendingStep
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
+from moeserve.kernels.compile_watch import warn_of_compiles_after_ready
+
+log = logging.getLogger("moeserve")
 
 
 class LocalExecutor:
@@ -37,6 +41,9 @@ class LocalExecutor:
             f"({r.num_pages} pages of {r.page_size}), backend {r.backend.name}, "
             f"{r.dtype}, {r.device}"
         ]
+
+    def watch_kernel_compiles(self) -> bool:
+        return warn_of_compiles_after_ready(log)
 
     def shutdown(self) -> None:
         """Release the model and KV cache now, not whenever the engine object is collected."""

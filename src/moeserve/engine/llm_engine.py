@@ -45,6 +45,11 @@ class Executor(Protocol):
 
     def describe(self) -> list[str]: ...
 
+    def watch_kernel_compiles(self) -> bool:
+        """From now on, a warning for each Triton kernel compiled by any rank; False where Triton
+        cannot report its compiles. Called once the warm-up is done, with no step in flight."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

@@ -185,6 +185,20 @@ class MultiProcessExecutor:
         _, msg = self._next_message(want_rank=self.result_rank)
         return msg[1]
 
+    def watch_kernel_compiles(self) -> bool:
+        """Every rank compiles its own kernels, so every rank watches (its warnings carry its rank)."""
+        if self._pending:
+            raise RuntimeError("the kernel compile watch starts with no step in flight")
+        for conn in self.conns:
+            conn.send(("watch_compiles",))
+        watching: dict[int, bool] = {}
+        while len(watching) < self.layout.world_size:
+            rank, msg = self._next_message()
+            if msg[0] != "watching":
+                self._fail(f"rank {rank} sent {msg[0]!r} instead of starting its compile watch")
+            watching[rank] = msg[1]
+        return all(watching.values())
+
     def describe(self) -> list[str]:
         L = self.layout
         lines = [

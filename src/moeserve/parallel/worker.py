@@ -22,6 +22,9 @@ from moeserve.engine.config import EngineConfig, ResolvedSettings, resolve_setti
 from moeserve.engine.step_input import StepInput
 from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
 from moeserve.distributed.layout import Layout
+from moeserve.kernels.compile_watch import warn_of_compiles_after_ready
+
+log = logging.getLogger("moeserve")
 
 FAILURE_ENV = "MOESERVE_INJECT_FAILURE"  # "load:RANK" or "step:RANK:N" (tests of the dead-rank path)
 
@@ -138,9 +141,12 @@ def _run(
 
 
 def _steps(conn: Connection, rank: int) -> Iterator[StepInput]:
-    """The engine's steps, in order, until it says stop."""
+    """The engine's steps, in order, until it says stop (answering its other requests between them)."""
     count = 0
     while (msg := conn.recv())[0] != "stop":
+        if msg[0] == "watch_compiles":
+            conn.send(("watching", warn_of_compiles_after_ready(log)))
+            continue
         count += 1
         _maybe_fail("step", rank, count)
         yield msg[1]

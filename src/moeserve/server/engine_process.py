@@ -33,7 +33,6 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from moeserve.kernels.compile_watch import watch_kernel_compiles
 from moeserve.outputs import RequestDelta
 from moeserve.server.request_trace import open_request_trace
 
@@ -95,7 +94,7 @@ def _start(engine_kwargs: dict, events: Connection) -> Any:
     events.send(("progress", "warm-up generation through every rank and stage"))
     n_tokens = warm_up(engine)
     warm_up_step_shapes(engine)
-    watch_kernel_compiles(lambda kernel: log.warning("kernel first used after ready (a gap in the warm-up): %s", kernel))
+    engine.executor.watch_kernel_compiles()
     t_ready = time.monotonic()
     events.send(
         (
