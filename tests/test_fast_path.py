@@ -46,7 +46,9 @@ def test_decode_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     path = make_checkpoint(tmp_path / "v3", "v3_qlora_grouped_yarn")
     eager = run(path, "triton")
     monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
-    with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4, max_num_seqs=4) as llm:
+    with LLM(
+        str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4, max_num_seqs=4, max_model_len=64
+    ) as llm:
         graphs = llm.engine.executor.runner.graphs
         assert graphs is not None and graphs.emulate and graphs.sizes == [1, 2, 4]
         replays = []
@@ -78,7 +80,9 @@ def test_prefill_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     def one_at_a_time(emulate: bool):
         if emulate:
             monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
-        with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4) as llm:
+        # Few, short decode graphs: their emulated capture runs the interpreter over every size.
+        settings = dict(max_num_batched_tokens=8, page_size=4, max_num_seqs=2, max_model_len=64)
+        with LLM(str(path), device="cpu", dtype="float32", backend="triton", **settings) as llm:
             keys = []
             graphs = llm.engine.executor.runner.prefill_graphs
             if emulate:
@@ -121,7 +125,9 @@ def test_piecewise_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     prompts = PROMPTS[:2] + [PROMPTS[2][:-1]]  # its last chunk beside two decode rows: 7 tokens
     eager = run(path, "triton", prompts)
     monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
-    with LLM(str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4, max_num_seqs=4) as llm:
+    with LLM(
+        str(path), device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=8, page_size=4, max_num_seqs=4, max_model_len=64
+    ) as llm:
         pieces = llm.engine.executor.runner.piecewise_graphs
         assert pieces is not None and pieces.emulate and pieces.sizes == [4, 8]
         steps = []

@@ -180,7 +180,14 @@ def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatc
     pytest.importorskip("triton")
     monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
     with LLM(
-        str(ckpts["k2.6"]), dtype="float32", device="cpu", backend="triton", max_num_batched_tokens=6, page_size=4, max_num_seqs=4
+        str(ckpts["k2.6"]),
+        dtype="float32",
+        device="cpu",
+        backend="triton",
+        max_num_batched_tokens=6,
+        page_size=4,
+        max_num_seqs=4,
+        max_model_len=64,  # short decode graphs: their emulated capture runs the interpreter over every size
     ) as llm:
         method = llm.engine.executor.runner.model.model.layers["1"].mlp.experts.method
         assert method.fused and method.gemv  # the INT4 kernels passed their start-up check
