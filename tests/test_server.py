@@ -25,6 +25,7 @@ from server_utils import ServerProcess, free_port, metric, poll
 
 KEY = "test-key-123"
 PROMPTS = ["Hello, MoE!", "The quick brown fox"]
+ADJUSTED = dict(presence_penalty=1.2, frequency_penalty=0.6, logit_bias={65: 4.0, 32: -5.0})  # "A" up, " " down
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi there"}]
 MAX_LEN = 512
 
@@ -81,11 +82,13 @@ def offline(demo_dir, launched):
         greedy = SamplingParams(temperature=0, max_tokens=16, logprobs=2)
         outs = llm.generate(PROMPTS, greedy)
         chat = llm.generate({"prompt_token_ids": chat_ids}, SamplingParams(temperature=0, max_tokens=12))[0]
+        adjusted = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **ADJUSTED))[0]
     return SimpleNamespace(
         completions=[o.outputs[0] for o in outs],
         prompt_lens=[len(o.prompt_token_ids) for o in outs],
         chat=chat.outputs[0],
         chat_prompt_len=len(chat_ids),
+        adjusted=adjusted.outputs[0],
     )
 
 
@@ -224,6 +227,16 @@ def test_n_seed_and_vllm_extras(client):
     assert [c.index for c in r.choices] == [0, 1]
 
 
+def test_penalties_and_logit_bias_equal_offline_generate(client, offline):
+    bias = {str(t): v for t, v in ADJUSTED["logit_bias"].items()}  # OpenAI's JSON keys
+    kw = dict(max_tokens=16, temperature=0, presence_penalty=ADJUSTED["presence_penalty"], frequency_penalty=ADJUSTED["frequency_penalty"])
+    r = complete(client, prompt=PROMPTS[0], logit_bias=bias, extra_body={"ignore_eos": True}, **kw)
+    assert r.choices[0].text == offline.adjusted.text != offline.completions[0].text
+    assert " " not in r.choices[0].text
+    chat = client.chat.completions.create(model=client.model, messages=CHAT, logit_bias={"65": 100}, max_tokens=4, temperature=0)
+    assert chat.choices[0].message.content == "AAAA"
+
+
 def test_logprobs(client, offline):
     ref = offline.completions[0]
     r = complete(client, prompt=PROMPTS[0], max_tokens=16, temperature=0, logprobs=2)
@@ -272,7 +285,12 @@ def test_sixteen_concurrent_requests(client, offline):
         ({"stop": ["ok", ""]}, 400, "stop", "empty strings"),
         ({"stop": [f"s{i}" for i in range(65)]}, 400, "stop", "at most 64 strings, got 65"),
         ({"stop": "x" * 1025}, 400, "stop", "at most 1024 characters long, got one of 1025"),
-        ({"presence_penalty": 0.5}, 400, "presence_penalty", "not supported"),
+        ({"presence_penalty": 2.5}, 400, "presence_penalty", r"presence_penalty must be in \[-2, 2\], got 2.5"),
+        ({"frequency_penalty": -3}, 400, "frequency_penalty", r"frequency_penalty must be in \[-2, 2\]"),
+        ({"logit_bias": {"x": 1}}, 400, "logit_bias", "logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 101}}, 400, "logit_bias", r"logit_bias values must be in \[-100, 100\], got 101"),
+        ({"logit_bias": {"999": 1}}, 400, "logit_bias", "logit_bias token id 999 is out of range"),
+        ({"repetition_penalty": 1.1}, 400, "repetition_penalty", "not supported"),
         ({"model": "no-such-model"}, 404, "model", "does not exist"),
     ],
 )

@@ -11,6 +11,10 @@ SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as torch.Ge
 # ~64 K characters a step. (OpenAI takes at most 4 stop strings; vLLM sets no bound.)
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bounds them
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# A request's bias is added to its logits every step, on the host's side of the step's input.
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 @dataclass
@@ -27,6 +31,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (plus the sampled one)
+    # OpenAI's: each token's logit, before sampling, is lowered by presence_penalty if the token
+    # is among this completion's output tokens so far and by frequency_penalty times its count.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, default_factory=list)
@@ -68,6 +77,21 @@ class SamplingParams:
             raise bad("seed", f"must be a signed 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed}")
         if self.logprobs is not None and self.logprobs < 0:
             raise bad("logprobs", f"must be >= 0, got {self.logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]):
+                raise bad(name, f"must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got {value}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+                raise bad("logit_bias", f"may bias at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(self.logit_bias)}")
+            for token, value in self.logit_bias.items():
+                if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+                    raise bad("logit_bias", f"keys must be token ids (integers >= 0), got {token!r}")
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and LOGIT_BIAS_RANGE[0] <= value <= LOGIT_BIAS_RANGE[1]):
+                    raise bad(
+                        "logit_bias",
+                        f"values must be in [{LOGIT_BIAS_RANGE[0]:g}, {LOGIT_BIAS_RANGE[1]:g}], got {value!r} for token {token}",
+                    )
         if any(not s for s in self.stop_list):
             raise bad("stop", "must not contain empty strings")
         if len(self.stop_list) > MAX_STOP_STRINGS:
@@ -79,3 +103,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether its logits depend on its output so far (presence or frequency penalty)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.penalizes or bool(self.logit_bias)

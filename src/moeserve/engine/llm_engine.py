@@ -137,6 +137,9 @@ class LLMEngine:
         params.validate()
         if params.logprobs is not None and params.logprobs > V:
             raise ValueError(f"logprobs must be at most the vocabulary size ({V}), got {params.logprobs}")
+        bad = next((t for t in params.logit_bias or () if t >= V), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is out of range: token ids must be in [0, {V}) (vocab_size)")
         if params.stop_list and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
 

@@ -19,6 +19,7 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
+from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, SampleResult, sample_on_device
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
@@ -489,7 +490,8 @@ class ModelRunner:
             gens.append(g)
         if logits.shape[0] == 0:
             return PendingStep(None, None, None)
-        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors)
+        adjusted = self._adjusted_logits(step, logits)
+        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
         self.keep_samples(step, drawn.tokens)
         if self.device.type != "cuda":
             return PendingStep(drawn, drawn.packed.cpu(), None)
@@ -498,6 +500,20 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return PendingStep(drawn, host, done)
+
+    def _adjusted_logits(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
+        """The step's logits with its rows' penalties and bias (None: no row has any); a deferred
+        row's last output token is the previous step's sample, still on the device."""
+        if not any(p.adjusts_logits for p in step.sample_params):
+            return None
+        output_ids = step.sample_output_ids or [None] * len(step.sample_params)
+        deferred = {seq_id for _, seq_id in step.deferred}
+        pending = [j for j, (seq_id, p) in enumerate(zip(step.sample_seq_ids, step.sample_params)) if p.penalizes and seq_id in deferred]
+        tokens = None
+        if pending:
+            rows = torch.tensor([self._last_rows[step.sample_seq_ids[j]] for j in pending], device=self.device)
+            tokens = self._last_tokens[rows]
+        return adjusted_logits(logits, step.sample_params, output_ids, pending, tokens)
 
     def keep_samples(self, step: StepInput, tokens: torch.Tensor) -> None:
         """A rank that does not sample: the sampled ids of ``step`` (broadcast by the rank that

@@ -1,7 +1,7 @@
 """Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Logprobs are those of the model's raw distribution (before temperature and filtering), as
-vLLM reports them by default.
+Logprobs are those of the model's raw distribution (before penalties, bias, temperature and
+filtering), as vLLM reports them by default.
 """
 
 from __future__ import annotations
@@ -87,25 +87,33 @@ class DeviceSample:
 
 
 def _sample_batch(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], *, use_kernel: bool = False
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    *,
+    use_kernel: bool = False,
+    adjusted: torch.Tensor | None = None,
 ) -> DeviceSample:
     """logits: [B, V] float32, one row per sequence that samples this step. No host sync.
 
+    ``adjusted``: the logits the tokens are drawn from where some row has penalties or a bias
+    (``logit_adjust``); the logprobs stay those of ``logits``.
     ``use_kernel``: greedy ids and the log-sum-exp from one split-row Triton pass
     (``kernels.sampling``) instead of torch's one-CTA-per-row ``argmax`` and ``log_softmax``.
     Either way the full ``log_softmax`` is only computed when some row wants top-N logprobs.
     """
     lse = None
-    if use_kernel:
+    choose_from = logits if adjusted is None else adjusted
+    if use_kernel and adjusted is None:
         from moeserve.kernels.sampling import argmax_logsumexp  # needs Triton
 
         tokens, lse = argmax_logsumexp(logits)
     else:
-        tokens = logits.argmax(dim=-1)
+        tokens = choose_from.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         idx = torch.tensor(random_rows, device=logits.device)
-        probs = _filter(logits[idx], [params[i] for i in random_rows]).softmax(-1)
+        probs = _filter(choose_from[idx], [params[i] for i in random_rows]).softmax(-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
         # seeded row use its own generator.
         noise = torch.empty_like(probs)
@@ -140,6 +148,7 @@ def sample_on_device(
     *,
     use_kernel: bool = False,
     errors: dict[int, str] | None = None,
+    adjusted: torch.Tensor | None = None,
 ) -> DeviceSample:
     """One sample per row (see ``_sample_batch``), where a row whose own settings make sampling
     fail fails alone.
@@ -154,7 +163,7 @@ def sample_on_device(
         params[i], generators[i] = _FALLBACK, None
     states = [g.get_state() if g is not None else None for g in generators]
     try:
-        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel)
+        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel, adjusted=adjusted)
     except Exception:  # noqa: BLE001 - find the rows to blame; a failure of every row re-raises below
         log.exception("sampling a batch of %d rows failed; trying each row alone", len(params))
         for g, state in zip(generators, states):
@@ -162,11 +171,12 @@ def sample_on_device(
                 g.set_state(state)
         for i in range(len(params)):
             try:
-                _sample_batch(logits[i : i + 1], [params[i]], [_copy(generators[i])], use_kernel=use_kernel)
+                row = adjusted[i : i + 1] if adjusted is not None else None
+                _sample_batch(logits[i : i + 1], [params[i]], [_copy(generators[i])], use_kernel=use_kernel, adjusted=row)
             except Exception as e:  # noqa: BLE001
                 errors[i] = f"{type(e).__name__}: {e}"
                 params[i], generators[i] = _FALLBACK, None
-        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel)
+        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel, adjusted=adjusted)
     drawn.errors = errors
     return drawn
 

@@ -21,6 +21,9 @@ class StepInput:
     sample_seq_ids: list[int]
     sample_params: list[SamplingParams]
     sample_seed_offsets: list[int]  # the completion index: seed + index seeds its generator
+    # per sampling row: its output token ids the host knows, for a row whose sampling penalizes
+    # them (else None); a deferred row's input token, still on the device, is its last one
+    sample_output_ids: list[list[int] | None] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their sampler state
     # (flat token index, seq id): input tokens sampled by the step before, still on the device
     deferred: list[tuple[int, int]] = field(default_factory=list)
@@ -39,6 +42,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
     sample_ids: list[int] = []
     sample_params: list[SamplingParams] = []
     offsets: list[int] = []
+    output_ids: list[list[int] | None] = []
     deferred: list[tuple[int, int]] = []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = batch.starts[i]
@@ -56,6 +60,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
             sample_ids.append(seq.seq_id)
             sample_params.append(seq.params)
             offsets.append(seq.index)
+            output_ids.append(seq.output_token_ids if seq.params.penalizes else None)
     return StepInput(
         ids,
         positions,
@@ -67,6 +72,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
         sample_ids,
         sample_params,
         offsets,
+        output_ids,
         list(finished_seq_ids),
         deferred,
     )

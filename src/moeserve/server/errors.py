@@ -34,6 +34,9 @@ PARAM_NAMES = {
     "stop": "stop",
     "min_tokens": "min_tokens",
     "seed": "seed",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "logit_bias": "logit_bias",
 }
 
 

@@ -236,11 +236,23 @@ def new_id(prefix: str) -> str:
 
 
 def reject_unsupported(req: _SamplingFields) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported by this server (leave it unset or 0)", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported by this server", "logit_bias")
+    if req.repetition_penalty not in (None, 1.0):
+        raise bad_request(
+            "repetition_penalty is not supported by this server (leave it unset or 1; presence_penalty and frequency_penalty are)",
+            "repetition_penalty",
+        )
+
+
+def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by token id."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 def sampling_kwargs(
@@ -266,6 +278,9 @@ def sampling_kwargs(
         logprobs=logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        logit_bias=token_bias(req.logit_bias),
     )
     if kwargs["top_k"] == 0:
         kwargs["top_k"] = -1

@@ -37,9 +37,10 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token ids as strings, as OpenAI's JSON has them
     user: str | None = None
     # vLLM extras
+    repetition_penalty: float | None = None  # refused unless 1 (named, so not ignored as unknown)
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False

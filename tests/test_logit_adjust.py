@@ -1,0 +1,139 @@
+"""Presence and frequency penalties and logit_bias (OpenAI's): the greedy tokens are transformers'
+with the same adjustment applied to its logits at each step, under synchronous and asynchronous
+scheduling, preemption and TP2; the logprobs stay the raw distribution's."""
+
+import pytest
+import torch
+
+from moeserve import LLM, SamplingParams
+from moeserve.engine.logit_adjust import adjusted_logits
+from moeserve.engine.sampler import sample_on_device
+
+from checkpoints import load_hf
+
+PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2], [11, 12], [90, 1, 2, 3, 4, 5], [60, 61, 62]]
+MAX_NEW = 14
+ADJUSTMENTS = [
+    dict(presence_penalty=1.5, frequency_penalty=0.5),
+    dict(frequency_penalty=2.0, logit_bias={7: 3.0, 11: -2.5}),
+    dict(),  # a plain row in the same batches
+    dict(presence_penalty=-1.0, logit_bias={60: 1.5}),
+]
+
+
+def params(adjust: dict, logprobs: int | None = None) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logprobs=logprobs, **adjust)
+
+
+def reference_adjust(logits: torch.Tensor, outputs: list[int], p: SamplingParams) -> torch.Tensor:
+    """The rule as OpenAI states it, one row at a time."""
+    counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=logits.shape[-1]).float()
+    out = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+    for t, b in (p.logit_bias or {}).items():
+        out[t] += b
+    return out
+
+
+def hf_adjusted_greedy(model, prompt: list[int], p: SamplingParams) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(MAX_NEW):
+            logits = model(ids).logits[0, -1].float()
+            nxt = int(reference_adjust(logits, ids[0, len(prompt) :].tolist(), p).argmax())
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def expected(v3_checkpoint):
+    hf = load_hf(v3_checkpoint)
+    adjusted = [hf_adjusted_greedy(hf, prompt, params(a)) for prompt, a in zip(PROMPTS, ADJUSTMENTS)]
+    plain = [hf_adjusted_greedy(hf, prompt, params({})) for prompt in PROMPTS]
+    # Each adjustment changes its completion (or the test could not fail).
+    assert all((a != b) == bool(adj) for a, b, adj in zip(adjusted, plain, ADJUSTMENTS))
+    return adjusted
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(),
+        dict(async_scheduling=True),
+        dict(num_kv_pages=9, page_size=4, max_model_len=32),  # preempted and recomputed
+        dict(tensor_parallel_size=2, async_scheduling=True),  # sampled on a rank process
+    ],
+    ids=["sync", "async", "preemption", "tp2-async"],
+)
+def test_greedy_tokens_are_transformers_with_the_same_adjustment(v3_checkpoint, expected, settings):
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", **settings) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [params(a) for a in ADJUSTMENTS])
+        if "num_kv_pages" in settings:
+            assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_logprobs_are_the_raw_distributions(v3_checkpoint):
+    """A bias that forces a token: it is chosen, and its logprob is the model's own."""
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32") as llm:
+        plain = llm.generate([PROMPTS[0]], params({}, logprobs=3))[0].outputs[0]
+        forced = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1, logprobs=3, logit_bias={42: 100.0}))[0].outputs[0]
+    assert forced.token_ids == [42] != plain.token_ids[:1]
+    raw = plain.logprobs[0]
+    assert {t: v for t, v in forced.logprobs[0].items() if t != 42} == pytest.approx({t: v for t, v in raw.items()})
+    assert forced.logprobs[0][42] < max(raw.values())
+
+
+def test_adjusted_logits_follow_the_rule_on_random_rows():
+    g = torch.Generator().manual_seed(0)
+    V = 50
+    logits = torch.randn(5, V, generator=g)
+    ps = [
+        SamplingParams(presence_penalty=0.7, frequency_penalty=0.3),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-1.2, logit_bias={3: 2.0, 49: -7.5}),
+        SamplingParams(logit_bias={0: 100.0}),
+        SamplingParams(presence_penalty=2.0),
+    ]
+    outputs = [[1, 1, 4, 9], None, [3, 3, 3], None, []]
+    # Rows 0 and 4 were scheduled before their last token came back: it is on the device.
+    pending_rows, pending = [0, 4], torch.tensor([4, 17])
+    got = adjusted_logits(logits, ps, outputs, pending_rows, pending)
+    full = {0: outputs[0] + [4], 2: outputs[2], 4: [17]}
+    for i, p in enumerate(ps):
+        assert torch.allclose(got[i], reference_adjust(logits[i], full.get(i, []), p)), i
+    assert adjusted_logits(logits, [SamplingParams()] * 5, [None] * 5, [], None) is None
+
+
+def test_sampling_draws_from_the_adjusted_logits_and_reports_the_raw_logprobs():
+    logits = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0]]), dim=-1)
+    adjusted = logits.clone()
+    adjusted[0, 3] += 10
+    drawn = sample_on_device(logits, [SamplingParams(temperature=0, logprobs=1)], [None], adjusted=adjusted)
+    result = drawn.result(drawn.packed)
+    assert result.token_ids == [3]
+    assert result.sampled_logprobs[0] == pytest.approx(logits[0, 3].item(), abs=1e-6)
+    assert result.logprobs[0] == pytest.approx({3: logits[0, 3].item(), 0: logits[0, 0].item()}, abs=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(presence_penalty=2.5), r"presence_penalty must be in \[-2, 2\]"),
+        (dict(frequency_penalty=float("nan")), "frequency_penalty must be in"),
+        (dict(logit_bias={5: 101.0}), r"logit_bias values must be in \[-100, 100\]"),
+        (dict(logit_bias={-1: 1.0}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={"5": 1.0}), "logit_bias keys must be token ids"),
+        (dict(logit_bias={i: 1.0 for i in range(1025)}), "at most 1024 tokens"),
+    ],
+)
+def test_bad_adjustments_are_clear_errors(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_and_the_engine_goes_on(v3_checkpoint):
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32") as llm:
+        V = llm.engine.model_config.vocab_size
+        with pytest.raises(ValueError, match=rf"logit_bias token id {V} is out of range"):
+            llm.generate([PROMPTS[0]], SamplingParams(logit_bias={V: 1.0}))
+        assert len(llm.generate([PROMPTS[0]], params({}))[0].outputs[0].token_ids) == MAX_NEW
