@@ -73,7 +73,16 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp
     convs = conversations(random_prompts(5, 4, 256, 0), 2, 4, 256, 0)
     assert [len(c) for c in convs] == [2, 2, 1] and len(convs[0][1]) == 4
     (r,) = run_serving(
-        server.url, [2], num_prompts=6, input_len=12, output_len=5, result_dir=str(tmp_path), quiet=True, shared_prefix_len=32, multi_turn=3
+        server.url,
+        [2],
+        num_prompts=6,
+        input_len=12,
+        output_len=5,
+        result_dir=str(tmp_path),
+        quiet=True,
+        shared_prefix_len=32,
+        multi_turn=3,
+        temperature=0.8,  # sampled, not greedy: the answers that later turns carry are still each turn's own
     )
     assert r["completed"] == 6 and r["failed"] == 0 and r["total_output_tokens"] == 30
     # two conversations: turns of 44, 44 + 5 + 12 and 61 + 5 + 12 prompt tokens
@@ -81,7 +90,7 @@ def test_shared_prefix_and_multi_turn_workloads_hit_the_prefix_cache(server, tmp
     # later turns map the full pages of the turn before, its answer included (the first turns run
     # together, so their shared prefix may be computed twice)
     assert r["total_cached_tokens"] >= 2 * (48 + 64)
-    assert (r["shared_prefix_len"], r["multi_turn"]) == (32, 3)
+    assert (r["shared_prefix_len"], r["multi_turn"], r["temperature"]) == (32, 3, 0.8)
 
 
 def test_bench_cli_reports_failures_against_a_dead_url(tmp_path):
@@ -123,12 +132,15 @@ def test_offline_bench_on_cpu(tmp_path):
             "8",
             "--output-len",
             "4",
+            "--temperature",
+            "0.7",
             "--result-dir",
             str(tmp_path),
         ]
     )
     assert code == 0
     doc = json.loads((tmp_path / "offline.json").read_text())
+    assert doc["temperature"] == 0.7
     rows = doc["results"]
     assert [r["batch_size"] for r in rows] == [1, 3]
     for r in rows:

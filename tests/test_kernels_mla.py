@@ -512,6 +512,27 @@ def test_rows_sharing_a_cached_prefix_expand_it_once(variant):
     assert shared_prefix_runs(no_prefix, no_prefix.page_tables.tolist()) is None
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA stream to not wait for")
+@pytest.mark.parametrize("variant", [p for p in PREFIX_VARIANTS if p.id in ("chunked-5", "absorbed")])
+def test_preparing_a_step_never_waits_for_the_device(variant):
+    """The step's metadata, rows sharing a prefix included, is built without a sync: the host
+    enqueues the next step while this one runs (asynchronous scheduling)."""
+    from moeserve.engine.context import shared_prefix_runs
+
+    query_lens, context_lens = [1, 5, 7, 3, 6], [9, 13, 15, 11, 18]
+    _, ctx, *_ = _backend_case(4, 16, 8, 16, 16, query_lens, context_lens, 4, torch.float32)
+    ctx.page_tables[2:4, :2] = ctx.page_tables[1, :2]
+    ctx.prefix_groups = shared_prefix_runs(ctx, ctx.page_tables.tolist())
+    if ctx.context_lens_tensor is None:
+        ctx.context_lens_tensor = torch.tensor(ctx.context_lens, dtype=torch.int32, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        TritonMLABackend(**variant).prepare(ctx)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
 def test_triton_backend_refuses_a_layer_of_another_stage():
     from moeserve.cache.kv_pool import LayerNotOnStage
 

@@ -137,3 +137,31 @@ def test_a_bias_outside_the_vocabulary_is_refused_and_the_engine_goes_on(v3_chec
         with pytest.raises(ValueError, match=rf"logit_bias token id {V} is out of range"):
             llm.generate([PROMPTS[0]], SamplingParams(logit_bias={V: 1.0}))
         assert len(llm.generate([PROMPTS[0]], params({}))[0].outputs[0].token_ids) == MAX_NEW
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA stream to not wait for")
+def test_sampling_with_every_option_never_waits_for_the_device():
+    """A copy that waits for the stream (a host list sent with ``torch.tensor(..., device=...)``)
+    would hold the host until the step's forward is done, and asynchronous scheduling with it."""
+    dev = torch.device("cuda")
+    logits = torch.randn(6, 1000, device=dev)
+    ps = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=3),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=0.7, min_p=0.1),
+        SamplingParams(temperature=0, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={3: 1.0}),
+        SamplingParams(temperature=0.9, frequency_penalty=1.0, logprobs=3),
+    ]
+    gens = [None, torch.Generator(device=dev).manual_seed(3), None, None, None, None]
+    outputs = [None, None, None, None, [1, 2, 2], [7]]
+    pending = torch.tensor([9, 4], device=dev)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        adjusted = adjusted_logits(logits, ps, outputs, [4, 5], pending)
+        drawn = sample_on_device(logits, ps, gens, adjusted=adjusted)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert drawn.errors == {}
+    assert drawn.result(drawn.packed.cpu()).token_ids[4] == int(adjusted[4].argmax())

@@ -60,7 +60,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.offline:
         from moeserve.bench.offline import run_offline
 
-        run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args))
+        run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), args.temperature)
         return 0
     from moeserve.bench.online import run_serving_cli
 
@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", default="1,8", help="offline: comma-separated batch sizes")
     b.add_argument("--input-len", type=int, default=128)
     b.add_argument("--output-len", type=int, default=32)
+    b.add_argument(
+        "--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy; > 0 times the sampler too)"
+    )
     b.add_argument("--result-dir", default=None)
     b.add_argument("--url", default=None, help="server to load (any OpenAI-compatible API)")
     b.add_argument("--served-model", default=None, help="model name on the server (default: its first)")

@@ -42,6 +42,7 @@ import torch
 
 from moeserve.attention.backend import MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
+from moeserve.device_copy import to_device
 from moeserve.engine.context import StepContext
 from moeserve.kernels.lse_merge import merge_two
 from moeserve.kernels.mla_decode import mla_decode, mla_prefix_absorbed
@@ -137,7 +138,8 @@ class TritonMLABackend:
     # ---- once per step ----
     def prepare(self, ctx: StepContext) -> TritonMLAMetadata:
         """Split the batch into decode and extend rows and build each part's device tensors.
-        Only device ops on the context's tensors (no host-to-device copy, no sync). For a
+        Device ops on the context's tensors, and for rows sharing a prefix one asynchronous copy
+        (``device_copy``): never a sync, so the host can enqueue the next step. For a
         decode-only step everything is a view of the context's tensors, so a CUDA graph's
         static buffers, refilled in place, are what the kernels read at every replay."""
         device = ctx.slot_mapping.device
@@ -174,7 +176,7 @@ class TritonMLABackend:
         if len(groups) < len(q_lens):  # a shared prefix is gathered and expanded once, for its run
             firsts = list(itertools.accumulate([0] + groups[:-1]))
             total_prefix = sum(ctx.context_lens[D + i] - q_lens[i] for i in firsts)
-            at = torch.tensor(firsts, dtype=torch.long, device=cu_q.device)
+            at = to_device(firsts, cu_q.device, torch.long)
             rows.prefix_cu_q = torch.cat([cu_q[at], cu_q[-1:]])
             rows.prefix_max_q_len = max(group_new)
             tables, prefix_lens = tables[at], prefix_lens[at]

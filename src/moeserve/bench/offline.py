@@ -40,7 +40,9 @@ def _sync(llm: LLM) -> None:
         torch.cuda.synchronize()
 
 
-def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: DevicePeaks, seed: int = 0) -> OfflineResult:
+def run_batch(
+    llm: LLM, batch: int, input_len: int, output_len: int, peaks: DevicePeaks, seed: int = 0, temperature: float = 0.0
+) -> OfflineResult:
     eng = llm.engine
     cfg = eng.model_config
     g = torch.Generator().manual_seed(seed + batch)
@@ -50,7 +52,7 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
     per_step = max(1, min(batch, llm.config.max_num_batched_tokens // input_len))
     warm = torch.randint(0, cfg.vocab_size, (per_step, input_len), generator=g).tolist()
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=seed if temperature else None)
     for p in prompts:
         eng.add_request({"prompt_token_ids": p}, params)
     seqs = list(eng.scheduler.waiting)
@@ -94,7 +96,13 @@ def run_batch(llm: LLM, batch: int, input_len: int, output_len: int, peaks: Devi
 
 
 def run_offline(
-    model: str, batch_sizes: list[int], input_len: int, output_len: int, result_dir: str | None, engine_kwargs: dict
+    model: str,
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    result_dir: str | None,
+    engine_kwargs: dict,
+    temperature: float = 0.0,
 ) -> list[OfflineResult]:
     from moeserve.console import wide_console
     from rich.table import Table
@@ -107,7 +115,7 @@ def run_offline(
         peaks = measure_peaks(llm.config.device)
         # Warm-up: one short request through everything (kernels compiled, graphs captured).
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        results = [run_batch(llm, b, input_len, output_len, peaks) for b in batch_sizes]
+        results = [run_batch(llm, b, input_len, output_len, peaks, temperature=temperature) for b in batch_sizes]
         layout = list(llm.engine.executor.describe())
         layout_name = getattr(getattr(llm.engine.executor, "layout", None), "name", "tp1")
     table = Table(
@@ -137,6 +145,7 @@ def run_offline(
             "peaks": asdict(peaks),
             "layout": layout,
             "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
+            "temperature": temperature,
             # Each row also carries the keys `moeserve plan --calibrate` reads.
             "results": [
                 {

@@ -123,13 +123,20 @@ def file_prompts(path: str, n: int) -> list[str]:
 
 
 async def one_request(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int] | str, output_len: int, headers: dict, want_ids: bool = False
+    session: aiohttp.ClientSession,
+    url: str,
+    model: str,
+    prompt: list[int] | str,
+    output_len: int,
+    headers: dict,
+    want_ids: bool = False,
+    temperature: float = 0.0,
 ) -> RequestRecord:
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": output_len,
-        "temperature": 0,
+        "temperature": temperature,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
@@ -184,7 +191,15 @@ def _session(concurrency: int, timeout: float) -> aiohttp.ClientSession:
 
 
 async def run_level(
-    url: str, model: str, prompts: list, output_len: int, concurrency: int, headers: dict, progress=None, timeout: float = 600.0
+    url: str,
+    model: str,
+    prompts: list,
+    output_len: int,
+    concurrency: int,
+    headers: dict,
+    progress=None,
+    timeout: float = 600.0,
+    temperature: float = 0.0,
 ) -> dict:
     """``prompts``: one per request, or conversations (lists of turns, see ``conversations``)
     whose turns go one after another; ``concurrency`` bounds the requests in flight."""
@@ -193,7 +208,7 @@ async def run_level(
 
         async def bounded(p, want_ids=False):
             async with sem:
-                rec = await one_request(session, url, model, p, output_len, headers, want_ids)
+                rec = await one_request(session, url, model, p, output_len, headers, want_ids, temperature)
                 if progress is not None:
                     progress()
                 return rec
@@ -241,6 +256,7 @@ def run_serving(
     tags: dict | None = None,
     shared_prefix_len: int = 0,
     multi_turn: int = 1,
+    temperature: float = 0.0,
 ) -> list[dict]:
     """``tags`` (e.g. layout, hardware) are copied into every result, so that
     ``moeserve plan --calibrate`` can read them."""
@@ -262,7 +278,7 @@ def run_serving(
     for i, c in enumerate(concurrencies):
         prompts = level_prompts(seed + i)
         bar = tqdm(total=num_prompts, desc=f"concurrency {c}", disable=quiet)
-        res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1)))
+        res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1), temperature=temperature))
         bar.close()
         res.update(
             model=model,
@@ -272,6 +288,7 @@ def run_serving(
             num_prompts=num_prompts,
             shared_prefix_len=shared_prefix_len,
             multi_turn=multi_turn,
+            temperature=temperature,
         )
         if label:
             res["label"] = label
@@ -312,6 +329,7 @@ def run_serving_cli(args) -> int:
         seed=args.seed,
         shared_prefix_len=args.shared_prefix_len,
         multi_turn=args.multi_turn,
+        temperature=args.temperature,
         tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v},
     )
     from moeserve.bench.report import markdown_table

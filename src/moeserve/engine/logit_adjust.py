@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from moeserve.device_copy import to_device
 from moeserve.sampling_params import SamplingParams
 
 
@@ -33,15 +34,15 @@ def adjusted_logits(
     penalized = [i for i, p in enumerate(params) if p.penalizes]
     if penalized:
         counts = output_counts(penalized, output_ids, pending_rows, pending_tokens, V, dev)
-        presence = torch.tensor([params[i].presence_penalty for i in penalized], device=dev, dtype=logits.dtype)
-        frequency = torch.tensor([params[i].frequency_penalty for i in penalized], device=dev, dtype=logits.dtype)
-        rows = torch.tensor(penalized, device=dev)
+        presence = to_device([params[i].presence_penalty for i in penalized], dev, logits.dtype)
+        frequency = to_device([params[i].frequency_penalty for i in penalized], dev, logits.dtype)
+        rows = to_device(penalized, dev)
         out[rows] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(logits.dtype)
     biased = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
     if biased:
         rows_, cols, values = zip(*biased)
-        index = torch.tensor([rows_, cols], device=dev)
-        out.index_put_((index[0], index[1]), torch.tensor(values, device=dev, dtype=logits.dtype), accumulate=True)
+        index = to_device([rows_, cols], dev)
+        out.index_put_((index[0], index[1]), to_device(values, dev, logits.dtype), accumulate=True)
     return out
 
 
@@ -62,11 +63,11 @@ def output_counts(
         if lengths[r]:
             padded[r, : lengths[r]] = torch.tensor(output_ids[i])
     counts = torch.zeros(len(rows), vocab_size + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
     where = {i: r for r, i in enumerate(rows)}
     pending = [(where[i], j) for j, i in enumerate(pending_rows) if i in where]
     if pending:
-        r_idx = torch.tensor([r for r, _ in pending], device=device)
-        tokens = pending_tokens[torch.tensor([j for _, j in pending], device=device)]
+        r_idx = to_device([r for r, _ in pending], device)
+        tokens = pending_tokens[to_device([j for _, j in pending], device)]
         counts.index_put_((r_idx, tokens), torch.ones(len(pending), device=device), accumulate=True)
     return counts[:, :vocab_size]

@@ -19,6 +19,7 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
+from moeserve.device_copy import to_device
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, SampleResult, sample_on_device
 from moeserve.engine.step_input import StepInput
@@ -511,7 +512,7 @@ class ModelRunner:
         pending = [j for j, (seq_id, p) in enumerate(zip(step.sample_seq_ids, step.sample_params)) if p.penalizes and seq_id in deferred]
         tokens = None
         if pending:
-            rows = torch.tensor([self._last_rows[step.sample_seq_ids[j]] for j in pending], device=self.device)
+            rows = to_device([self._last_rows[step.sample_seq_ids[j]] for j in pending], self.device)
             tokens = self._last_tokens[rows]
         return adjusted_logits(logits, step.sample_params, output_ids, pending, tokens)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from moeserve.device_copy import to_device
 from moeserve.sampling_params import SamplingParams
 
 log = logging.getLogger("moeserve")
@@ -33,7 +34,7 @@ class SampleResult:
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p on [B, V] float32 logits (rows not greedy)."""
     dev = logits.device
-    temps = torch.tensor([p.temperature for p in params], device=dev, dtype=torch.float32)
+    temps = to_device([p.temperature for p in params], dev, torch.float32)
     logits = logits / temps[:, None]
     V = logits.shape[-1]
     top_ks = [p.top_k if p.top_k and 0 < p.top_k < V else V for p in params]
@@ -41,15 +42,15 @@ def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     min_ps = [p.min_p for p in params]
     if any(m > 0 for m in min_ps):
         probs = logits.softmax(-1)
-        thresh = torch.tensor(min_ps, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        thresh = to_device(min_ps, dev, torch.float32)[:, None] * probs.max(-1, keepdim=True).values
         logits = logits.masked_fill(probs < thresh, float("-inf"))
     if any(k < V for k in top_ks) or any(p < 1 for p in top_ps):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         ranks = torch.arange(V, device=dev)[None, :]
-        drop = ranks >= torch.tensor(top_ks, device=dev)[:, None]
+        drop = ranks >= to_device(top_ks, dev)[:, None]
         probs = sorted_logits.softmax(-1)
         before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-        drop |= before >= torch.tensor(top_ps, device=dev)[:, None]
+        drop |= before >= to_device(top_ps, dev, torch.float32)[:, None]
         drop[:, 0] = False  # the best token always survives
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
@@ -112,7 +113,7 @@ def _sample_batch(
         tokens = choose_from.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        idx = torch.tensor(random_rows, device=logits.device)
+        idx = to_device(random_rows, logits.device)
         probs = _filter(choose_from[idx], [params[i] for i in random_rows]).softmax(-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
         # seeded row use its own generator.
