@@ -18,8 +18,8 @@ from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
-from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
 from moeserve.device_copy import to_device
+from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, SampleResult, sample_on_device
 from moeserve.engine.step_input import StepInput
