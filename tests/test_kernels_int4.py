@@ -23,7 +23,7 @@ from moeserve.kernels.int4_moe import (  # noqa: E402
     selfcheck,
 )
 from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: E402
-from moeserve.quant.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4  # noqa: E402
+from moeserve.quant.int4 import checkpoint_words, dequantize_int4, kernel_words, pack_int4, quantize_int4, unpack_int4  # noqa: E402
 
 from kernel_utils import DEV, DTYPES, real  # noqa: E402
 
@@ -51,6 +51,17 @@ def test_pack_unpack_round_trip():
         pack_int4(torch.zeros(2, 12, dtype=torch.int8))  # not a multiple of 8
     with pytest.raises(ValueError):
         pack_int4(torch.full((1, 8), 8, dtype=torch.int8))  # out of range
+
+
+def test_kernel_words_hold_neighbouring_elements_in_paired_nibbles():
+    # The kernels' order: slot j < 4 holds element 2j, slot j + 4 element 2j + 1, so the nibbles
+    # at bits 4j and 4j + 16 are elements 2j and 2j + 1.
+    q = torch.arange(-8, 0, dtype=torch.int8)[None]  # element k stored as nibble k
+    assert kernel_words(pack_int4(q)).item() == 0x75316420
+    g = torch.Generator().manual_seed(7)
+    words = torch.randint(-(1 << 31), 1 << 31, (5, 9), generator=g, dtype=torch.int64).to(torch.int32)
+    assert torch.equal(checkpoint_words(kernel_words(words)), words)
+    assert not torch.equal(kernel_words(words), words)
 
 
 def test_dequantize_is_nibble_times_group_scale():
@@ -82,7 +93,7 @@ def make_experts(E, hidden, inter, gen, dtype):
     """Quantized random experts (never all zeros), scales in the activation dtype, on DEV."""
     p13, s13 = quantize_int4(torch.randn(E, 2 * inter, hidden, generator=gen) * hidden**-0.5)
     p2, s2 = quantize_int4(torch.randn(E, hidden, inter, generator=gen) * inter**-0.5)
-    return p13.to(DEV), s13.to(DEV, dtype), p2.to(DEV), s2.to(DEV, dtype)
+    return kernel_words(p13).to(DEV), s13.to(DEV, dtype), kernel_words(p2).to(DEV), s2.to(DEV, dtype)
 
 
 def routing(T, K, num_experts, gen, only=None):
@@ -134,7 +145,7 @@ def test_int4_ref_equals_dense_ref_on_dequantized_weights():
     x = torch.randn(T, H, generator=g).to(DEV)
     weights, ids = routing(T, K, 8, g)  # ids 0, 1, 6, 7 belong to other ranks
     out = int4_moe_ref(x, p13, s13, p2, s2, weights, ids, first)
-    dense = moe_experts_ref(x, dequantize_int4(p13, s13), dequantize_int4(p2, s2), weights, ids, first)
+    dense = moe_experts_ref(x, dequantize_int4(checkpoint_words(p13), s13), dequantize_int4(checkpoint_words(p2), s2), weights, ids, first)
     torch.testing.assert_close(out, dense, atol=1e-6, rtol=1e-6)
     assert out.abs().max() > 0
 

@@ -446,17 +446,18 @@ def _fp8_gate_up_gemv(
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // (TOPK + SHARED_SLOTS)
     slot = pair % (TOPK + SHARED_SLOTS)
+    e = tl.load(Ids + token * TOPK + tl.minimum(slot, TOPK - 1)).to(tl.int64) - first_expert
+    if (slot < TOPK) & ((e < 0) | (e >= num_local)):
+        return  # another rank's expert: nothing to compute (the down kernel skips the slot)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if slot < TOPK:
-        e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-        mine = (e >= 0) & (e < num_local)  # another rank's expert: loads masked off, zeros out
-        rows = tl.where(mine, inter_size, 0)
-        e = tl.where(mine, e, 0)
+        rows = inter_size
         w_gate = W13 + e * stride_we + offs_n[:, None] * stride_wn
         up_offset = inter_size * stride_wn
         s_gate = S13 + e * stride_se + (offs_n // SCALE_BN) * stride_sn
@@ -471,7 +472,8 @@ def _fp8_gate_up_gemv(
     mask_n = offs_n < rows
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    # Software pipelined STAGES deep (asynchronous copies): several chunks in flight a program.
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         for j in tl.static_range(BLOCK_K // GROUP_K):
             c0 = k0 + j * GROUP_K
             offs_k = c0 + tl.arange(0, GROUP_K)
@@ -519,41 +521,47 @@ def _fp8_down_gemv(
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    # As kernels.moe_gemv's down kernel (slots and K chunks unrolled, one reduction at the end).
-    # BLOCK_N divides 128, so a tile's rows share one row block of w2's scales, and a chunk's
-    # block scales fold into the intermediate vector before the weight tile multiplies it.
+    # One pipelined loop (STAGES deep) over (routed slot, K chunk), then one over the shared
+    # slots' chunks, one reduction at the end. BLOCK_N divides 128, so a tile's rows share one
+    # row block of w2's scales, and a chunk's block scales fold into the intermediate vector
+    # before the weight tile multiplies it. A slot of another rank's expert loads nothing (its
+    # inter row was never written).
+    CHUNKS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     n_block = (pid_n * BLOCK_N) // GROUP_K
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for slot in tl.static_range(TOPK + SHARED_SLOTS):
-        if slot < TOPK:
-            e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-            mine = (e >= 0) & (e < num_local)
-            cols = tl.where(mine, INTER, 0)
-            e = tl.where(mine, e, 0)
-            col0 = k_pad  # this slot's first column on the (padded) weight grid
-            w = W2 + e * stride_we + offs_n[:, None] * stride_wh + col0
-            s = S2 + e * stride_se + n_block * stride_sh
-            scale = tl.load(Weights + token * TOPK + slot).to(tl.float32)
-        else:
-            start = (slot - TOPK) * INTER
-            cols = tl.minimum(INTER, shared_size - start)
-            col0 = start + shared_k_pad
-            w = SW2 + offs_n[:, None] * stride_sw + col0
-            s = SS2 + n_block * stride_ssh
-            scale = 1.0
+    for it in tl.range(0, TOPK * CHUNKS, num_stages=STAGES):
+        slot = it // CHUNKS
+        offs_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
+        mine = (e >= 0) & (e < num_local)
+        mask_k = offs_k < tl.where(mine, INTER, 0)
+        e = tl.where(mine, e, 0)
+        scale = tl.load(Weights + token * TOPK + slot).to(tl.float32)
         inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        for k0 in tl.static_range(0, INTER, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < cols
-            v = tl.load(inter_row + offs_k, mask=offs_k < INTER, other=0.0).to(tl.float32) * scale
-            v = v * tl.load(s + (col0 + offs_k) // GROUP_K, mask=mask_k, other=0.0)
-            m = mask_n[:, None] & mask_k[None, :]
-            acc += tl.load(w + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
+        v = tl.load(inter_row + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
+        v = v * tl.load(S2 + e * stride_se + n_block * stride_sh + (k_pad + offs_k) // GROUP_K, mask=mask_k, other=0.0)
+        m = mask_n[:, None] & mask_k[None, :]
+        acc += (
+            tl.load(W2 + e * stride_we + offs_n[:, None] * stride_wh + k_pad + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+            * v[None, :]
+        )
+    for it in tl.range(0, SHARED_SLOTS * CHUNKS, num_stages=STAGES):
+        slot = it // CHUNKS
+        offs_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
+        start = slot * INTER
+        mask_k = offs_k < tl.minimum(INTER, shared_size - start)
+        col0 = start + shared_k_pad
+        inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + TOPK + slot) * stride_i
+        v = tl.load(inter_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = v * tl.load(SS2 + n_block * stride_ssh + (col0 + offs_k) // GROUP_K, mask=mask_k, other=0.0)
+        m = mask_n[:, None] & mask_k[None, :]
+        acc += tl.load(SW2 + offs_n[:, None] * stride_sw + col0 + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
     acc = tl.sum(acc, axis=1)
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
@@ -561,11 +569,11 @@ def _fp8_down_gemv(
 # Swept on the H200 at DeepSeek-V3 shapes (scripts/fp8_sweep.py, BENCHMARKS.md): gate/up at
 # kernels.moe_gemv's tile; the down kernel at 8 rows x 1,024 columns for 1 to 4 tokens (2.2x the
 # 4 x 512 tile at one token, 1.7x the 32 x 512 one at four), its chunk no wider than the slot.
-FP8_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8}
-FP8_DOWN_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4}
+FP8_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8, "STAGES": 3}
+FP8_DOWN_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "STAGES": 3}
 # Under the interpreter the cost is per program and per op, not per element: few wide tiles
 # (the down kernel's BLOCK_N must divide 128: its rows share one row block of scales).
-INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1}
+INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1, "STAGES": 1}
 
 
 def gemv_configs(inter: int) -> tuple[dict, dict]:
@@ -617,7 +625,7 @@ def fp8_moe_gemv(
     if T == 0:
         return out
     default_gu, default_dn = gemv_configs(inter)
-    gu, dn = gate_up_config or default_gu, down_config or default_dn
+    gu, dn = {**default_gu, **(gate_up_config or {})}, {**default_dn, **(down_config or {})}
     assert gu["BLOCK_K"] % GROUP == 0 and GROUP % dn["BLOCK_N"] == 0, (gu, dn)
     slots = K + shared_slots
     ids = topk_ids.reshape(-1).contiguous()

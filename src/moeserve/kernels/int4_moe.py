@@ -4,8 +4,11 @@ compressed-tensors ``pack-quantized`` experts (format: ``moeserve.quant.int4``).
 A rank's experts arrive packed, never dequantized in memory:
 ``w13_packed`` int32 ``[E_local, 2I, H/8]`` (gate rows then up rows), ``w13_scale [E_local, 2I, H/32]``,
 ``w2_packed`` int32 ``[E_local, H, I/8]``, ``w2_scale [E_local, H, I/32]`` (scales in the
-activation dtype; H and I multiples of 32). Element k of a row sits in word k // 8 at bits
-4 * (k % 8) .. +3 as ``q + 8``; w = (nibble - 8) * scale[k // 32].
+activation dtype; H and I multiples of 32). The words are in the kernels' nibble order, a
+load-time repack of the checkpoint's (``quant.int4.kernel_words``): element k of a row sits in
+word k // 8, in nibble slot ``KERNEL_SLOT_ELEMENT.index(k % 8)``, as ``q + 8``;
+w = (nibble - 8) * scale[k // 32]. In that order the nibbles at bits 4j and 4j + 16 are
+neighbouring elements, which the grouped GEMM turns into bf16 pairs in four instructions.
 
 Three entry points, same contract as ``moe_experts_ref`` (ids outside this rank's
 ``[first_expert, first_expert + E_local)`` contribute nothing):
@@ -57,7 +60,7 @@ import triton.language as tl
 from moeserve.kernels.fused_moe import align_pairs_by_expert
 from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS, moe_experts_by_expert
 from moeserve.kernels.utils import dot_args, interpreting, mma
-from moeserve.quant.int4 import dequantize_int4, quantize_int4
+from moeserve.quant.int4 import checkpoint_words, dequantize_int4, kernel_words, quantize_int4
 
 GROUP = 32  # scale group along the input dimension (the kernels assume it; the wrappers check)
 PACK = 8  # nibbles per int32 word
@@ -81,7 +84,10 @@ def int4_moe_ref(
     rank's dequantized experts would not fit beside the packed ones)."""
 
     def expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (dequantize_int4(w13_packed[e], w13_scale[e], x.dtype), dequantize_int4(w2_packed[e], w2_scale[e], x.dtype))
+        return (
+            dequantize_int4(checkpoint_words(w13_packed[e]), w13_scale[e], x.dtype),
+            dequantize_int4(checkpoint_words(w2_packed[e]), w2_scale[e], x.dtype),
+        )
 
     return moe_experts_by_expert(x, expert, w13_packed.shape[0], topk_weights, topk_ids, first_expert)
 
@@ -153,9 +159,11 @@ def _interleave8(n0, n1, n2, n3, n4, n5, n6, n7, ROWS: tl.constexpr, WORDS: tl.c
 
 @triton.jit
 def _unpack_rows(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
-    """``[ROWS, WORDS]`` packed int32 -> ``[ROWS, 8 * WORDS]`` fp32 ``nibble - 8`` in natural order."""
+    """``[ROWS, WORDS]`` packed int32 (the kernels' nibble order, ``quant.int4.kernel_words``:
+    slot j < 4 holds element 2j, slot j + 4 element 2j + 1) -> ``[ROWS, 8 * WORDS]`` fp32
+    ``nibble - 8`` in natural order."""
     n0, n1, n2, n3, n4, n5, n6, n7 = _nibbles(words)
-    return _interleave8(n0, n1, n2, n3, n4, n5, n6, n7, ROWS, WORDS)
+    return _interleave8(n0, n4, n1, n5, n2, n6, n3, n7, ROWS, WORDS)
 
 
 @triton.jit
@@ -172,10 +180,16 @@ def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _int4_gate_up_rows(x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidden, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _int4_gate_up_rows(
+    x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidden, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr
+):
     """Gate and up dot products of ``BLOCK_N`` packed rows with one token's activations.
     ``p_gate`` / ``s_gate``: ``[BLOCK_N, 1]`` pointers to the rows' first word / scale; the up
-    rows sit ``up_words`` words (``up_groups`` scales) further on."""
+    rows sit ``up_words`` words (``up_groups`` scales) further on. The K loop is software
+    pipelined ``STAGES`` deep (``tl.range``: asynchronous copies into shared memory), so each
+    program keeps several chunks of words in flight: with plain loads a program waited for each
+    chunk before asking for the next, and at one token too few bytes were in flight per SM to
+    stream the weights at more than a third of the bandwidth."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     offs_k = tl.arange(0, BLOCK_K)
@@ -183,7 +197,7 @@ def _int4_gate_up_rows(x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidde
     offs_g = tl.arange(0, BLOCK_G)
     gate = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # per scale group, summed once at the end
     up = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < hidden, other=0.0).to(tl.float32)
         mw = mask_n[:, None] & (k0 // 8 + offs_w < hidden // 8)[None, :]
         mg = mask_n[:, None] & (k0 // 32 + offs_g < hidden // 32)[None, :]
@@ -201,11 +215,11 @@ def _int4_gate_up_rows(x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidde
 
 
 @triton.jit
-def _dense_gate_up_rows(x_row, w_gate, up_offset, mask_n, hidden, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _dense_gate_up_rows(x_row, w_gate, up_offset, mask_n, hidden, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """As :func:`_int4_gate_up_rows` for rows in the activation dtype (the shared experts)."""
     gate = tl.zeros([BLOCK_N], dtype=tl.float32)
     up = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, hidden, BLOCK_K):
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < hidden
         x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -239,18 +253,20 @@ def _int4_gate_up_gemv(
     SHARED_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // (TOPK + SHARED_SLOTS)
     slot = pair % (TOPK + SHARED_SLOTS)
+    routed = slot < TOPK
+    e = tl.load(Ids + token * TOPK + tl.minimum(slot, TOPK - 1)).to(tl.int64) - first_expert
+    if routed & ((e < 0) | (e >= num_local)):
+        return  # another rank's expert: nothing to compute (the down kernel skips the slot)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = X + token.to(tl.int64) * stride_x
-    if slot < TOPK:
-        e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-        mine = (e >= 0) & (e < num_local)  # another rank's expert: every load masked off, zeros out
-        e = tl.where(mine, e, 0)
-        mask_n = offs_n < tl.where(mine, inter_size, 0)
+    if routed:
+        mask_n = offs_n < inter_size
         gate, up = _int4_gate_up_rows(
             x_row,
             P13 + e * stride_pe + offs_n[:, None] * stride_pn,
@@ -261,12 +277,14 @@ def _int4_gate_up_gemv(
             hidden,
             BLOCK_N,
             BLOCK_K,
+            STAGES,
         )
     else:  # slice j of the shared experts: rows [j * I, (j + 1) * I) of their gate and up
         row0 = (slot - TOPK) * inter_size
         mask_n = offs_n < tl.minimum(inter_size, shared_size - row0)
+        # A quarter of BLOCK_K: the same bytes a chunk as the packed rows (and shared memory).
         gate, up = _dense_gate_up_rows(
-            x_row, SW13 + (row0 + offs_n[:, None]) * stride_sw, shared_size * stride_sw, mask_n, hidden, BLOCK_N, BLOCK_K
+            x_row, SW13 + (row0 + offs_n[:, None]) * stride_sw, shared_size * stride_sw, mask_n, hidden, BLOCK_N, BLOCK_K // 4, STAGES
         )
     act = gate / (1.0 + tl.exp(-gate)) * up  # zero on masked rows: the down kernel may read it
     tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
@@ -297,52 +315,57 @@ def _int4_down_gemv(
     SHARED_SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
-    # As moe_gemv's down kernel: slots and K chunks unrolled so each slot's loads are
-    # independent instructions, 2-D accumulators summed once at the end.
+    # One pipelined loop over (routed slot, K chunk), then one over the shared slots' chunks:
+    # a program streams every chosen expert's rows of its output tile with ``STAGES`` chunks in
+    # flight. A slot of another rank's expert loads nothing (its inter row was never written).
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     BLOCK_G: tl.constexpr = BLOCK_K // 32
+    CHUNKS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_W)
     offs_g = tl.arange(0, BLOCK_G)
     acc_q = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # routed (INT4) slots, per scale group
-    acc_d = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # shared (dense) slots
-    for slot in tl.static_range(TOPK + SHARED_SLOTS):
+    for it in tl.range(0, TOPK * CHUNKS, num_stages=STAGES):
+        slot = it // CHUNKS
+        k0 = (it % CHUNKS) * BLOCK_K
+        e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
+        mine = (e >= 0) & (e < num_local)
+        e = tl.where(mine, e, 0)
+        weight = tl.load(Weights + token * TOPK + slot).to(tl.float32)
         inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        if slot < TOPK:
-            e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-            mine = (e >= 0) & (e < num_local)
-            cols = tl.where(mine, INTER, 0)
-            e = tl.where(mine, e, 0)
-            p = P2 + e * stride_pe + offs_n[:, None] * stride_pn
-            s = S2 + e * stride_se + offs_n[:, None] * stride_sn
-            weight = tl.load(Weights + token * TOPK + slot).to(tl.float32)
-            for k0 in tl.static_range(0, INTER, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                v = tl.load(inter_row + offs_k, mask=offs_k < INTER, other=0.0).to(tl.float32) * weight
-                mw = mask_n[:, None] & (k0 // 8 + offs_w < cols // 8)[None, :]
-                mg = mask_n[:, None] & (k0 // 32 + offs_g < cols // 32)[None, :]
-                acc_q += _int4_row_dots(
-                    tl.load(p + k0 // 8 + offs_w[None, :], mask=mw, other=0),
-                    tl.load(s + k0 // 32 + offs_g[None, :], mask=mg, other=0.0).to(tl.float32),
-                    v,
-                    BLOCK_N,
-                    BLOCK_K,
-                )
-        else:
-            col0 = (slot - TOPK) * INTER
-            cols = tl.minimum(INTER, shared_size - col0)
-            w = SW2 + offs_n[:, None] * stride_sw + col0
-            for k0 in tl.static_range(0, INTER, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                v = tl.load(inter_row + offs_k, mask=offs_k < INTER, other=0.0).to(tl.float32)
-                m = mask_n[:, None] & (offs_k < cols)[None, :]
-                acc_d += tl.load(w + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
+        cols = tl.where(mine, INTER, 0)
+        v = tl.load(inter_row + k0 + offs_k, mask=k0 + offs_k < cols, other=0.0).to(tl.float32) * weight
+        mw = mask_n[:, None] & (k0 // 8 + offs_w < cols // 8)[None, :]
+        mg = mask_n[:, None] & (k0 // 32 + offs_g < cols // 32)[None, :]
+        acc_q += _int4_row_dots(
+            tl.load(P2 + e * stride_pe + offs_n[:, None] * stride_pn + k0 // 8 + offs_w[None, :], mask=mw, other=0),
+            tl.load(S2 + e * stride_se + offs_n[:, None] * stride_sn + k0 // 32 + offs_g[None, :], mask=mg, other=0.0).to(tl.float32),
+            v,
+            BLOCK_N,
+            BLOCK_K,
+        )
     out = tl.sum(acc_q, axis=1)
     if SHARED_SLOTS > 0:
+        # Shared (dense) slots, in chunks of a quarter of BLOCK_K: the packed chunk's bytes.
+        DENSE_K: tl.constexpr = BLOCK_K // 4
+        DENSE_CHUNKS: tl.constexpr = (INTER + DENSE_K - 1) // DENSE_K
+        offs_d = tl.arange(0, DENSE_K)
+        acc_d = tl.zeros([BLOCK_N, DENSE_K], dtype=tl.float32)
+        for it in tl.range(0, SHARED_SLOTS * DENSE_CHUNKS, num_stages=STAGES):
+            slot = it // DENSE_CHUNKS
+            k0 = (it % DENSE_CHUNKS) * DENSE_K
+            col0 = slot * INTER
+            mask_k = (k0 + offs_d < INTER) & (col0 + k0 + offs_d < shared_size)
+            inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + TOPK + slot) * stride_i
+            v = tl.load(inter_row + k0 + offs_d, mask=mask_k, other=0.0).to(tl.float32)
+            m = mask_n[:, None] & mask_k[None, :]
+            acc_d += tl.load(SW2 + offs_n[:, None] * stride_sw + col0 + k0 + offs_d[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
         out += tl.sum(acc_d, axis=1)
     tl.store(Out + token * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
@@ -353,11 +376,11 @@ def _int4_down_gemv(
 # 8 warps (64 weights a thread an iteration per projection); down 8 rows x 512 at one token,
 # 16 rows with more tokens (the grid is tokens x row tiles, so it grows with the batch anyway).
 # BLOCK_K is in elements, a multiple of 32 (whole scale groups).
-INT4_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}
-INT4_DOWN_CONFIGS = {1: {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8}}
-INT4_DOWN_CONFIG_MORE = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8}
+INT4_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}
+INT4_DOWN_CONFIGS = {1: {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}}
+INT4_DOWN_CONFIG_MORE = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}
 # Under the interpreter tile size only changes speed: fewer, larger programs run faster.
-INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 1}
+INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 1, "STAGES": 1}
 
 
 def _gemv_configs(T: int, gate_up_config: dict | None, down_config: dict | None) -> tuple[dict, dict]:
@@ -467,28 +490,75 @@ def int4_moe_gemv(
 # prefill / large batch: grouped W4A16 GEMMs over pairs aligned by expert (as fused_moe)
 
 
+# One packed word -> its 8 weights as bf16, scaled: per pair of neighbouring elements (the
+# nibbles at bits 4j and 4j + 16 in the kernels' order) a shift, one AND-OR into bf16x2
+# ``128 + nibble`` (0x4300 is bf16 128, whose ulp is 1), ``- 136`` (exact: nibble - 8) and
+# ``* scale``: one rounding, the very bf16 weight ``dequantize_int4`` gives. Four instructions
+# for two weights, where the fp32 unpacking, scaling and packing to bf16 took about seven a weight.
+_DEQUANT_BF16_ASM: tl.constexpr = tl.constexpr(
+    """
+{
+.reg .b32 t, u, s2, c;
+mov.b32 s2, {$9, $9};
+mov.b32 c, 0x43084308;
+lop3.b32 t, $8, 0x000f000f, 0x43004300, 0xea;
+sub.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 t, t, s2;
+mov.b32 {$0, $1}, t;
+shr.u32 u, $8, 4;
+lop3.b32 t, u, 0x000f000f, 0x43004300, 0xea;
+sub.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 t, t, s2;
+mov.b32 {$2, $3}, t;
+shr.u32 u, $8, 8;
+lop3.b32 t, u, 0x000f000f, 0x43004300, 0xea;
+sub.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 t, t, s2;
+mov.b32 {$4, $5}, t;
+shr.u32 u, $8, 12;
+lop3.b32 t, u, 0x000f000f, 0x43004300, 0xea;
+sub.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 t, t, s2;
+mov.b32 {$6, $7}, t;
+}
+"""
+)
+
+
 @triton.jit
-def _dequant_rows(p_ptrs, s_ptrs, mask_w, mask_g, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[ROWS, BLOCK_K]`` fp32 weights (nibble - 8) * scale, exact, from ``[ROWS, BLOCK_K / 8]``
-    packed words and ``[ROWS, BLOCK_K / 32]`` scales, both read as stored (contiguous rows,
-    nothing loaded twice); the caller rounds them once to the activation dtype."""
+def _dequant_rows(
+    p_ptrs, s_ptrs, mask_w, mask_g, out_dtype: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, BF16_ASM: tl.constexpr
+):
+    """``[ROWS, BLOCK_K]`` weights (nibble - 8) * scale from ``[ROWS, BLOCK_K / 8]`` packed words
+    (the kernels' nibble order) and ``[ROWS, BLOCK_K / 32]`` scales, both read as stored
+    (contiguous rows, nothing loaded twice), in ``out_dtype`` (the activations'). ``BF16_ASM``
+    (bf16 scales and activations on a GPU): through the paired instructions above; otherwise in
+    fp32, exact, rounded once to ``out_dtype`` (the interpreter cannot run inline assembly)."""
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     words = tl.load(p_ptrs, mask=mask_w, other=0)
-    scales = tl.load(s_ptrs, mask=mask_g, other=0.0).to(tl.float32)
+    scales = tl.load(s_ptrs, mask=mask_g, other=0.0)
+    if BF16_ASM:
+        per_word = tl.reshape(tl.join(tl.join(scales, scales), tl.join(scales, scales)), [ROWS, BLOCK_W])
+        o0, o1, o2, o3, o4, o5, o6, o7 = tl.inline_asm_elementwise(
+            _DEQUANT_BF16_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, per_word], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1
+        )
+        return _interleave8(o0, o1, o2, o3, o4, o5, o6, o7, ROWS, BLOCK_W)
+    scales = scales.to(tl.float32)
     per_word = tl.reshape(tl.join(tl.join(scales, scales), tl.join(scales, scales)), [ROWS, BLOCK_W])
     n0, n1, n2, n3, n4, n5, n6, n7 = _nibbles(words)
-    return _interleave8(
+    w = _interleave8(
         n0 * per_word,
-        n1 * per_word,
-        n2 * per_word,
-        n3 * per_word,
         n4 * per_word,
+        n1 * per_word,
         n5 * per_word,
+        n2 * per_word,
         n6 * per_word,
+        n3 * per_word,
         n7 * per_word,
         ROWS,
         BLOCK_W,
     )
+    return w.to(out_dtype)
 
 
 @triton.jit
@@ -515,6 +585,7 @@ def _int4_moe_gate_up_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    BF16_ASM: tl.constexpr,
 ):
     # Computed transposed, out^T [BLOCK_N, BLOCK_M] = W [BLOCK_N, K] @ x^T [K, BLOCK_M]: the
     # weight tile is unpacked in registers in its stored row order and is the MMA's first
@@ -553,8 +624,8 @@ def _int4_moe_gate_up_kernel(
             xt = tl.load(xt_ptrs, mask=(offs_k < hidden - k0)[:, None] & mask_m[None, :], other=0.0)
             mask_w = mask_n[:, None] & (offs_w < (hidden - k0) // 8)[None, :]
             mask_g = mask_n[:, None] & (offs_g < (hidden - k0) // 32)[None, :]
-        w_gate = _dequant_rows(p_ptrs, s_ptrs, mask_w, mask_g, BLOCK_N, BLOCK_K).to(xt.dtype)
-        w_up = _dequant_rows(p_ptrs + up_words, s_ptrs + up_groups, mask_w, mask_g, BLOCK_N, BLOCK_K).to(xt.dtype)
+        w_gate = _dequant_rows(p_ptrs, s_ptrs, mask_w, mask_g, xt.dtype, BLOCK_N, BLOCK_K, BF16_ASM)
+        w_up = _dequant_rows(p_ptrs + up_words, s_ptrs + up_groups, mask_w, mask_g, xt.dtype, BLOCK_N, BLOCK_K, BF16_ASM)
         acc_gate = mma(w_gate, xt, acc_gate, DOT_PRECISION, DOT_UPCAST)
         acc_up = mma(w_up, xt, acc_up, DOT_PRECISION, DOT_UPCAST)
         xt_ptrs += BLOCK_K
@@ -593,6 +664,7 @@ def _int4_moe_down_kernel(
     EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    BF16_ASM: tl.constexpr,
 ):
     # Transposed as the gate/up kernel: out^T [BLOCK_N, BLOCK_M] = W2 [BLOCK_N, I] @ inter^T.
     pid_m = tl.program_id(0)
@@ -623,7 +695,7 @@ def _int4_moe_down_kernel(
             at = tl.load(at_ptrs, mask=(offs_k < inter_size - k0)[:, None] & mask_m[None, :], other=0.0)
             mask_w = mask_n[:, None] & (offs_w < (inter_size - k0) // 8)[None, :]
             mask_g = mask_n[:, None] & (offs_g < (inter_size - k0) // 32)[None, :]
-        w = _dequant_rows(p_ptrs, s_ptrs, mask_w, mask_g, BLOCK_N, BLOCK_K).to(at.dtype)
+        w = _dequant_rows(p_ptrs, s_ptrs, mask_w, mask_g, at.dtype, BLOCK_N, BLOCK_K, BF16_ASM)
         acc = mma(w, at, acc, DOT_PRECISION, DOT_UPCAST)
         at_ptrs += BLOCK_K
         p_ptrs += BLOCK_K // 8
@@ -733,6 +805,7 @@ def int4_fused_moe(
     capacity = sorted_pairs.numel()
     weights = topk_weights.reshape(-1).contiguous()
     dot = dot_args(x.dtype)
+    dot["BF16_ASM"] = x.dtype == torch.bfloat16 and w13_scale.dtype == w2_scale.dtype == torch.bfloat16 and not interpreting()
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
     inter = torch.empty(capacity, inter_size, dtype=x.dtype, device=x.device)
@@ -798,7 +871,8 @@ def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
     x = torch.randn(T, H, generator=g).to(device, dtype)
     p13, s13 = quantize_int4(torch.randn(E, 2 * I, H, generator=g) * H**-0.5)
     p2, s2 = quantize_int4(torch.randn(E, H, I, generator=g) * I**-0.5)
-    p13, p2, s13, s2 = p13.to(device), p2.to(device), s13.to(device, dtype), s2.to(device, dtype)
+    p13, p2 = kernel_words(p13).to(device), kernel_words(p2).to(device)
+    s13, s2 = s13.to(device, dtype), s2.to(device, dtype)
     ids = torch.tensor([[2, 5], [7, 3], [4, 0]], device=device)  # 7 and 0: another rank's experts
     w = (torch.rand(T, K, generator=g) + 0.1).to(device)
     sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(device, dtype)  # one whole slice, one partial

@@ -181,7 +181,9 @@ class Int4Experts(ExpertsMethod):
     """compressed-tensors ``pack-quantized`` INT4 experts (``quant.int4``), kept packed:
     ``w13_packed [E, 2I, H/8]`` int32 + ``w13_scale [E, 2I, H/32]``, ``w2_packed [E, H, I/8]`` +
     ``w2_scale [E, H, I/32]``; scales in the activation dtype (bf16 as published; exact in
-    float32). The reference dequantizes one chosen expert at a time (a bounded temporary)."""
+    float32). The words are repacked at load into the kernels' nibble order
+    (``quant.int4.kernel_words``). The reference dequantizes one chosen expert at a time (a
+    bounded temporary)."""
 
     name = "int4"
     kernels = ("int4_moe",)
@@ -223,7 +225,7 @@ class Int4Experts(ExpertsMethod):
         layer.w2_scale = nn.Parameter(torch.empty(E, H, il // g), requires_grad=False)
 
     def load(self, layer, shard, e, proj, part, loaded, name):
-        from moeserve.quant.int4 import PACK
+        from moeserve.quant.int4 import PACK, kernel_words
 
         il, off, H, g, full = shard.i_local, shard.i_offset, shard.hidden, self.group, shard.full_i
         out_f, in_f = (full, H) if proj in ("gate", "up") else (H, full)
@@ -241,6 +243,8 @@ class Int4Experts(ExpertsMethod):
         check_full_shape(loaded, (out_f, in_f // per), name)
         if part == "weight_packed" and loaded.dtype != torch.int32:
             raise ValueError(f"tensor {name} is {loaded.dtype}, expected int32 packed INT4 words")
+        if part == "weight_packed":
+            loaded = kernel_words(loaded)  # the kernels' nibble order (quant.int4), whatever runs them
         if proj in ("gate", "up"):
             dst = layer.w13_packed if part == "weight_packed" else layer.w13_scale
             rows = slice(0, il) if proj == "gate" else slice(il, 2 * il)
@@ -265,12 +269,15 @@ class Int4Experts(ExpertsMethod):
             from moeserve.kernels.int4_moe import int4_fused_moe
 
             return int4_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
-        from moeserve.quant.int4 import dequantize_int4
+        from moeserve.quant.int4 import checkpoint_words, dequantize_int4
 
         w13p, w13s, w2p, w2s = self._weights(layer)
         return moe_experts_by_expert(
             x,
-            lambda e: (dequantize_int4(w13p[e], w13s[e], x.dtype), dequantize_int4(w2p[e], w2s[e], x.dtype)),
+            lambda e: (
+                dequantize_int4(checkpoint_words(w13p[e]), w13s[e], x.dtype),
+                dequantize_int4(checkpoint_words(w2p[e]), w2s[e], x.dtype),
+            ),
             w13p.shape[0],
             topk_weights,
             topk_ids,

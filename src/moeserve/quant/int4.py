@@ -47,6 +47,34 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtyp
     return w.reshape(q.shape).to(dtype)
 
 
+# The words as the kernels hold them, a load-time repack of the checkpoint's (``kernel_words``):
+# nibble slot j < 4 of a word holds its element 2j and slot j + 4 its element 2j + 1, so the two
+# nibbles at bits 4j and 4j + 16 are neighbouring elements. One AND-OR of a word then puts such a
+# pair as two 16-bit values side by side in a register (bf16 ``128 + nibble`` each), the order in
+# which a matrix-multiply operand holds neighbouring elements (Marlin interleaves for the same
+# reason). Element ``KERNEL_SLOT_ELEMENT[j]`` of the word sits in slot j.
+KERNEL_SLOT_ELEMENT = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _move_nibbles(words: torch.Tensor, source_slot: tuple[int, ...]) -> torch.Tensor:
+    """Word whose nibble slot j is ``words``' slot ``source_slot[j]``."""
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(w)
+    for j, src in enumerate(source_slot):
+        out |= ((w >> (4 * src)) & 0xF) << (4 * j)
+    return torch.where(out >= 1 << 31, out - (1 << 32), out).to(torch.int32)
+
+
+def kernel_words(words: torch.Tensor) -> torch.Tensor:
+    """Checkpoint-order packed words (element k in slot k) -> the kernels' order."""
+    return _move_nibbles(words, KERNEL_SLOT_ELEMENT)
+
+
+def checkpoint_words(words: torch.Tensor) -> torch.Tensor:
+    """The kernels' packed words -> checkpoint order (the inverse of :func:`kernel_words`)."""
+    return _move_nibbles(words, tuple(KERNEL_SLOT_ELEMENT.index(k) for k in range(PACK)))
+
+
 def quantize_int4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric group quantization of ``w [..., N, K]`` -> (packed int32, scales in w's dtype).
     For dummy weights and tests; scale = max|w| / 7 per group, as the minmax observer does."""
