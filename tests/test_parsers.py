@@ -104,7 +104,7 @@ def run(parsers: OutputParsers, chunks: list[str], finish: str = "stop", **strea
     message = stream.result().message()
     whole = {
         "reasoning_content": message.get("reasoning_content"),
-        "content": message["content"],
+        "content": message["content"] or None,
         "tool_calls": message.get("tool_calls", []),
         "finish_reason": stream.result().finish_reason,
     }
@@ -379,6 +379,40 @@ def test_no_parsers_is_the_text_unchanged():
         stream = plain.stream()
         assert "".join(stream.feed(c).content for c in chunks) + stream.finish("stop").content == text
         assert stream.result().message() == {"role": "assistant", "content": text}
+
+
+@pytest.mark.parametrize(
+    "parsers,prompt,snippets",
+    [
+        (K2, K26_THINKING, ["functions.get_weather:0", "get_weather:1", "functions.a.b:2"]),
+        (K2, K2_PROMPT, ["functions.get_weather:0", " x "]),
+        (R1, R1_FIRST, ["function", "get_weather", "```json\n", "```", "json"]),
+        (V3, None, ["function", "get_weather", "```json\n", "```", "\n"]),
+        (V31, V31_NO_THINKING, ["get_weather", "get time"]),
+    ],
+    ids=["k2.6", "k2-thinking", "r1", "v3", "v3.1"],
+)
+def test_any_output_in_any_chunking(parsers, prompt, snippets):
+    """Random outputs of markers, special tokens and text: never an exception, the same result
+    however they are streamed, the deltas adding up to it, no marker in reasoning or content."""
+    markers = markers_of(parsers)
+    alphabet = [*markers, *snippets, '{"city": "Bei', 'jing"}', "{}", "\n", " ", "  ", "Hi", "<", "|", "`", "think", "</", "<|tool"]
+    rng = random.Random(33)
+    for _ in range(150):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 14)))
+        for tools, finish in ((True, "stop"), (False, "length")):
+            results = []
+            for chunks in ([text], list(text), _random_cuts(text, rng), _random_cuts(text, rng)):
+                got = run(parsers, chunks, finish, prompt=prompt, tools=tools)
+                for key in ("reasoning_content", "content"):
+                    assert not any(m in (got[key] or "") for m in markers), (text, chunks, got)
+                results.append(got)
+            assert all(r == results[0] for r in results), (text, results)
+
+
+def _random_cuts(text: str, rng: random.Random) -> list[str]:
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8)))) if len(text) > 1 else []
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
 def test_marker_scanner_on_random_streams():

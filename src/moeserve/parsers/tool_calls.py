@@ -112,6 +112,8 @@ class ToolParser:
         self.calls: list[ToolCall] = []
         self._scanner = MarkerScanner(self.markers())
         self._body = ""  # the current call's text, head and arguments
+        self._gap = ""  # whitespace in a section since its last call
+        self._malformed = False  # the current call's head cannot be read: it is content, at its end
         self._args_start = 0
         self._sent = 0  # of the current call's arguments, characters streamed
 
@@ -166,10 +168,12 @@ class ToolParser:
         return out
 
     def _take(self, piece: str, out: list[str | ToolCallDelta]) -> None:
+        if piece in self._scanner.markers:
+            self._gap = ""
         if piece == self.call_begin:
             if self.state in (HEAD, ARGUMENTS):  # the previous call ends without its end marker
                 self._end_call(out, complete=True)
-            self.state, self._body = HEAD, ""
+            self.state, self._body, self._malformed = HEAD, "", False
         elif piece == self.call_end:
             if self.state in (HEAD, ARGUMENTS):
                 self._end_call(out, complete=True)
@@ -182,12 +186,18 @@ class ToolParser:
             self.state = OUTSIDE
         elif self.state in (HEAD, ARGUMENTS):
             self._body += piece
-            if self.state == HEAD:
+            if self.state == HEAD and not self._malformed:
                 self._read_head(out, complete=False)
         elif piece == self.separator:
             pass  # stray
-        elif self.state == OUTSIDE or piece.strip():  # text between calls is whitespace; else it is content
+        elif self.state == OUTSIDE:
             out.append(piece)
+        else:  # text between calls is whitespace; anything else is content
+            text = self._gap + piece
+            kept = text.rstrip()
+            self._gap = text[len(kept) :]
+            if kept:
+                out.append(kept)
 
     def _read_head(self, out: list[str | ToolCallDelta], complete: bool) -> None:
         """Start the call once its head is read; give its text to the content if it cannot be."""
@@ -198,8 +208,10 @@ class ToolParser:
             self.calls.append(call)
             out.append(ToolCallDelta(index, "", call.id, call.name))
             self.state, self._args_start, self._sent = ARGUMENTS, head.args_start, 0
-        elif head == MALFORMED or complete:
+        elif complete:
             self._to_content(out)
+        elif head == MALFORMED:
+            self._malformed = True
 
     def _to_content(self, out: list[str | ToolCallDelta]) -> None:
         """A call that is not one: its text (without markers) is content."""
@@ -214,9 +226,9 @@ class ToolParser:
     def _end_call(self, out: list[str | ToolCallDelta], complete: bool) -> None:
         """The call ends (``complete``: at its end marker, else where the output ended)."""
         if self.state == HEAD:
-            if complete:
+            if complete and not self._malformed:
                 self._read_head(out, complete=True)
-            else:  # cut off before its head could be read
+            else:  # malformed, or cut off before its head could be read
                 self._to_content(out)
             if self.state != ARGUMENTS:
                 return
