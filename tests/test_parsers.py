@@ -309,6 +309,16 @@ def test_r1_reasoning_then_deepseek_v3_tool_calls():
     check(R1, text, expected, prompt=R1_0528, tools=True)
 
 
+def test_tool_section_ends_any_reasoning_when_tools_are_parsed():
+    text = f"I will look it up.{DSB}{DCB}function{DSEP}get_weather\n```json\n{{}}\n```{DCE}{DSE}"
+    expected = {
+        "reasoning_content": "I will look it up.",
+        "tool_calls": [call("call_0", "get_weather", "{}")],
+        "finish_reason": "tool_calls",
+    }
+    check(R1, text, expected, prompt=R1_0528, tools=True)
+
+
 # -- DeepSeek-V3 tool calls -------------------------------------------------------------------
 
 
