@@ -7,8 +7,35 @@ end of the text while it could still be the start of a marker, and gives it out 
 
 from __future__ import annotations
 
+import functools
 import re
+from dataclasses import dataclass
 from typing import Iterable
+
+
+@dataclass(frozen=True)
+class _Tables:
+    """What finding a set of markers needs, built once per set (a stream is made per choice)."""
+
+    markers: frozenset[str]
+    pattern: re.Pattern | None  # any marker, the longest first where two start alike
+    may_start: re.Pattern | None  # a character that begins some marker
+    prefixes: frozenset[str]  # every proper prefix of a marker
+    longest: int
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(markers: frozenset[str]) -> _Tables:
+    ordered = sorted(markers, key=len, reverse=True)
+    if not ordered:
+        return _Tables(markers, None, None, frozenset(), 0)
+    return _Tables(
+        markers,
+        re.compile("|".join(map(re.escape, ordered))),
+        re.compile("[" + "".join(sorted({re.escape(m[0]) for m in ordered})) + "]"),
+        frozenset(m[:i] for m in ordered for i in range(1, len(m))),
+        len(ordered[0]),
+    )
 
 
 class MarkerScanner:
@@ -19,22 +46,20 @@ class MarkerScanner:
     at the same place, the longer one is taken. ``flush`` gives out what is held back, as text."""
 
     def __init__(self, markers: Iterable[str]):
-        self.markers = frozenset(m for m in markers if m)
-        ordered = sorted(self.markers, key=len, reverse=True)
-        self._pattern = re.compile("|".join(map(re.escape, ordered))) if ordered else None
-        self._prefixes = frozenset(m[:i] for m in self.markers for i in range(1, len(m)))
-        self._first_chars = frozenset(m[0] for m in self.markers)
-        self._longest = max(map(len, ordered), default=0)
-        self._may_start = re.compile("[" + "".join(map(re.escape, self._first_chars)) + "]") if ordered else None
+        if not isinstance(markers, frozenset):  # a frozenset is taken as it is (its hash is kept)
+            markers = frozenset(markers)
+        self._t = _tables(markers - {""} if "" in markers else markers)
+        self.markers = self._t.markers
         self._held = ""
 
     def feed(self, text: str) -> list[str]:
-        if self._pattern is None or not (self._held or self._may_start.search(text)):
+        t = self._t
+        if t.pattern is None or not (self._held or t.may_start.search(text)):
             return [text] if text else []  # most deltas: no character that could begin a marker
         text = self._held + text
         pieces: list[str] = []
         start = 0
-        for m in self._pattern.finditer(text):
+        for m in t.pattern.finditer(text):
             if m.start() > start:
                 pieces.append(text[start : m.start()])
             pieces.append(m.group())
@@ -52,8 +77,9 @@ class MarkerScanner:
     def _partial_marker_at(self, text: str, start: int) -> int:
         """Where the longest end of ``text[start:]`` that begins a marker starts (``len(text)``
         when none does)."""
-        for i in range(max(start, len(text) - self._longest + 1), len(text)):
-            if text[i] in self._first_chars and text[i:] in self._prefixes:
+        prefixes = self._t.prefixes
+        for i in range(max(start, len(text) - self._t.longest + 1), len(text)):
+            if text[i:] in prefixes:
                 return i
         return len(text)
 

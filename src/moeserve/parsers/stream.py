@@ -5,11 +5,13 @@ response is the stream fed its whole text at once, so the two cannot differ."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from moeserve.parsers.markers import Scrubber
 from moeserve.parsers.reasoning import CONTENT, REASONING, ReasoningParser, thinking_switch
+from moeserve.parsers.registry import reasoning_parser, tool_parser
 from moeserve.parsers.tool_calls import ToolCall, ToolCallDelta, ToolParser, random_call_id
 
 
@@ -91,7 +93,7 @@ class ChoiceStream:
 
     def __init__(self, reasoning: ReasoningParser | None = None, tools: ToolParser | None = None, drop: Iterable[str] = ()):
         self.reasoning_parser, self.tool_parser = reasoning, tools
-        drop = tuple(drop)
+        drop = drop if isinstance(drop, frozenset) else frozenset(drop)
         self._scrub = {"reasoning": Scrubber(drop), "content": Scrubber(drop)}
         # Whitespace around the reasoning, and between it and the content, is the tags' layout;
         # text that continues the prompt's own (``continue_final_message``) keeps its spaces.
@@ -185,8 +187,6 @@ class OutputParsers:
 
     @classmethod
     def from_names(cls, reasoning: str | None = None, tool_call: str | None = None, special_tokens: Iterable[str] = ()) -> OutputParsers:
-        from moeserve.parsers.registry import reasoning_parser, tool_parser
-
         return cls(reasoning_parser(reasoning) if reasoning else None, tool_parser(tool_call) if tool_call else None, tuple(special_tokens))
 
     @property
@@ -196,18 +196,20 @@ class OutputParsers:
     @property
     def skip_special_tokens(self) -> bool:
         """Whether the engine may leave special tokens out of the text: not when a parser needs
-        to see the markers (a request's own ``skip_special_tokens`` then only affects logprobs)."""
+        to see the markers (a request's own ``skip_special_tokens`` is then overridden: the
+        stream removes them instead)."""
         return not self.active
 
-    def drop(self) -> tuple[str, ...]:
+    @functools.cached_property
+    def drop(self) -> frozenset[str]:
         """What a stream removes from reasoning and content: the special tokens, and every marker
         of the configured parsers (a tool call's markers too when its request has no tools)."""
-        out = list(self.special_tokens)
+        out = set(self.special_tokens)
         if self.reasoning is not None:
-            out += [self.reasoning.open_tag, self.reasoning.close_tag]
+            out |= {self.reasoning.open_tag, self.reasoning.close_tag}
         if self.tools is not None:
-            out += self.tools.markers()
-        return tuple(out)
+            out |= set(self.tools.markers())
+        return frozenset(out)
 
     def stream(
         self,
@@ -226,7 +228,7 @@ class OutputParsers:
         if self.reasoning is not None:
             ends = tool_parser.opening_markers() if tool_parser else ()
             reasoning_parser = self.reasoning(prompt, thinking_switch(chat_template_kwargs), ends)
-        return ChoiceStream(reasoning_parser, tool_parser, self.drop())
+        return ChoiceStream(reasoning_parser, tool_parser, self.drop)
 
     def normalize_history(self, messages: list[dict]) -> list[dict]:
         """The messages with their tool-call ids in the form the model was trained on."""
