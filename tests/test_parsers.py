@@ -98,8 +98,9 @@ def client_view(deltas: list[dict], finish_reason: str | None) -> dict:
 def run(parsers: OutputParsers, chunks: list[str], finish: str = "stop", **stream_kwargs) -> dict:
     counter = itertools.count()
     stream = parsers.stream(new_id=lambda: f"call_{next(counter)}", **stream_kwargs)
-    deltas = [stream.feed(c).to_openai() for c in chunks]
-    deltas.append(stream.finish(finish).to_openai())
+    deltas = [stream.step(c, finish if i == len(chunks) - 1 else None).to_openai() for i, c in enumerate(chunks)]
+    if finish is None:  # no finish reason: the stream is finished all the same
+        deltas.append(stream.finish(None).to_openai())
     seen = client_view(deltas, stream.finish_reason)
     message = stream.result().message()
     whole = {

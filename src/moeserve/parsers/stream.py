@@ -26,6 +26,20 @@ class ChoiceDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def add_call(self, item: ToolCallDelta) -> None:
+        """Append a tool-call piece; one entry per call in a chunk (arguments joined)."""
+        last = self.tool_calls[-1] if self.tool_calls else None
+        if last is not None and last.index == item.index and item.id is None:
+            last.arguments += item.arguments
+        else:
+            self.tool_calls.append(item)
+
+    def extend(self, other: ChoiceDelta) -> None:
+        self.reasoning += other.reasoning
+        self.content += other.content
+        for item in other.tool_calls:
+            self.add_call(item)
+
     def to_openai(self) -> dict:
         out: dict = {}
         if self.reasoning:
@@ -85,7 +99,7 @@ class _Channel:
 
 class ChoiceStream:
     """One choice's text, parsed as it streams: ``feed`` each text delta, ``finish`` once with
-    the engine's finish reason, then ``result``.
+    the engine's finish reason (``step`` does both for an engine delta), then ``result``.
 
     ``reasoning``/``tools``: this choice's parsers (None: that part is not parsed); ``drop``:
     special tokens that must never reach a client, removed from the reasoning and the content
@@ -110,6 +124,14 @@ class ChoiceStream:
         if text:
             pieces = self.reasoning_parser.feed(text) if self.reasoning_parser else [("content", text)]
             self._route(pieces, delta)
+        return delta
+
+    def step(self, text: str, finish_reason: str | None = None) -> ChoiceDelta:
+        """One engine delta of this choice (its text, and its finish reason in its last): what
+        the client gets in this step's chunk."""
+        delta = self.feed(text)
+        if finish_reason is not None:
+            delta.extend(self.finish(finish_reason))
         return delta
 
     def finish(self, finish_reason: str | None) -> ChoiceDelta:
@@ -155,11 +177,7 @@ class ChoiceStream:
     def _content(self, items: list[str | ToolCallDelta], delta: ChoiceDelta) -> None:
         for item in items:
             if isinstance(item, ToolCallDelta):
-                last = delta.tool_calls[-1] if delta.tool_calls else None
-                if last is not None and last.index == item.index and item.id is None:
-                    last.arguments += item.arguments  # one entry per call in a chunk
-                else:
-                    delta.tool_calls.append(item)
+                delta.add_call(item)
             else:
                 self._emit("content", self._scrub["content"].feed(item), delta)
 
