@@ -150,7 +150,7 @@ class Int4:
 
     @staticmethod
     def gemm(x, w, tw, ids, first, cfg):
-        return int4_fused_moe(x, *w, tw, ids, first, config=cfg)
+        return int4_fused_moe(x, *w, tw, ids, first, config=cfg, small_batch_gemv=False)
 
     @staticmethod
     def ref(x, w, tw, ids, first):
@@ -210,7 +210,7 @@ class Fp8:
 
     @staticmethod
     def gemm(x, w, tw, ids, first, cfg):
-        return fp8_fused_moe(x, *w, tw, ids, first, config=cfg)
+        return fp8_fused_moe(x, *w, tw, ids, first, config=cfg, small_batch_gemv=False)
 
     @staticmethod
     def ref(x, w, tw, ids, first):
@@ -263,6 +263,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--sweep-gemv-max-tokens", type=int, default=16)
     ap.add_argument("--sweep-gemm-min-tokens", type=int, default=4)
+    ap.add_argument("--compare-paths", action="store_true", help="also both paths at their default tiles from 4 to 32 tokens")
     ap.add_argument("--humming", action="store_true")
     ap.add_argument("--humming-cases", default="tp8,tp2,tp1,ep8-1local")
     ap.add_argument("--humming-tokens", default="1,8,32,128")
@@ -364,6 +365,10 @@ def main() -> int:
                         t = point("gemm", lambda *a, cfg=cfg: fmt.gemm(*a, cfg), cfg, default_out)
                         best = t if t is not None and (best is None or t < best) else best
                     line += f" | best gemm {best or float('nan'):8.1f}"
+                if args.compare_paths and 4 <= T <= 32:
+                    gv = point("gemv", lambda *a: fmt.gemv(*a, None, None), None, default_out)
+                    gm = point("gemm", lambda *a: fmt.gemm(*a, None), None, default_out)
+                    line += f" | gemv {gv or float('nan'):8.1f} gemm {gm or float('nan'):8.1f}"
                 if peer is not None and str(T) in args.humming_tokens.split(","):
                     hin = [(x, tw, ids, first) for x, _, tw, ids, first in inputs]
                     try:

@@ -11,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.kernels.int4_moe import (  # noqa: E402
-    GEMV_MAX_PAIRS,
+    INT4_GEMV_MAX_PAIRS,
     SHARED_MEMORY_BUDGET,
     fit_int4_shared_memory,
     int4_fused_moe,
@@ -254,7 +254,7 @@ def test_int4_fused_moe_tile_configs(block):
 def test_int4_fused_moe_uses_gemv_for_few_pairs_and_agrees():
     g = torch.Generator().manual_seed(7)
     T, K, E, H, I = 2, 2, 4, 64, 32
-    assert T * K <= GEMV_MAX_PAIRS
+    assert T * K <= INT4_GEMV_MAX_PAIRS
     experts = make_experts(E, H, I, g, torch.float32)
     x = torch.randn(T, H, generator=g).to(DEV)
     weights, ids = routing(T, K, E, g)

@@ -14,13 +14,13 @@ Three entry points, same contract as ``moe_experts_ref`` (ids outside this rank'
 ``[first_expert, first_expert + E_local)`` contribute nothing):
 
 * :func:`int4_moe_ref` - the oracle: one chosen expert dequantized at a time.
-* :func:`int4_moe_gemv` - decode (T*K <= ``GEMV_MAX_PAIRS``): the two GEMV kernels of
+* :func:`int4_moe_gemv` - decode (T*K <= ``INT4_GEMV_MAX_PAIRS``): the two GEMV kernels of
   ``moe_gemv`` (K routed + S shared slots, the top-k sum and the shared experts inside the down
   kernel) reading each chosen expert's packed words once. Shared experts stay in the
   activation dtype.
 * :func:`int4_fused_moe` - prefill / large batch: the grouped GEMMs of ``fused_moe`` (pairs
   aligned by expert), the K loop unpacking the weight tile before ``tl.dot``. For
-  T*K <= ``GEMV_MAX_PAIRS`` (and no explicit ``config``) it hands over to :func:`int4_moe_gemv`
+  T*K <= ``INT4_GEMV_MAX_PAIRS`` (and no explicit ``config``) it hands over to :func:`int4_moe_gemv`
   itself, as ``fused_moe`` does, so a caller needs one call for every batch size.
 
 Unpacking (``_nibbles``, ``_interleave8``). Decode is bandwidth bound with little arithmetic
@@ -58,7 +58,8 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fused_moe import align_pairs_by_expert
-from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS, moe_experts_by_expert
+from moeserve.kernels.limits import INT4_GEMV_MAX_PAIRS
+from moeserve.kernels.moe_ref import moe_experts_by_expert
 from moeserve.kernels.utils import dot_args, interpreting, mma
 from moeserve.quant.int4 import checkpoint_words, dequantize_int4, kernel_words, quantize_int4
 
@@ -166,12 +167,72 @@ def _unpack_rows(words, ROWS: tl.constexpr, WORDS: tl.constexpr):
     return _interleave8(n0, n4, n1, n5, n2, n6, n3, n7, ROWS, WORDS)
 
 
+# One packed word's dot product with its 8 activations (slot j's activation is ``$2 + j``): per
+# nibble one AND-OR into the fp32 2**23 + nibble * 16**j' (no int -> float conversion), one FMA
+# to nibble - 8 (exact), one FMA into the sum: 3.1 instructions a weight, where the same in
+# Triton's ops took 6.3 on sm_90 (the AND and the OR stayed apart, and the unpacked tile went
+# through a tree of joins into natural order before the products).
+_DOT_WORD_ASM: tl.constexpr = tl.constexpr(
+    """
+{
+.reg .b32 t, hi;
+.reg .f32 v;
+shr.u32 hi, $1, 16;
+lop3.b32 t, $1, 0xf, 0x4b000000, 0xea;
+add.f32 v, t, 0fCB000008;
+mul.f32 $0, v, $2;
+lop3.b32 t, $1, 0xf0, 0x4b000000, 0xea;
+fma.rn.f32 v, t, 0f3D800000, 0fC9000080;
+fma.rn.f32 $0, v, $3, $0;
+lop3.b32 t, $1, 0xf00, 0x4b000000, 0xea;
+fma.rn.f32 v, t, 0f3B800000, 0fC7000800;
+fma.rn.f32 $0, v, $4, $0;
+lop3.b32 t, $1, 0xf000, 0x4b000000, 0xea;
+fma.rn.f32 v, t, 0f39800000, 0fC5008000;
+fma.rn.f32 $0, v, $5, $0;
+lop3.b32 t, hi, 0xf, 0x4b000000, 0xea;
+add.f32 v, t, 0fCB000008;
+fma.rn.f32 $0, v, $6, $0;
+lop3.b32 t, hi, 0xf0, 0x4b000000, 0xea;
+fma.rn.f32 v, t, 0f3D800000, 0fC9000080;
+fma.rn.f32 $0, v, $7, $0;
+lop3.b32 t, hi, 0xf00, 0x4b000000, 0xea;
+fma.rn.f32 v, t, 0f3B800000, 0fC7000800;
+fma.rn.f32 $0, v, $8, $0;
+lop3.b32 t, hi, 0xf000, 0x4b000000, 0xea;
+fma.rn.f32 v, t, 0f39800000, 0fC5008000;
+fma.rn.f32 $0, v, $9, $0;
+}
+"""
+)
+
+
 @triton.jit
-def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``[ROWS, BLOCK_K / 32]`` partial dot products of packed rows with a vector chunk:
-    each scale group's 32 products are summed first (FMAs, inside one thread), then scaled
-    once, so the scale costs one multiply per group rather than per weight."""
-    prod = _unpack_rows(words, ROWS, BLOCK_K // 8) * v[None, :]
+def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """``[ROWS, BLOCK_K / 32]`` partial dot products of packed rows (the kernels' nibble order)
+    with a vector chunk ``v`` (fp32): each scale group's 32 products are summed first (inside
+    one thread), then scaled once, so the scale costs one multiply per group rather than per
+    weight. ``ASM``: a word at a time through the inline assembly above (not in the interpreter)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    if ASM:
+        # v's element 8w + k in 8 vectors by nibble slot: slot j < 4 holds element 2j, j + 4 holds 2j + 1
+        even, odd = tl.split(tl.reshape(v, [WORDS, 2, 2, 2]))  # element 4a + 2b + c: split c, then b, then a
+        e04, e26 = tl.split(even)
+        e15, e37 = tl.split(odd)
+        x0, x4 = tl.split(e04)
+        x2, x6 = tl.split(e26)
+        x1, x5 = tl.split(e15)
+        x3, x7 = tl.split(e37)
+        dots = tl.inline_asm_elementwise(
+            _DOT_WORD_ASM,
+            "=f,r,f,f,f,f,f,f,f,f",
+            [words, x0[None, :], x2[None, :], x4[None, :], x6[None, :], x1[None, :], x3[None, :], x5[None, :], x7[None, :]],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+        return tl.sum(tl.reshape(dots, [ROWS, BLOCK_K // 32, 4]), axis=2) * scales
+    prod = _unpack_rows(words, ROWS, WORDS) * v[None, :]
     return tl.sum(tl.reshape(prod, [ROWS, BLOCK_K // 32, 32]), axis=2) * scales
 
 
@@ -181,7 +242,17 @@ def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
 
 @triton.jit
 def _int4_gate_up_rows(
-    x_row, p_gate, s_gate, up_words, up_groups, mask_n, hidden, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr
+    x_row,
+    p_gate,
+    s_gate,
+    up_words,
+    up_groups,
+    mask_n,
+    hidden,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     """Gate and up dot products of ``BLOCK_N`` packed rows with one token's activations.
     ``p_gate`` / ``s_gate``: ``[BLOCK_N, 1]`` pointers to the rows' first word / scale; the up
@@ -203,13 +274,16 @@ def _int4_gate_up_rows(
         mg = mask_n[:, None] & (k0 // 32 + offs_g < hidden // 32)[None, :]
         w_ptrs = p_gate + k0 // 8 + offs_w[None, :]
         s_ptrs = s_gate + k0 // 32 + offs_g[None, :]
-        gate += _int4_row_dots(tl.load(w_ptrs, mask=mw, other=0), tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K)
+        gate += _int4_row_dots(
+            tl.load(w_ptrs, mask=mw, other=0), tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K, ASM
+        )
         up += _int4_row_dots(
             tl.load(w_ptrs + up_words, mask=mw, other=0),
             tl.load(s_ptrs + up_groups, mask=mg, other=0.0).to(tl.float32),
             x,
             BLOCK_N,
             BLOCK_K,
+            ASM,
         )
     return tl.sum(gate, axis=1), tl.sum(up, axis=1)
 
@@ -254,6 +328,7 @@ def _int4_gate_up_gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -278,6 +353,7 @@ def _int4_gate_up_gemv(
             BLOCK_N,
             BLOCK_K,
             STAGES,
+            ASM,
         )
     else:  # slice j of the shared experts: rows [j * I, (j + 1) * I) of their gate and up
         row0 = (slot - TOPK) * inter_size
@@ -316,13 +392,16 @@ def _int4_down_gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    ASM: tl.constexpr,
 ):
-    # One pipelined loop over (routed slot, K chunk), then one over the shared slots' chunks:
-    # a program streams every chosen expert's rows of its output tile with ``STAGES`` chunks in
-    # flight. A slot of another rank's expert loads nothing (its inter row was never written).
+    # One pipelined loop over (local slot, K chunk), then one over the shared slots' chunks: a
+    # program streams every chosen local expert's rows of its output tile with ``STAGES`` chunks
+    # in flight. The token's slots of this rank's experts are listed first (in registers), so a
+    # rank holding one of the 8 chosen experts runs one slot's chunks, not eight.
     BLOCK_W: tl.constexpr = BLOCK_K // 8
     BLOCK_G: tl.constexpr = BLOCK_K // 32
     CHUNKS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    SLOTS_P2: tl.constexpr = triton.next_power_of_2(TOPK)
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -330,25 +409,28 @@ def _int4_down_gemv(
     offs_k = tl.arange(0, BLOCK_K)
     offs_w = tl.arange(0, BLOCK_W)
     offs_g = tl.arange(0, BLOCK_G)
+    offs_s = tl.arange(0, SLOTS_P2)
+    local_e = tl.load(Ids + token * TOPK + offs_s, mask=offs_s < TOPK, other=-1).to(tl.int64) - first_expert
+    mine = (offs_s < TOPK) & (local_e >= 0) & (local_e < num_local)
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
     acc_q = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # routed (INT4) slots, per scale group
-    for it in tl.range(0, TOPK * CHUNKS, num_stages=STAGES):
-        slot = it // CHUNKS
+    for it in tl.range(0, tl.sum(mine.to(tl.int32), 0) * CHUNKS, num_stages=STAGES):
+        pick = mine & (rank == it // CHUNKS)
+        slot = tl.sum(tl.where(pick, offs_s, 0), 0)
+        e = tl.sum(tl.where(pick, local_e, 0), 0)
         k0 = (it % CHUNKS) * BLOCK_K
-        e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-        mine = (e >= 0) & (e < num_local)
-        e = tl.where(mine, e, 0)
         weight = tl.load(Weights + token * TOPK + slot).to(tl.float32)
         inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        cols = tl.where(mine, INTER, 0)
-        v = tl.load(inter_row + k0 + offs_k, mask=k0 + offs_k < cols, other=0.0).to(tl.float32) * weight
-        mw = mask_n[:, None] & (k0 // 8 + offs_w < cols // 8)[None, :]
-        mg = mask_n[:, None] & (k0 // 32 + offs_g < cols // 32)[None, :]
+        v = tl.load(inter_row + k0 + offs_k, mask=k0 + offs_k < INTER, other=0.0).to(tl.float32) * weight
+        mw = mask_n[:, None] & (k0 // 8 + offs_w < INTER // 8)[None, :]
+        mg = mask_n[:, None] & (k0 // 32 + offs_g < INTER // 32)[None, :]
         acc_q += _int4_row_dots(
             tl.load(P2 + e * stride_pe + offs_n[:, None] * stride_pn + k0 // 8 + offs_w[None, :], mask=mw, other=0),
             tl.load(S2 + e * stride_se + offs_n[:, None] * stride_sn + k0 // 32 + offs_g[None, :], mask=mg, other=0.0).to(tl.float32),
             v,
             BLOCK_N,
             BLOCK_K,
+            ASM,
         )
     out = tl.sum(acc_q, axis=1)
     if SHARED_SLOTS > 0:
@@ -370,24 +452,25 @@ def _int4_down_gemv(
     tl.store(Out + token * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# Not yet swept on an H200. Chosen from moe_gemv's measured tiles scaled to INT4 rows (a packed
-# row is a quarter of a bf16 one, so K chunks are 4x longer for the same bytes a load) and
-# checked by compiling for sm_90 (no spills; 80-90 registers): gate/up 16 rows x 512 columns,
-# 8 warps (64 weights a thread an iteration per projection); down 8 rows x 512 at one token,
-# 16 rows with more tokens (the grid is tokens x row tiles, so it grows with the batch anyway).
+# Swept on one H200 at Kimi K2.6's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03,
+# coordinate descent over 7 tiles a kernel): gate/up 16 rows x 512 columns, 8 warps, 3 stages
+# (8 x 1,024 for slices of 512 columns or fewer at one or two tokens: more programs for few rows);
+# down 32 rows x 512 up to 4 tokens, 32 x 256 and 4 warps beyond (and for 256-wide slices).
 # BLOCK_K is in elements, a multiple of 32 (whole scale groups).
 INT4_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}
-INT4_DOWN_CONFIGS = {1: {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}}
-INT4_DOWN_CONFIG_MORE = {"BLOCK_N": 16, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}
+INT4_GATE_UP_CONFIG_NARROW = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 8, "STAGES": 3}
+INT4_DOWN_CONFIG_FEW = {"BLOCK_N": 32, "BLOCK_K": 512, "num_warps": 8, "STAGES": 3}
+INT4_DOWN_CONFIG_MORE = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "STAGES": 4}
 # Under the interpreter tile size only changes speed: fewer, larger programs run faster.
 INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 1, "STAGES": 1}
 
 
-def _gemv_configs(T: int, gate_up_config: dict | None, down_config: dict | None) -> tuple[dict, dict]:
+def _gemv_configs(T: int, inter: int, gate_up_config: dict | None, down_config: dict | None) -> tuple[dict, dict]:
     if interpreting():
         gu, dn = INTERPRETER_GEMV_CONFIG, INTERPRETER_GEMV_CONFIG
     else:
-        gu, dn = INT4_GATE_UP_CONFIG, INT4_DOWN_CONFIGS.get(T, INT4_DOWN_CONFIG_MORE)
+        gu = INT4_GATE_UP_CONFIG_NARROW if inter <= 512 and T <= 2 else INT4_GATE_UP_CONFIG
+        dn = INT4_DOWN_CONFIG_FEW if T <= 4 and inter > 256 else INT4_DOWN_CONFIG_MORE
     gu, dn = {**gu, **(gate_up_config or {})}, {**dn, **(down_config or {})}
     for cfg in (gu, dn):
         if cfg["BLOCK_K"] % GROUP:
@@ -409,7 +492,7 @@ def int4_moe_gemv(
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
 ) -> torch.Tensor:
-    """``int4_moe_ref`` for small T*K (meant for T*K <= ``GEMV_MAX_PAIRS``: each (token, slot)
+    """``int4_moe_ref`` for small T*K (meant for T*K <= ``INT4_GEMV_MAX_PAIRS``: each (token, slot)
     reads its expert's words, so tokens sharing an expert read it twice), plus the shared
     experts' output when their weights are given in the activation dtype: ``shared_w13``
     ``[2 * Is, H]`` (gate rows then up rows) and ``shared_w2 [H, Is]``, as ``moe_gemv`` takes
@@ -431,7 +514,7 @@ def int4_moe_gemv(
     out = torch.empty_like(x)
     if T == 0:
         return out
-    gu, dn = _gemv_configs(T, gate_up_config, down_config)
+    gu, dn = _gemv_configs(T, inter_size, gate_up_config, down_config)
     slots = K + shared_slots
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
@@ -457,6 +540,7 @@ def int4_moe_gemv(
         inter.stride(0),
         TOPK=K,
         SHARED_SLOTS=shared_slots,
+        ASM=not interpreting(),
         **gu,
     )
     _int4_down_gemv[(T, triton.cdiv(hidden, dn["BLOCK_N"]))](
@@ -481,6 +565,7 @@ def int4_moe_gemv(
         INTER=inter_size,
         TOPK=K,
         SHARED_SLOTS=shared_slots,
+        ASM=not interpreting(),
         **dn,
     )
     return out
@@ -710,16 +795,15 @@ def _int4_moe_down_kernel(
     )
 
 
-# (largest mean rows per local expert, tile); the last row takes everything larger. The
-# thresholds and tiles of fused_moe's MOE_TILE_TABLE (measured there for bf16 weights: small
-# token blocks and deep K at decode-like batches, big tiles for prefill); the packed tile is a
-# quarter of a bf16 one in memory and in shared memory, so whatever fit there fits here. One
-# change: 8 warps at m <= 256, where 4 spill (two 128 x 64 fp32 accumulators plus the unpacked
-# tiles; found compiling for sm_90). Not yet swept for INT4 on an H200. BLOCK_K: a multiple of
+# (largest mean rows per local expert, tile); the last row takes everything larger. Swept on one
+# H200 at Kimi K2.6's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03): 16 token rows,
+# 64 weight rows, K 128 was the fastest of 8 tiles at every layout and token count up to 256
+# (an EP8 rank at 128 tokens: 613 us, against 847 with the 64 x 64 x 64 tile the table gave it:
+# the table's m counts every pair, so an EP rank's estimate is ep times its real rows). The
+# larger tiles are for prefill (MMA bound), from fused_moe's bf16 sweep. BLOCK_K: a multiple of
 # 32 (whole scale groups).
 INT4_MOE_TILE_TABLE: list[tuple[float, dict]] = [
-    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
-    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
+    (64, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 ]
@@ -785,7 +869,7 @@ def int4_fused_moe(
     small_batch_gemv: bool = True,
 ) -> torch.Tensor:
     """Drop-in for :func:`int4_moe_ref` at any batch size (routed experts only). At most
-    ``GEMV_MAX_PAIRS`` pairs go to :func:`int4_moe_gemv` (no alignment) unless
+    ``INT4_GEMV_MAX_PAIRS`` pairs go to :func:`int4_moe_gemv` (no alignment) unless
     ``small_batch_gemv`` is off or a ``config`` is given; otherwise the grouped GEMMs run with
     the tile of ``int4_moe_config`` overridden by ``config``."""
     T = x.shape[0]
@@ -794,7 +878,7 @@ def int4_fused_moe(
     num_pairs = T * K
     if num_pairs == 0:
         return torch.zeros_like(x)
-    if small_batch_gemv and num_pairs <= GEMV_MAX_PAIRS and config is None:
+    if small_batch_gemv and num_pairs <= INT4_GEMV_MAX_PAIRS and config is None:
         return int4_moe_gemv(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, first_expert)
     cfg = fit_int4_shared_memory({**int4_moe_config(num_pairs, E), **(config or {})}, x.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -902,7 +986,7 @@ def selfcheck(device: torch.device) -> bool:
 
 
 __all__ = [
-    "GEMV_MAX_PAIRS",
+    "INT4_GEMV_MAX_PAIRS",
     "INT4_MOE_TILE_TABLE",
     "fit_int4_shared_memory",
     "int4_fused_moe",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from moeserve.config import ModelConfig
+from moeserve.kernels.limits import INT4_GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS, moe_experts_by_expert, moe_experts_ref
 
 PROJECTIONS = ("gate", "up", "down")
@@ -286,7 +287,7 @@ class Int4Experts(ExpertsMethod):
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
         weights = plain_shared_weights(shared)
-        if not self.gemv or topk_ids.numel() > GEMV_MAX_PAIRS or weights is None:
+        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None:
             return None
         from moeserve.kernels.int4_moe import int4_moe_gemv
 
