@@ -574,11 +574,12 @@ def _fp8_down_gemv(
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# Swept on the H200 at DeepSeek-V3 shapes (scripts/fp8_sweep.py, BENCHMARKS.md): gate/up at
-# kernels.moe_gemv's tile; the down kernel at 8 rows x 1,024 columns for 1 to 4 tokens (2.2x the
-# 4 x 512 tile at one token, 1.7x the 32 x 512 one at four), its chunk no wider than the slot.
-FP8_GATE_UP_CONFIG = {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 8, "STAGES": 3}
-FP8_DOWN_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 1024, "num_warps": 4, "STAGES": 3}
+# Swept on one H200 at DeepSeek-V3's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03,
+# after the pipelined loops): gate/up 8 rows x 256 columns, 4 warps, 4 stages; down 32 rows x 256,
+# 4 warps, 4 stages (TP1 one token 179 -> 131 us, TP8 48.6 -> 21.4, an EP8 rank's lone expert
+# 86.7 -> 68.9), its chunk no wider than the slot.
+FP8_GATE_UP_CONFIG = {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "STAGES": 4}
+FP8_DOWN_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "STAGES": 4}
 # Under the interpreter the cost is per program and per op, not per element: few wide tiles
 # (the down kernel's BLOCK_N must divide 128: its rows share one row block of scales).
 INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1, "STAGES": 1}
