@@ -1,4 +1,5 @@
 import argparse
+import dataclasses
 import json
 import math
 
@@ -444,10 +445,19 @@ def test_calibrate_recovers_known_constants(tmp_path, kimi):
     assert cal.rms_error_after < 2
     assert cal.after.hbm_efficiency == pytest.approx(0.6, rel=0.05)
     assert cal.after.link_latency_us == pytest.approx(6.0, rel=0.1)
-    # The host overhead moves most of the way from its prior (0.3 ms), not all: with the INT4 experts' kernel-shape
-    # term the weight reads are 2/3 or more of every step, and the fit trades the overhead against the kernel floors
-    # and the link efficiency, which the weak pull towards the priors then decides (docs/planner.md, Calibration).
-    assert 1.5 < cal.after.step_overhead_ms < 2.5 * 1.25
+    # The host overhead and the kernel floors are both paid once a step, and in these runs nearly in proportion
+    # (INT4 experts run the MoE GEMV up to 16 tokens, so no batch here but 32 adds the alignment's floors): the fit
+    # recovers their sum, and the weak pull towards the priors splits it (docs/planner.md, Calibration). The
+    # overhead moves from its prior (0.3 ms) towards the truth, not all the way.
+    assert 1.0 < cal.after.step_overhead_ms < 2.5 * 1.25
+    one = Measurement(8, 1, 1, 1, None, None, kv_len=1024)
+
+    def fixed_ms(c: CostConstants) -> float:  # host overhead + the kernel floors of a tp8 step of one request
+        no_floors = dataclasses.replace(c, kernel_latency_scale=0.0)
+        floors = predict_cycle_ms(kimi, hw.with_constants(c), one, 4096) - predict_cycle_ms(kimi, hw.with_constants(no_floors), one, 4096)
+        return c.step_overhead_ms + floors
+
+    assert fixed_ms(cal.after) == pytest.approx(fixed_ms(truth), rel=0.05)
 
 
 def test_calibrate_cli_prints_before_after(tmp_path, capsys, kimi):

@@ -19,12 +19,14 @@ from moeserve.planner.published import KV_CAPACITIES, POINTS, RANKINGS, SOURCES
 ROOT = Path(__file__).parent.parent
 
 # What the priors reach today (docs/planner.md, "Predicted vs published"), with the INT4 kernel-shape term
-# (shape.py): 57 of 58 points within +-25 % (54 before it), the layout finding of 3 of the 4 publications that
-# compare layouts, all 4 (2 before each run was predicted with the all-reduce it ran, 3 before the TP16
-# finding was checked on throughput).
-MIN_WITHIN = 57
+# (shape.py): 55 of 58 points within +-25 % (54 before the term; 57 with the shape of our INT4 kernels before
+# their rewrite at cfa7599, which other engines are given: the rewritten kernels lost most of their penalty on
+# TP8 slices and the published Kimi TP8 run at 8 and 16 requests evidently did not, +33 / +34 %), the layout
+# finding of all 4 publications that compare layouts (2 before each run was predicted with the all-reduce it
+# ran, 3 before the TP16 finding was checked on throughput).
+MIN_WITHIN = 55
 MIN_WITHIN_BY_SOURCE = {
-    "rtx6kpro-k26-tp8": 22,
+    "rtx6kpro-k26-tp8": 20,
     "rtx6kpro-k26-tp16": 5,
     "rtx6kpro-k25-c1": 3,
     "inferencex-h200-sglang": 10,
@@ -76,11 +78,11 @@ def test_layout_findings():
     # TP16 against TP8 x PP2 is a throughput finding, checked on the peak aggregate of a 1..128-request
     # sweep (docs/planner.md says why); at one request the model puts TP8 x PP2 ahead, as the
     # one-request figures of the summary and its copy do (TP16 40 or ~68 tok/s, TP8 79 in the copy).
-    assert results["rtx6kpro-daily-2026-02-20"].predicted == pytest.approx({"tp16": 2266.2, "tp8xpp2": 2049.2}, abs=0.5)
+    assert results["rtx6kpro-daily-2026-02-20"].predicted == pytest.approx({"tp16": 2472.6, "tp8xpp2": 2328.8}, abs=0.5)
     one_request = fidelity.check_ranking(dataclasses.replace(results["rtx6kpro-daily-2026-02-20"].claim, metric="single", concurrency=1))
-    assert one_request.predicted == pytest.approx({"tp16": 76.3, "tp8xpp2": 84.1}, abs=0.1)
+    assert one_request.predicted == pytest.approx({"tp16": 78.1, "tp8xpp2": 88.8}, abs=0.1)
     # EP8 (patched custom all-reduce) against TP8 (stock SGLang: NCCL over more than two PCIe GPUs).
-    assert results["rtx6kpro-k25-c1"].predicted == pytest.approx({"ep8": 92.2, "tp8": 84.2}, abs=0.1)
+    assert results["rtx6kpro-k25-c1"].predicted == pytest.approx({"ep8": 92.2, "tp8": 88.9}, abs=0.1)
 
 
 def test_each_run_is_predicted_with_the_all_reduce_it_ran():

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
+from moeserve.kernels.limits import GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS
+
 
 class KernelKind(str, Enum):
     ELEMENTWISE = "elementwise"
@@ -45,18 +47,26 @@ class EngineProfile:
     pipeline_async: bool = True  # pp > 1 still overlaps the host's step work with the GPU
     host_step_ms: tuple[float, float] = (0.6, 0.0196)  # host work of a step: fixed + per sequence (ms)
     # INT4 routed experts' kernel-shape term (shape.py): "moeserve" (the measured kernels: their level and
-    # shape, the GEMV's lone-expert floor) or "relative" (only the shape, over the prior efficiency)
+    # shape, the GEMV's few-pairs factor) or "relative" (only the shape, over the prior efficiency)
     moe_shape: str = "relative"
+    int4_moe_gemv_max_pairs: int | None = None  # INT4 (W4A16) experts' switch where it differs (None: moe_gemv_max_pairs)
+
+    def gemv_max_pairs(self, int4: bool) -> int:
+        """The MoE GEMV path's limit in (token, expert) pairs for the layer's expert format."""
+        if int4 and self.int4_moe_gemv_max_pairs is not None:
+            return self.int4_moe_gemv_max_pairs
+        return self.moe_gemv_max_pairs
 
 
 ENGINES: dict[str, EngineProfile] = {
     "moeserve": EngineProfile(
         "moeserve",
-        32,
+        GEMV_MAX_PAIRS,
         73.0,
         "nccl",
-        "kernels/moe_gemv.py below 32 pairs (shared experts as extra slots, top-k sum and SiLU*mul fused: 2 "
-        "kernels a layer, profile_b1_final.txt); above, the fused MoE's alignment at 256 tokens "
+        "kernels/moe_gemv.py, fp8_moe.py and int4_moe.py GEMVs up to 32 (token, expert) pairs, 128 for INT4 experts "
+        "(kernels/limits.py; shared experts as extra slots, top-k sum and SiLU*mul fused: 2 kernels a layer, "
+        "profile_b1_final.txt); above, the fused MoE's alignment at 256 tokens "
         "(profile_b256.txt): radix sort 28.8 us + scans, scatters, searchsorted, index and elementwise kernels "
         "~44 us a layer; torch.distributed all-reduce on NCCL. With pp > 1 the stages run eager "
         "(cudaLaunchKernel 10.0 us a call in the profile) and without asynchronous scheduling, so the host's step "
@@ -66,6 +76,7 @@ ENGINES: dict[str, EngineProfile] = {
         pipeline_cuda_graphs=False,
         pipeline_async=False,
         moe_shape="moeserve",
+        int4_moe_gemv_max_pairs=INT4_GEMV_MAX_PAIRS,
     ),
     "vllm": EngineProfile(
         "vllm",

@@ -31,9 +31,9 @@ experts combine       elementwise top-k weighted sum; then an all-reduce
 ====================  ==========  ==================================================================
 
 Which MoE path runs is the engine's (``ENGINES``): moeserve runs up to 32 (token, expert) pairs
-as two GEMV kernels with no sorting and beyond that a grouped GEMM whose alignment (a radix sort,
-scans, scatters: ~18 small kernels) costs 73 us a layer, as measured; vLLM, SGLang and
-TensorRT-LLM always align, with one fused kernel.
+(128 with INT4 experts: ``kernels/limits.py``) as two GEMV kernels with no sorting and beyond that
+a grouped GEMM whose alignment (a radix sort, scans, scatters: ~18 small kernels) costs 73 us a
+layer, as measured; vLLM, SGLang and TensorRT-LLM always align, with one fused kernel.
 
 A dense layer has gate_up / act / down instead of the MoE block. A GEMV on FP8 block-quantized
 weights needs its input quantized per 128-column group first: one more elementwise kernel per
@@ -199,8 +199,10 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
         )
     ]
     cov = busiest_group(cfg.n_routed_experts, cfg.num_experts_per_tok, batch, ep, skew)
-    # The switch looks at all of the step's (token, expert) pairs, local or not (kernels/limits.py GEMV_MAX_PAIRS)
-    gemv_path = batch * cfg.num_experts_per_tok <= engine.moe_gemv_max_pairs
+    int4 = layer.int4("experts.{e}.gate_proj.weight")
+    # The switch looks at all of the step's (token, expert) pairs, local or not, with the limit of the experts'
+    # format (kernels/limits.py: GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS)
+    gemv_path = batch * cfg.num_experts_per_tok <= engine.gemv_max_pairs(int4)
     fused = gemv_path and engine.gemv_path_fuses_shared
     shared = (
         {"gate_up": ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"), "down": ("shared_experts.down_proj.weight",)}
@@ -218,9 +220,9 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
     fp8 = layer.fp8("experts.{e}.gate_proj.weight")
     parts = (("gate_up", (".gate_proj.weight", ".up_proj.weight")), ("down", (".down_proj.weight",)))
     efficiency = 1.0
-    if layer.int4("experts.{e}.gate_proj.weight"):  # the kernel-shape term: measured for INT4 experts only
+    if int4:  # the kernel-shape term: measured for INT4 experts only
         slice_bytes = layer.bytes(*(f"experts.{{e}}{s}" for _, ss in parts for s in ss)) / cov.local_experts
-        efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cfg.num_experts_per_tok, engine.moe_shape, gemv_path)
+        efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cov.pairs, engine.moe_shape, gemv_path)
     for part, suffixes in parts:
         names = [f"experts.{{e}}{s}" for s in suffixes]
         routed, flops = layer.bytes(*names) * touched, 2 * layer.numel(*names) * padded
