@@ -142,7 +142,7 @@ class Int4:
 
     @staticmethod
     def default(x, w, tw, ids, first):
-        return int4_fused_moe(x, *w, tw, ids, first)
+        return int4_fused_moe(x, *w, tw, ids, first, num_experts_total=384)
 
     @staticmethod
     def gemv(x, w, tw, ids, first, gu, dn):

@@ -303,9 +303,10 @@ class ModelRunner:
         if experts is None:
             return
         k, E = self.model_config.num_experts_per_tok, experts.num_local
+        per = getattr(experts.method, "num_experts", None) or E  # the experts its tile heuristic divides the pairs by
         lower = 0.0
         for limit in experts.method.tile_limits():  # a token count whose rows per expert fall in (lower, limit]
-            T = min(self.config.max_num_batched_tokens, max(1, math.ceil((lower + 1) * E / k)))
+            T = min(self.config.max_num_batched_tokens, max(1, math.ceil((lower + 1) * per / k)))
             lower = limit
             x = torch.randn(T, experts.shard.hidden, device=self.device, dtype=self.dtype)
             ids = torch.randint(0, E, (T, k), device=self.device) + experts.first_expert

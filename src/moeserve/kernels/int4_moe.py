@@ -795,15 +795,17 @@ def _int4_moe_down_kernel(
     )
 
 
-# (largest mean rows per local expert, tile); the last row takes everything larger. Swept on one
-# H200 at Kimi K2.6's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03): 16 token rows,
-# 64 weight rows, K 128 was the fastest of 8 tiles at every layout and token count up to 256
-# (an EP8 rank at 128 tokens: 613 us, against 847 with the 64 x 64 x 64 tile the table gave it:
-# the table's m counts every pair, so an EP rank's estimate is ep times its real rows). The
-# larger tiles are for prefill (MMA bound), from fused_moe's bf16 sweep. BLOCK_K: a multiple of
-# 32 (whole scale groups).
+# (largest mean rows per expert, tile); the last row takes everything larger. Rows per expert:
+# the step's pairs over the model's experts (what each expert gets under uniform routing, on any
+# layout; counting every pair over a rank's experts overestimated an EP rank's rows ep times).
+# Swept on one H200 at Kimi K2.6's layouts up to 256 tokens, 5.3 rows an expert
+# (scripts/moe_kernel_bench.py --sweep, 2026-12-03): 16 token rows, 64 weight rows, K 128 was the
+# fastest of 8 tiles at every layout and token count (an EP8 rank at 128 tokens: 613 us, against
+# 847 with the 64-row tile its overestimate gave it). The larger tiles, for prefill (MMA bound),
+# come from fused_moe's bf16 sweep. BLOCK_K: a multiple of 32 (whole scale groups).
 INT4_MOE_TILE_TABLE: list[tuple[float, dict]] = [
-    (64, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+    (16, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)),
+    (64, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)),
     (256, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
     (float("inf"), dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)),
 ]
@@ -848,12 +850,13 @@ def fit_int4_shared_memory(cfg: dict, act_size: int) -> dict:
     return cfg
 
 
-def int4_moe_config(num_pairs: int, num_local_experts: int) -> dict:
-    """The tile for ``num_pairs`` pairs over ``num_local_experts`` experts; small fixed tiles
-    under the interpreter, where tile size only changes speed."""
+def int4_moe_config(num_pairs: int, num_experts: int) -> dict:
+    """The tile for ``num_pairs`` pairs over ``num_experts`` experts (the model's, when known: the
+    rows each expert gets); small fixed tiles under the interpreter, where tile size only changes
+    speed."""
     if interpreting():
         return dict(INT4_INTERPRETER_TILE)
-    return int4_gpu_tile_config(num_pairs / max(num_local_experts, 1))
+    return int4_gpu_tile_config(num_pairs / max(num_experts, 1))
 
 
 def int4_fused_moe(
@@ -867,6 +870,7 @@ def int4_fused_moe(
     first_expert: int,
     config: dict | None = None,
     small_batch_gemv: bool = True,
+    num_experts_total: int | None = None,
 ) -> torch.Tensor:
     """Drop-in for :func:`int4_moe_ref` at any batch size (routed experts only). At most
     ``INT4_GEMV_MAX_PAIRS`` pairs go to :func:`int4_moe_gemv` (no alignment) unless
@@ -880,7 +884,7 @@ def int4_fused_moe(
         return torch.zeros_like(x)
     if small_batch_gemv and num_pairs <= INT4_GEMV_MAX_PAIRS and config is None:
         return int4_moe_gemv(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, first_expert)
-    cfg = fit_int4_shared_memory({**int4_moe_config(num_pairs, E), **(config or {})}, x.element_size())
+    cfg = fit_int4_shared_memory({**int4_moe_config(num_pairs, num_experts_total or E), **(config or {})}, x.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % GROUP:
         raise ValueError(f"BLOCK_K ({bk}) must be a multiple of the scale group ({GROUP})")

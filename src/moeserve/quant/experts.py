@@ -189,8 +189,9 @@ class Int4Experts(ExpertsMethod):
     name = "int4"
     kernels = ("int4_moe",)
 
-    def __init__(self, group_size: int) -> None:
+    def __init__(self, group_size: int, num_experts: int | None = None) -> None:
         self.group = group_size
+        self.num_experts = num_experts  # the model's routed experts: the tile heuristic's rows per expert
         self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
         self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
 
@@ -269,7 +270,7 @@ class Int4Experts(ExpertsMethod):
         if self.fused:
             from moeserve.kernels.int4_moe import int4_fused_moe
 
-            return int4_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
+            return int4_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, num_experts_total=self.num_experts)
         from moeserve.quant.int4 import checkpoint_words, dequantize_int4
 
         w13p, w13s, w2p, w2s = self._weights(layer)
@@ -437,7 +438,7 @@ def experts_method(config: ModelConfig) -> ExpertsMethod:
         from moeserve.quant.int4 import check_pack_quantized
 
         check_pack_quantized(q)
-        return Int4Experts(q.group_size)
+        return Int4Experts(q.group_size, config.n_routed_experts)
     if q is not None and q.method == "fp8" and routed_experts_quantized(config):
         from moeserve.quant.fp8 import check_fp8_config
 
