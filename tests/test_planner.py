@@ -502,3 +502,19 @@ def test_layout_names_match_the_engine():
 
     for layout in enumerate_layouts(8, 61):
         assert EngineLayout.build(61, layout.tp, layout.pp, layout.ep).name == layout.name
+
+
+def test_plan_names_the_serve_command_and_calls_a_small_lead_a_tie():
+    from moeserve.planner.rank import TIE_LEAD, serve_flags
+
+    cfg = load_model_config("kimi-k2.6")
+    hw = resolve_hardware(8, gpu="rtx-pro-6000", interconnect="pcie")
+    plan = plan_layouts(cfg, hw, Workload(input_len=1024, output_len=1024, concurrency=32), "kimi-k2.6")
+    best = plan.recommended
+    cmd = serve_flags(best, "kimi-k2.6")
+    assert cmd.startswith("moeserve serve --model kimi-k2.6 ") and f"--tp {best.layout.tp}" in cmd
+    assert ("--ep" in cmd) == (best.layout.ep > 1) and ("--pp " in cmd) == (best.layout.pp > 1)
+    assert f"--max-num-seqs {best.concurrency}" in cmd
+    fitting = [p for p in plan.layouts if p.fits]
+    lead = best.aggregate.tok_s / fitting[1].aggregate.tok_s
+    assert ("a tie" in plan.reason) == (lead < TIE_LEAD)

@@ -21,6 +21,25 @@ def rank_layouts(plans: list[LayoutPlan]) -> list[LayoutPlan]:
     return fitting + rest
 
 
+TIE_LEAD = 1.05  # a predicted lead under 5 % is within what the cost model can tell apart
+
+
+def serve_flags(plan: LayoutPlan, model: str) -> str:
+    """The ``moeserve serve`` command line of one evaluated layout (its partition when the
+    planner balanced it, the concurrency it was planned for, the memory share)."""
+    lay, s = plan.layout, plan.settings
+    flags = [f"moeserve serve --model {model}", f"--tp {lay.tp}"]
+    if lay.pp > 1:
+        flags.append(f"--pp {lay.pp}")
+        if lay.balanced:
+            flags.append("--pp-layer-partition " + ",".join(map(str, plan.partition)))
+    if lay.ep > 1:
+        flags.append(f"--ep {lay.ep}")
+    flags.append(f"--max-num-seqs {plan.concurrency}")
+    flags.append(f"--gpu-memory-utilization {s.gpu_memory_utilization:g}")
+    return " ".join(flags)
+
+
 def recommend(plans: list[LayoutPlan], cfg: ModelConfig, hw: Hardware) -> tuple[LayoutPlan | None, str]:
     """The first fitting layout of a ranked list and one line of why (or why nothing fits)."""
     fitting = [p for p in plans if p.fits]
@@ -30,7 +49,10 @@ def recommend(plans: list[LayoutPlan], cfg: ModelConfig, hw: Hardware) -> tuple[
     agg, one = best.aggregate.tok_s, best.single.tok_s
     text = f"{best.name}: highest predicted throughput at {best.concurrency} concurrent ({agg:.0f} tok/s"
     if len(fitting) > 1:
-        text += f", {agg / max(fitting[1].aggregate.tok_s, 1e-9):.2f}x {fitting[1].name}"
+        lead = agg / max(fitting[1].aggregate.tok_s, 1e-9)
+        text += f", {lead:.2f}x {fitting[1].name}"
+        if lead < TIE_LEAD:
+            text += f": a tie, under the model's {100 * (TIE_LEAD - 1):.0f} % error, so try both"
     text += f"), {one:.0f} tok/s for one request"
     fastest_single = max(fitting, key=lambda p: p.single.tok_s)
     if fastest_single is not best and fastest_single.single.tok_s > 1.05 * one:

@@ -13,6 +13,7 @@ from moeserve.planner.calibrate import Calibration, CalibrationRow
 from moeserve.planner.memory import kv_bytes_per_token_per_layer, rank_weight_sizes
 from moeserve.planner.plan import LayoutPlan, Plan
 from moeserve.planner.quant import describe_quantization
+from moeserve.planner.rank import serve_flags
 from moeserve.planner.weights import COMPONENTS, active_parameters_per_token, parameter_counts
 
 BAR_WIDTH = 20
@@ -164,7 +165,11 @@ def plan_json(plan: Plan, calibration: Calibration | None = None) -> dict[str, A
         "model": model_summary(plan),
         "hardware": hardware_summary(plan, calibration),
         "layouts": [layout_json(lp) for lp in plan.layouts],
-        "recommended": {"name": plan.recommended.name if plan.recommended else None, "reason": plan.reason},
+        "recommended": {
+            "name": plan.recommended.name if plan.recommended else None,
+            "reason": plan.reason,
+            "serve_command": serve_flags(plan.recommended, plan.model_name) if plan.recommended else None,
+        },
     }
 
 
@@ -253,6 +258,7 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
     console.print(table)
     if plan.recommended:
         console.print(f"[bold green]recommended[/] {plan.reason}")
+        console.print(f"[bold]serve it:[/] {serve_flags(plan.recommended, plan.model_name)}", soft_wrap=True)
     else:
         console.print(f"[bold red]{plan.reason}[/]")
     c = hw.constants
