@@ -175,13 +175,12 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return len({s.request_id for s in self.scheduler.running})
+        return self.scheduler.num_running_requests
 
     @property
     def num_waiting(self) -> int:
-        if not self.scheduler.waiting:  # the common case, and this is asked every server step
-            return 0
-        return len({s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running})
+        """Requests with a sequence waiting and none running."""
+        return self.scheduler.num_waiting_requests
 
     @property
     def num_waiting_seqs(self) -> int:
