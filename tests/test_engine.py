@@ -237,3 +237,12 @@ def test_aborting_requests_behind_100k_queued_sequences_is_quick(llm):
     assert took < 1.0, f"aborting 100,000 queued sequences took {took:.2f} s"
     assert not eng.has_unfinished_requests() and eng.num_waiting == 0 and not eng.requests
     assert len(tokens(llm.generate([[1, 2, 3]], GREEDY))[0]) == 12
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, 1e-6])
+def test_a_tiny_temperature_samples_greedily(llm, temperature):
+    """Issue 30: dividing the logits by 1e-38 overflowed them (softmax NaN: token 0 forever).
+    Below 1e-5 a temperature is greedy, as in vLLM; 1e-5 itself still samples."""
+    params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=3)
+    assert params.greedy and not SamplingParams(temperature=1e-5).greedy
+    assert tokens(llm.generate(PROMPTS, params)) == tokens(llm.generate(PROMPTS, GREEDY))
