@@ -46,7 +46,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
-from moeserve.cache.allocator import ROOT_HASH, PagedAllocator, chain_hashes
+from moeserve.cache.allocator import PagedAllocator, chain_hashes
 from moeserve.engine.sequence import Sequence, SeqStatus
 
 if TYPE_CHECKING:
@@ -238,7 +238,7 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return []
         max_pages = (seq.num_tokens - 1) // self.allocator.page_size
-        return self.allocator.lookup(seq.token_ids, max_pages, seq.page_hashes)
+        return self.allocator.lookup(seq.token_ids, max_pages, seq.page_hashes, seq.root_hash)
 
     def _map_prefix(self, seq: Sequence, hits: list[int]) -> None:
         self.allocator.acquire(hits)
@@ -265,9 +265,9 @@ class Scheduler:
         full = min(seq.num_computed, seq.num_tokens) // ps
         if full <= seq.num_cached_pages:
             return
-        hashes = chain_hashes(seq.token_ids, ps, full, seq.page_hashes)
+        hashes = chain_hashes(seq.token_ids, ps, full, seq.page_hashes, seq.root_hash)
         for i in range(seq.num_cached_pages, full):
-            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else ROOT_HASH, seq.token_ids[i * ps : (i + 1) * ps])
+            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else seq.root_hash, seq.token_ids[i * ps : (i + 1) * ps])
         seq.num_cached_pages = full
 
     def _wanted(self, seq: Sequence, async_scheduling: bool) -> tuple[int, bool] | None:
