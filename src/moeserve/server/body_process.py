@@ -16,6 +16,7 @@ import asyncio
 import concurrent.futures
 import multiprocessing as mp
 import os
+import signal
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Callable
 
@@ -38,12 +39,16 @@ class _Limits:
 
 def _start_child(source: tuple[str, bool] | None) -> None:
     """A child's start: below the serving processes in the CPU's queue (a large body must not
-    starve everyone else's streams of CPU either), then the tokenizer."""
+    starve everyone else's streams of CPU either), deaf to SIGTERM and SIGINT as the engine is (a
+    signal to the process group drains the server, which stops the children; they also end when
+    it is gone), then the tokenizer."""
     global _tokenizer
     try:
         os.nice(CHILD_NICENESS)
     except (AttributeError, OSError):
         pass
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     if source is not None:
         from moeserve.engine.tokenizer import load_tokenizer
 
