@@ -408,10 +408,11 @@ class EngineLoop:
             return None, False
         if waiting == 0 and exempt is None:
             return None, True
-        return (
-            f"the server is overloaded: {waiting} sequences are already waiting to be scheduled and this "
-            f"request adds {cost} (--max-waiting {self.max_waiting}); retry later"
-        ), False
+        if waiting == 0:
+            why = f"another request larger than --max-waiting ({self.max_waiting}) is being queued and this one adds {cost}"
+        else:
+            why = f"{waiting} sequences are already waiting to be scheduled and this request adds {cost} (--max-waiting {self.max_waiting})"
+        return f"the server is overloaded: {why}; retry later", False
 
     def _add(self, rid: str, prompt: dict, params: Any) -> None:
         self.engine.add_request(prompt, params, rid)
