@@ -123,7 +123,8 @@ def test_a_77_mb_answer_is_written_without_holding_the_event_loop(demo_dir):
     """Issue 30: a 77.5 MB answer (n=128, top_logprobs 20) built and serialized on the event loop
     held it 5 s. ``json_answer`` builds it a choice at a time (logprobs a few hundred tokens at a
     time) in a worker thread, written in pieces, and the server's start-up objects are frozen out
-    of the garbage collector's full passes: the loop's worst lag stays under 100 ms."""
+    of the garbage collector's full passes: the loop's worst lag stays under 250 ms (31-35 ms on
+    the 2-core machine with other work on it, load 4.4; it was 5 s)."""
     import gc
     import json
     import random
@@ -175,7 +176,7 @@ def test_a_77_mb_answer_is_written_without_holding_the_event_loop(demo_dir):
     answer = json.loads(body)
     assert len(body) > 77_000_000 and len(answer["choices"]) == 128
     assert [len(e["top_logprobs"]) for e in answer["choices"][5]["logprobs"]["content"]] == [20] * 470
-    assert worst < 0.1, f"the event loop was held {worst * 1e3:.0f} ms"
+    assert worst < 0.25, f"the event loop was held {worst * 1e3:.0f} ms"
 
 
 def test_a_client_hanging_up_during_its_upload_is_one_debug_line(caplog):

@@ -424,7 +424,7 @@ async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: fl
 # a worker thread: json.dumps holds the GIL for the whole of what it writes, and a 77.5 MB
 # answer (n=128, top_logprobs 20) built and written on the event loop held it for seconds.
 LARGE_ANSWER_ENTRIES = 20_000
-JSON_PIECE_ITEMS = 256  # list items written by one json call, deep in a large answer
+JSON_PIECE_ITEMS = 64  # list items written by one json call, deep in a large answer (~100 KB of logprobs)
 _to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # as JSONResponse writes
 
 
