@@ -215,3 +215,19 @@ def test_a_client_hanging_up_during_its_upload_is_one_debug_line(caplog):
         (logging.DEBUG, "POST /v1/completions: the client disconnected during its upload")
     ]
     assert not any(r.exc_info for r in caplog.records)
+
+
+def test_an_answer_written_in_pieces_is_the_json_of_the_whole():
+    """``answer_pieces`` and ``json_pieces`` (lists and iterators at any depth, sliced where
+    long) write exactly what one ``json.dumps`` of the whole would, as JSONResponse writes it."""
+    from moeserve.server.openai_shared import JSON_PIECE_ITEMS, _to_json, answer_pieces, join_in_blocks, json_pieces
+
+    long = [{"token": "é\u2028", "logprob": -i / 7, "bytes": [i % 256]} for i in range(3 * JSON_PIECE_ITEMS + 5)]
+    obj = {"a": [1, {"b": long}], "c": None, "d": [], "e": {}, "f": [[1] * (JSON_PIECE_ITEMS + 1)], "g": "x" * 100}
+    for depth in range(6):
+        assert "".join(json_pieces(obj, depth)) == _to_json(obj)
+    assert "".join(json_pieces({"k": iter(long)}, 2)) == _to_json({"k": long}) and "".join(json_pieces(iter([]), 0)) == "[]"
+    choices = [{"index": i, "logprobs": {"content": iter(long)}} for i in range(3)]
+    whole = {"id": "x", "choices": [{"index": i, "logprobs": {"content": long}} for i in range(3)], "usage": {"total_tokens": 1}}
+    blocks = join_in_blocks(answer_pieces({"id": "x"}, iter(choices), {"usage": {"total_tokens": 1}}), block_bytes=1000)
+    assert len(blocks) > 3 and b"".join(blocks) == _to_json(whole).encode()
