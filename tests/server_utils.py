@@ -3,6 +3,7 @@ process group, wait for it, read its metrics, and always stop it."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,7 +27,7 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, model: str, log_path: Path, *extra: str, env: dict[str, str] | None = None):
+    def __init__(self, model: str, log_path: Path, *extra: str, env: dict[str, str] | None = None, access_log: bool = False):
         self.env = env or {}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -44,7 +45,7 @@ class ServerProcess:
             str(self.port),
             "--device",
             "cpu",
-            "--no-access-log",
+            *([] if access_log else ["--no-access-log"]),
             *extra,
         ]
         self.proc: subprocess.Popen | None = None
@@ -138,3 +139,69 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise ValueError(f"no VmRSS for process {pid}")
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = "", code: str | None = "") -> dict:
+    """An error in OpenAI's format with this status (and param, code unless left out)."""
+    assert r.status_code == status, r.text[:2000]
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    if param != "":
+        assert err["param"] == param, err
+    if code != "":
+        assert err["code"] == code, err
+    return err
+
+
+def assert_idle_and_healthy(server, timeout: float = 20) -> None:
+    """Nothing running or waiting, every KV page free, /health ready."""
+    poll(
+        lambda: metric(server.url, "moeserve:num_requests_running") == 0 and metric(server.url, "moeserve:num_requests_waiting") == 0,
+        timeout,
+        what="nothing running",
+    )
+    assert metric(server.url, "moeserve:kv_cache_usage_perc") == 0
+    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
+
+
+class Stream:
+    """A streamed completion read in a thread: its events and when each arrived."""
+
+    def __init__(self, server, body: dict, path: str = "completions", timeout: float = 60):
+        self.events: list[str] = []
+        self.times: list[float] = []
+        self.status: int | None = None
+        self._http = httpx.Client(timeout=timeout)
+        self.thread = threading.Thread(target=self._run, args=(server, path, {**body, "stream": True}), daemon=True)
+        self.thread.start()
+
+    def _run(self, server, path: str, body: dict) -> None:
+        try:
+            with self._http.stream("POST", f"{server.url}/v1/{path}", json=body) as r:
+                self.status = r.status_code
+                for data in sse_data(r.iter_lines()):
+                    self.events.append(data)
+                    self.times.append(time.monotonic())
+        except (httpx.HTTPError, RuntimeError, AttributeError):  # closed by close()
+            pass
+
+    def wait_started(self, timeout: float = 30) -> "Stream":
+        poll(lambda: self.events, timeout, what="the first chunk")
+        return self
+
+    def close(self) -> None:
+        """Disconnect (the server aborts the request)."""
+        self._http.close()
+        self.thread.join(30)
+
+    def join(self, timeout: float = 60) -> "Stream":
+        self.thread.join(timeout)
+        assert not self.thread.is_alive()
+        return self
+
+    @property
+    def done(self) -> bool:
+        return bool(self.events) and self.events[-1] == "[DONE]"
+
+    def chunks(self) -> list[dict]:
+        return [json.loads(e) for e in self.events if e != "[DONE]"]

@@ -218,3 +218,31 @@ def test_host_memory_check_counts_the_weights_as_held(which, v3_checkpoint, fp8_
     monkeypatch.setattr(mr.os, "sysconf", lambda name: page if name == "SC_PAGE_SIZE" else runner.weight_bytes // page)
     with pytest.raises(ValueError, match="more than this machine's"):
         mr.ModelRunner(config, engine, StageRange(1, L), False, True)
+
+
+def test_aborting_requests_behind_100k_queued_sequences_is_quick(llm):
+    """Issue 30: 100 requests of n=1,000 queued (100,000 sequences); aborting them all, last
+    first, takes well under a second (it took minutes: a deque removal per sequence), frees
+    everything, and the engine serves the next request."""
+    import time
+
+    eng = llm.engine
+    params = SamplingParams(n=1000, temperature=0, max_tokens=4)
+    rids = [eng.add_request([5, 6, 7], params) for _ in range(100)]
+    assert eng.num_waiting_seqs == 100_000 and eng.num_waiting == 100
+    t0 = time.perf_counter()
+    for rid in reversed(rids):
+        eng.abort_request(rid)
+    took = time.perf_counter() - t0
+    assert took < 1.0, f"aborting 100,000 queued sequences took {took:.2f} s"
+    assert not eng.has_unfinished_requests() and eng.num_waiting == 0 and not eng.requests
+    assert len(tokens(llm.generate([[1, 2, 3]], GREEDY))[0]) == 12
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 5e-324, 1e-6])
+def test_a_tiny_temperature_samples_greedily(llm, temperature):
+    """Issue 30: dividing the logits by 1e-38 overflowed them (softmax NaN: token 0 forever).
+    Below 1e-5 a temperature is greedy, as in vLLM; 1e-5 itself still samples."""
+    params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=3)
+    assert params.greedy and not SamplingParams(temperature=1e-5).greedy
+    assert tokens(llm.generate(PROMPTS, params)) == tokens(llm.generate(PROMPTS, GREEDY))

@@ -140,3 +140,49 @@ def test_the_engine_answers_an_add_once_the_step_that_computes_its_first_token_i
     assert messages[0][:3] == ("batch", [("accepted", "k")], [])
     tokens = [len(d[6]) for m in messages[1:] for d in m[2]]
     assert sum(tokens) == 2 and all(not m[1] for m in messages[1:])
+
+
+def test_a_large_request_is_queued_in_slices_and_counted_apart():
+    """Issue 30: a 20,000-prompt batch on an idle server was queued whole, so everyone else got
+    503 overloaded (--max-waiting) and would have waited behind it. The engine loop queues a
+    request a slice of max_num_seqs sequences at a time, each prompt validated up front; the
+    one request larger than the limit does not count toward it for the others, a second one gets
+    the 503, a later small request goes before the next slice, and an abort of a prompt not queued
+    yet only drops it."""
+    from moeserve.engine.config import EngineConfig
+    from moeserve.engine.llm import build_engine
+    from moeserve.server.engine_process import EngineLoop
+
+    engine = build_engine(EngineConfig(model=str(ensure_demo_model()), max_num_seqs=2))
+    loop = EngineLoop(engine, None, None, max_waiting=4)
+
+    def add(key: str, prompts: int, bad: int | None = None) -> list[tuple]:
+        items = [
+            (f"{key}-{i}", {"prompt": None, "prompt_token_ids": [5, 6] if i != bad else [10**6]}, {"max_tokens": 1}) for i in range(prompts)
+        ]
+        return loop._handle(("add", key, items))
+
+    def queue() -> list[str]:
+        return [s.request_id for s in engine.scheduler.waiting]
+
+    try:
+        assert add("big", 10) == [("accepted", "big")]  # over the limit, but nothing waited
+        assert queue() == ["big-0", "big-1"]
+        [(_, _, status, message)] = add("big2", 10)
+        assert status == 503 and "another request larger than --max-waiting (4) is being queued" in message
+        assert add("small", 1) == [("accepted", "small")]  # the big one's backlog does not count
+        [(_, _, status, message)] = add("bad", 2, bad=1)
+        assert status == 400 and "out of range" in message and "bad-0" not in engine.requests  # refused whole
+        engine.step_deltas()  # big-0 and big-1 run (max_num_seqs 2) and finish
+        loop._refill()
+        assert queue() == ["small-0", "big-2", "big-3"]  # the later request goes before the next slice
+        assert loop.stats()["waiting"] == 3 + 6
+        for i in range(4, 10):
+            loop._abort(f"big-{i}")
+        assert not loop._backlogs and not loop._backlog_of
+        while engine.has_unfinished_requests():
+            engine.step_deltas()
+            loop._refill()
+        assert engine.num_waiting_seqs == 0 and engine.kv_cache_usage == 0
+    finally:
+        engine.shutdown()

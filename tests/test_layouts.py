@@ -247,6 +247,7 @@ def test_a_failure_report_puts_the_root_cause_before_its_peers_losses():
     ends = [mp.Pipe() for _ in range(3)]
     executor = object.__new__(ex.MultiProcessExecutor)
     executor.conns = [ours for ours, _ in ends]
+    executor.procs, executor.layout = {}, Layout.build(5, pp=3)  # every rank on "another node"
     peer_loss = "Traceback ...\nRuntimeError: [gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242\n"
     cause = "Traceback ...\nRuntimeError: injected failure while loading\n"
     first = ("error", 0, 0, peer_loss)
@@ -254,5 +255,59 @@ def test_a_failure_report_puts_the_root_cause_before_its_peers_losses():
     ends[2][1].close()  # rank 2 went away without a word
     report = executor._failure_report(0, first)
     assert report.index("rank 1 (stage 1) failed") < report.index("rank 0 (stage 0) failed")
+    assert report.startswith("rank 2 (stage 2) on another node closed its connection")  # a death without a word: first
     assert "injected failure" in report and "Connection closed by peer" in report
     assert not ex._is_peer_loss(cause) and ex._is_peer_loss(peer_loss)
+
+
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process ``pid`` listens on (Linux /proc), as hex
+    from /proc/net/tcp{,6}."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                    found.append(fields[1].split(":")[0])
+    return found
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 (as /proc/net writes them)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/net/tcp"), reason="reads /proc/net/tcp (Linux)")
+def test_a_single_host_group_listens_on_loopback_only(checkpoints):
+    """Issue 30: with --tp 2 torch's TCPStore listened on every interface (*:PORT), even with
+    --master-addr 127.0.0.1. Every socket a rank listens on (the store on rank 0, gloo's pairs)
+    is bound to loopback, whatever --master-addr says for one host."""
+    with LLM(str(checkpoints["v3"]), device="cpu", tensor_parallel_size=2, master_addr="0.0.0.0") as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+        by_rank = {rank: listening_addresses(p.pid) for rank, p in llm.engine.executor.procs.items()}
+    assert by_rank[0], "rank 0 serves the store: it listens"
+    assert all(set(addrs) <= LOOPBACK for addrs in by_rank.values()), by_rank
+
+
+def test_a_killed_rank_is_named_before_the_peers_it_took_down(checkpoints):
+    """Issue 30: killing rank 1 was reported as "rank 0 failed" (rank 0's collective saw its
+    peer go, and its error came in first). The report starts with the rank that died."""
+    import os
+    import signal
+
+    with LLM(str(checkpoints["v3"]), device="cpu", tensor_parallel_size=2) as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+        os.kill(llm.engine.executor.procs[1].pid, signal.SIGKILL)
+        with pytest.raises(RankFailure) as failure:
+            llm.generate(PROMPTS, GREEDY)
+    first = str(failure.value).splitlines()[0]
+    assert first == "rank 1 (stage 0) died with exit code -9 (killed by SIGKILL)", str(failure.value)

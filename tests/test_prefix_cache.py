@@ -340,3 +340,41 @@ def test_fast_path_with_the_cache(v3_checkpoint, uncached):
 
     with LLM(str(v3_checkpoint), device="cpu", dtype="float32", page_size=PS, backend="triton") as llm:
         assert_close(shared_prefix_run(llm, max_tokens=2), expected(uncached, 2))
+
+
+def test_requests_of_different_cache_salts_never_share_a_page():
+    """vLLM's cache_salt (issue 30): a salt starts the hash chain apart, so a prompt finds the
+    pages of requests with its salt only (none for no salt vs. a salt, or two salts)."""
+    from moeserve.cache.allocator import salted_root
+
+    s = cache_scheduler()
+    tokens = list(range(10))
+    a = seq(0, tokens)
+    a.root_hash = salted_root("alice")
+    s.add(a)
+    run_step(s)  # a's two full pages are cached, under alice's salt
+    for i, salt in enumerate([None, "bob", "alice"], start=1):
+        q = seq(i, tokens)
+        q.root_hash = salted_root(salt)
+        s.add(q)
+        run_step(s)
+        assert q.num_cached_tokens == (8 if salt == "alice" else 0), salt
+        assert (q.pages[:2] == a.pages[:2]) == (salt == "alice")
+    assert salted_root(None) == ROOT_HASH and salted_root("") != ROOT_HASH
+
+
+def test_the_engine_salts_the_pages_of_a_prompt_with_a_cache_salt(v3_checkpoint):
+    from moeserve import LLM
+
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", page_size=PS) as llm:
+        prompt = BASE + BASE
+
+        def cached(**salt):
+            [out] = llm.generate([{"prompt_token_ids": prompt, **salt}], GREEDY)
+            return out.num_cached_tokens
+
+        assert [cached(cache_salt="a"), cached(cache_salt="b"), cached(), cached(cache_salt="a"), cached()] == [0, 0, 0, 24, 24]
+        for bad in ("", 7):
+            with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+                llm.generate([{"prompt_token_ids": prompt, "cache_salt": bad}], GREEDY)
+        assert_all_pages_free_or_cached(llm.engine)

@@ -54,7 +54,7 @@ def test_preemption_frees_pages_and_requeues_first():
     batch = run_step(s)  # a decodes token 4 (fits page 2), b too
     batch = run_step(s)  # a needs a third page: b (newest) is preempted
     assert b.status is SeqStatus.WAITING and b.pages == [] and b.num_computed == 0
-    assert s.waiting[0] is b and b.num_preemptions == 1
+    assert s.waiting.first is b and b.num_preemptions == 1
     assert batch.seqs == [a]
 
 
@@ -133,7 +133,7 @@ def test_a_decode_preempts_a_newer_prefilling_sequence_and_nothing_is_lost():
     batch = run_step(s)  # a decodes within its pages; b is admitted again (the freed page)
     assert batch.seqs == [a, b] and batch.num_new_tokens == [1, 2] and alloc.num_free == 0
     batch = run_step(s)  # a's decode needs a page: the newer, prefilling b is preempted for it
-    assert batch.seqs == [a] and s.waiting[0] is b and b.pages == [] and b.num_computed == 0
+    assert batch.seqs == [a] and s.waiting.first is b and b.pages == [] and b.num_computed == 0
     assert b.num_preemptions == 2
     s.finish(a, "length")
     while b.num_output_tokens < 1:
@@ -169,3 +169,32 @@ def test_async_scheduling_lets_a_sequence_in_flight_join_with_a_deferred_token()
     assert in_flight_then_next().seqs == [] and in_flight_then_next(async_scheduling=False).seqs == []
     batch = in_flight_then_next(async_scheduling=True)
     assert batch.num_new_tokens == [1] and batch.deferred == [True]
+
+
+def test_finishing_admitting_and_preempting_cost_the_same_behind_100k_queued_sequences():
+    """Issue 30: an abort removed each sequence from a deque (O(queue)), and 128,000 queued
+    sequences held the engine for minutes. 100,000 queued: each is aborted from the back of the
+    queue (a deque's worst case) and all are gone in well under a second; admission and
+    preemption at the front do not scan the queue either."""
+    import time
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), PagedAllocator(8, 4))
+    seqs = [Sequence(i, str(i // 1000), i % 1000, [1, 2, 3], 3, SamplingParams(temperature=0)) for i in range(100_000)]
+    for q in seqs:
+        s.add(q)
+    assert (s.num_waiting, s.num_waiting_requests, s.num_waiting_of("7")) == (100_000, 100, 1000)
+    batch = run_step(s)  # the first four are admitted
+    assert batch.seqs == seqs[:4] and s.num_running_requests == 1 and s.num_waiting_requests == 99
+    t0 = time.perf_counter()
+    for q in reversed(seqs[4:]):
+        s.finish(q, "abort")
+    took = time.perf_counter() - t0
+    assert took < 1.0, f"aborting 99,996 queued sequences took {took:.2f} s"
+    assert s.num_waiting == 0 and s.num_waiting_requests == 0 and s.num_waiting_of("7") == 0
+    s._preempt(seqs[3])  # back to the front of the queue
+    assert s.waiting.first is seqs[3] and s.num_waiting_requests == 0  # request "0" still runs three
+    for q in seqs[:3]:
+        s.finish(q, "abort")
+    assert s.num_running_requests == 0 and s.num_waiting_requests == 1
+    s.finish(seqs[3], "abort")
+    assert not s.has_unfinished and s.allocator.num_free == 8

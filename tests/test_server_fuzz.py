@@ -3,7 +3,10 @@ demo model, a short context so that every generation is short):
 
 * bodies schemathesis draws from the server's own OpenAPI schema, valid and invalid;
 * hostile bodies from hypothesis: the request fields with NaN and infinities, integers far
-  beyond 64 bits, lone surrogates, wrong types, nesting, and bytes that are not JSON at all.
+  beyond 64 bits, lone surrogates, wrong types, nesting, and bytes that are not JSON at all;
+  the shapes of issue 30: logit_bias keys of thousands of digits, tiny temperatures, text with
+  U+2028/U+2029/U+0085 (every SSE line must still be one event), batches over --max-prompts,
+  cache_salt of every type, and every kind of Content-Type (only JSON is read).
 
 Every answer is below 500; every error is OpenAI's JSON; every stream is well-formed SSE ending
 in [DONE]; afterwards the server is ready, runs nothing and holds no KV page. Bounded in
@@ -82,11 +85,12 @@ def check(r: httpx.Response, streamed: bool) -> None:
         assert "choices" in chunk
 
 
-def post(http: httpx.Client, path: str, content: bytes) -> None:
+def post(http: httpx.Client, path: str, content: bytes, content_type: str | None = "application/json") -> httpx.Response:
     streamed = b'"stream": true' in content or b'"stream":true' in content
-    r = http.post(path, content=content, headers={"content-type": "application/json"})
+    r = http.post(path, content=content, headers={"content-type": content_type} if content_type else {})
     SEEN[(path, r.status_code)] += 1
     check(r, streamed)
+    return r
 
 
 class Budget:
@@ -131,6 +135,7 @@ nasty_floats = st.one_of(
     st.floats(allow_nan=False, allow_infinity=False),
     st.just(1e308),
     st.just(-0.0),
+    st.sampled_from([1e-38, 5e-324, 1e-6, 1e-5]),  # tiny temperatures (issue 30: token 0 forever)
 )
 nasty_ints = st.one_of(st.integers(-3, 40), st.just(1 << 63), st.just(-(1 << 63) - 1), st.just(1 << 64), st.just(1 << 200), st.integers())
 nasty_text = st.one_of(
@@ -140,6 +145,7 @@ nasty_text = st.one_of(
     st.just(""),
     st.just("<|eos|>"),
     st.text(alphabet=st.characters(codec="utf-8"), max_size=6),
+    st.just("a\u2028b\u2029c\x85d"),  # line breaks to str.splitlines (issue 30: SSE lines split there)
 )
 scalar = st.one_of(st.none(), st.booleans(), nasty_ints, nasty_floats, nasty_text)
 nasty = st.recursive(
@@ -150,6 +156,7 @@ prompt = st.one_of(
     st.lists(nasty_ints, min_size=1, max_size=6),
     st.lists(nasty_text, min_size=1, max_size=3),
     st.lists(st.lists(st.integers(0, 400), min_size=0, max_size=5), min_size=1, max_size=3),
+    st.integers(2049, 2060).map(lambda k: [[5, 6]] * k),  # over --max-prompts (2048 by default)
     nasty,
 )
 messages = st.one_of(
@@ -194,7 +201,10 @@ FIELDS = {
     "skip_special_tokens": st.booleans(),
     "include_stop_str_in_output": st.booleans(),
     "return_tokens_as_token_ids": st.booleans(),
-    "logit_bias": st.one_of(st.none(), st.dictionaries(st.sampled_from(["1", "x", "65", "999", "-3"]), nasty_floats, max_size=3)),
+    "logit_bias": st.one_of(
+        st.none(), st.dictionaries(st.sampled_from(["1", "x", "65", "999", "-3", "1" * 19, "9" * 4301, "٣"]), nasty_floats, max_size=3)
+    ),
+    "cache_salt": st.one_of(st.none(), nasty_text, nasty),
     "chat_template_kwargs": st.one_of(st.none(), st.dictionaries(nasty_text, scalar, max_size=2)),
     "response_format": st.one_of(st.none(), nasty),
     "model": st.one_of(st.none(), nasty_text),
@@ -213,6 +223,31 @@ def hostile_body(draw, path: str) -> bytes:
     body.setdefault("max_tokens", draw(st.integers(1, 8)))
     # Python's json writes NaN/Infinity literals and \ud800 escapes, as a hostile client would.
     return json.dumps(body).encode()
+
+
+content_types = st.one_of(
+    st.sampled_from(["application/json", "application/json; charset=utf-8", "APPLICATION/JSON", "text/plain", "text/plain; charset=utf-8"]),
+    st.sampled_from(["application/x-www-form-urlencoded", "multipart/form-data; boundary=x", "application/jsonx", "", None]),
+    st.text(alphabet=st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=20),  # any value HTTP allows
+)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_content_types(server, http, path):
+    """Only a body declared JSON is read (a 415 otherwise: issue 30, what a web page can send
+    without asking); the same body declared JSON is answered as ever."""
+    budget = Budget(SECONDS / 3)
+
+    @FUZZ_SETTINGS
+    @given(content=hostile_body(path), content_type=content_types)
+    def run(content, content_type):
+        if budget.spent:
+            return
+        r = post(http, path, content, content_type)
+        is_json = (content_type or "").split(";")[0].strip().lower() == "application/json"
+        assert (r.status_code == 415) == (not is_json), (content_type, r.status_code, r.text[:300])
+
+    run()
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import signal
-import threading
 import time
 from types import SimpleNamespace
 
@@ -23,7 +22,7 @@ import pytest
 
 from moeserve.demo import ensure_demo_model
 from moeserve.server.wait_ready import EXIT_READY, health_url, wait_ready
-from server_utils import ServerProcess, free_port, metric, poll, sse_data
+from server_utils import ServerProcess, Stream, assert_idle_and_healthy, assert_openai_error, free_port, metric, poll
 
 FAIL_MARKER = "<<fail-me>>"
 LIMIT = 4 << 20
@@ -90,71 +89,9 @@ def tokenizer(demo_dir):
 
 
 def post(server, path: str, **kw) -> httpx.Response:
+    if "content" in kw:  # raw bytes, declared JSON (the server refuses other types with a 415)
+        kw.setdefault("headers", {"content-type": "application/json"})
     return httpx.post(f"{server.url}/v1/{path}", timeout=60, **kw)
-
-
-def assert_openai_error(r: httpx.Response, status: int, param: str | None = "", code: str | None = "") -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}, err
-    if param != "":
-        assert err["param"] == param, err
-    if code != "":
-        assert err["code"] == code, err
-    return err
-
-
-def assert_idle_and_healthy(server) -> None:
-    poll(
-        lambda: metric(server.url, "moeserve:num_requests_running") == 0 and metric(server.url, "moeserve:num_requests_waiting") == 0,
-        20,
-        what="nothing running",
-    )
-    assert metric(server.url, "moeserve:kv_cache_usage_perc") == 0
-    assert httpx.get(f"{server.url}/health", timeout=10).json()["status"] == "ready"
-
-
-class Stream:
-    """A streamed completion read in a thread: its events and when each arrived."""
-
-    def __init__(self, server, body: dict, path: str = "completions"):
-        self.events: list[str] = []
-        self.times: list[float] = []
-        self.status: int | None = None
-        self._http = httpx.Client(timeout=60)
-        self.thread = threading.Thread(target=self._run, args=(server, path, {**body, "stream": True}), daemon=True)
-        self.thread.start()
-
-    def _run(self, server, path: str, body: dict) -> None:
-        try:
-            with self._http.stream("POST", f"{server.url}/v1/{path}", json=body) as r:
-                self.status = r.status_code
-                for data in sse_data(r.iter_lines()):
-                    self.events.append(data)
-                    self.times.append(time.monotonic())
-        except (httpx.HTTPError, RuntimeError, AttributeError):  # closed by close()
-            pass
-
-    def wait_started(self, timeout: float = 30) -> "Stream":
-        poll(lambda: self.events, timeout, what="the first chunk")
-        return self
-
-    def close(self) -> None:
-        """Disconnect (the server aborts the request)."""
-        self._http.close()
-        self.thread.join(30)
-
-    def join(self, timeout: float = 60) -> "Stream":
-        self.thread.join(timeout)
-        assert not self.thread.is_alive()
-        return self
-
-    @property
-    def done(self) -> bool:
-        return bool(self.events) and self.events[-1] == "[DONE]"
-
-    def chunks(self) -> list[dict]:
-        return [json.loads(e) for e in self.events if e != "[DONE]"]
 
 
 LONG = {"prompt": "go", "max_tokens": 480, "ignore_eos": True}

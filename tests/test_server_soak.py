@@ -1,6 +1,9 @@
 """A bounded soak (SOAK_SECONDS, 60 by default) of a real server on the demo model: concurrent
 streaming and non-streaming completions and chats, n > 1, random disconnects (mid-stream and
-mid-request), random bad requests, and a KV pool small enough to force preemption.
+mid-request), random bad requests, and a KV pool small enough to force preemption; and the
+shapes of issue 30: batches of many prompts, large requests dropped after their first chunk,
+uploads cut halfway, bodies not declared JSON, tiny temperatures, cache salts, and prompts with
+U+2028/U+2029/U+0085 echoed in streams.
 
 At the end every request got either its full output or a clear error (OpenAI JSON, or an
 error event before [DONE]), /metrics shows nothing running and every page free, and the
@@ -12,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import socket
 import threading
 import time
 from collections import Counter
@@ -40,6 +44,9 @@ BAD = [  # (body, path) the server must refuse with a 4xx
     (b'{"prompt": "hi", "temperature": NaN}', "completions"),
     (b'{"prompt": ', "completions"),
     ({"model": "nope", "prompt": "hi"}, "completions"),
+    ({"prompt": "hi", "logit_bias": {"9" * 4301: 1}}, "completions"),
+    ({"prompt": [[5, 6]] * 2049}, "completions"),
+    ({"prompt": "hi", "cache_salt": ""}, "completions"),
 ]
 
 
@@ -67,6 +74,12 @@ def server(tmp_path_factory):
         srv.stop()
 
 
+# what each client does, and how often
+ACTIONS = ["stream", "plain", "chat", "disconnect", "timeout", "bad", "batch", "abandon", "upload_drop", "not_json"]
+WEIGHTS = [26, 18, 13, 12, 4, 12, 5, 3, 4, 3]
+LINE_BREAKS = "a\u2028b\u2029c\x85"  # (str.splitlines breaks there: every SSE line must stay one event)
+
+
 class Soak:
     def __init__(self, url: str, seconds: float, seed: int):
         self.url, self.end = url, time.monotonic() + seconds
@@ -85,7 +98,7 @@ class Soak:
         rng = random.Random(self.rng.random())
         with httpx.Client(base_url=f"{self.url}/v1", timeout=120) as http:
             while time.monotonic() < self.end:
-                action = rng.choices(["stream", "plain", "chat", "disconnect", "timeout", "bad"], [30, 20, 15, 15, 5, 15])[0]
+                action = rng.choices(ACTIONS, WEIGHTS)[0]
                 try:
                     getattr(self, action)(http, rng)
                 except Exception as e:  # noqa: BLE001 - every surprise is a finding
@@ -94,13 +107,16 @@ class Soak:
     @staticmethod
     def body(rng: random.Random) -> tuple[dict, int]:
         max_tokens = rng.choice([4, 16, 48, 120, 170])  # + the longest prompt < MAX_LEN
-        return {
-            "prompt": rng.choice(["Hello", "The quick brown fox", "1 2 3 4", "soak"]) * rng.randint(1, 4),
+        body = {
+            "prompt": rng.choice(["Hello", "The quick brown fox", "1 2 3 4", "soak", LINE_BREAKS]) * rng.randint(1, 4),
             "max_tokens": max_tokens,
-            "temperature": rng.choice([0, 0.8]),
+            "temperature": rng.choice([0, 0.8, 1e-38]),
             "ignore_eos": True,
             "seed": rng.randint(0, 1000),
-        }, max_tokens
+        }
+        if rng.random() < 0.3:  # its own prefix-cache pages, or a shared salt's
+            body["cache_salt"] = rng.choice(["alice", "bob", f"c{rng.random()}"])
+        return body, max_tokens
 
     def error_or(self, kind: str, r_status: int, body: dict) -> bool:
         """A clear error instead of output: 503 overloaded is one; anything else is a failure."""
@@ -112,6 +128,7 @@ class Soak:
 
     def stream(self, http: httpx.Client, rng: random.Random) -> None:
         body, max_tokens = self.body(rng)
+        body["echo"] = rng.random() < 0.3
         with http.stream("POST", "completions", json={**body, "stream": True}) as r:
             if r.status_code != 200:
                 data = json.loads(r.read())
@@ -119,9 +136,11 @@ class Soak:
                     self.note("stream", f"{r.status_code} {data}")
                 return
             events = list(sse_data(r.iter_lines()))
-        chunks = [json.loads(e) for e in events[:-1]]
+        chunks = [json.loads(e) for e in events[:-1]]  # (a line split at U+2028 would not parse)
         tokens = sum(1 for c in chunks if c.get("choices"))  # a chunk per token
         ok = events[-1] == "[DONE]" and tokens == max_tokens and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        if body["echo"]:
+            ok = ok and "".join(c["choices"][0]["text"] for c in chunks).startswith(body["prompt"])
         self.note("stream: full output", None if ok else f"{tokens}/{max_tokens} tokens, last {events[-2:]}")
 
     def plain(self, http: httpx.Client, rng: random.Random) -> None:
@@ -175,6 +194,47 @@ class Soak:
         except httpx.TimeoutException:
             self.note("disconnect mid-request")
 
+    def batch(self, http: httpx.Client, rng: random.Random) -> None:
+        """Many prompts in one request (queued a slice at a time): every one gets its tokens."""
+        prompts, max_tokens = rng.randint(8, 80), rng.choice([1, 4])
+        body = {"prompt": [[rng.randrange(3, 250) for _ in range(rng.randint(1, 6))] for _ in range(prompts)], "max_tokens": max_tokens}
+        r = http.post("completions", json={**body, "ignore_eos": True})
+        data = r.json()
+        if r.status_code != 200:
+            if not self.error_or("batch", r.status_code, data):
+                self.note("batch", f"{r.status_code} {data}")
+            return
+        ok = data["usage"]["completion_tokens"] == prompts * max_tokens and len(data["choices"]) == prompts
+        self.note("batch: full output", None if ok else str(data["usage"]))
+
+    def abandon(self, http: httpx.Client, rng: random.Random) -> None:
+        """A large request (hundreds of prompts x n) dropped after its first chunk: all aborted."""
+        body = {"prompt": [[5, 6]] * rng.randint(100, 400), "n": rng.randint(2, 4), "max_tokens": 2, "stream": True}
+        with http.stream("POST", "completions", json=body) as r:
+            if r.status_code == 200:
+                next(sse_data(r.iter_lines()), None)
+                self.note("abandoned a large request")
+            elif not self.error_or("abandon", r.status_code, json.loads(r.read())):
+                self.note("abandon", f"{r.status_code}")
+
+    def upload_drop(self, http: httpx.Client, rng: random.Random) -> None:
+        """Hang up halfway through the body (the server logs one debug line, nothing else)."""
+        host, port = self.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+                + b'{"prompt": "'
+                + b"z" * rng.randint(0, 2000)
+            )
+        self.note("hung up during the upload")
+
+    def not_json(self, http: httpx.Client, rng: random.Random) -> None:
+        body, _ = self.body(rng)
+        content_type = rng.choice(["text/plain", "application/x-www-form-urlencoded", None])
+        r = http.post("completions", content=json.dumps(body).encode(), headers={"content-type": content_type} if content_type else {})
+        ok = r.status_code == 415 and r.json()["error"]["code"] == "unsupported_media_type"
+        self.note("not JSON: 415", None if ok else f"{r.status_code} {r.text[:300]}")
+
     def bad(self, http: httpx.Client, rng: random.Random) -> None:
         body, path = rng.choice(BAD)
         content = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -222,6 +282,8 @@ def test_soak(server):
     for name in pids:
         print(f"  RSS {name}: {rss0[name] / 2**20:.0f} -> {rss1[name] / 2**20:.0f} MiB")
     assert not soak.failures, "\n".join(soak.failures[:20])
+    log = server.log()
+    assert "Traceback" not in log and "unexpected error" not in log, log[-3000:]
     assert preemptions > 0, "the KV pool never ran out: no preemption was tested"
     assert soak.outcomes["stream: full output"] and soak.outcomes["plain: full output"]
     for name in pids:

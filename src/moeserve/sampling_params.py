@@ -15,6 +15,10 @@ PENALTY_RANGE = (-2.0, 2.0)  # presence and frequency penalties, as OpenAI bound
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 # A request's bias is added to its logits every step, on the host's side of the step's input.
 MAX_LOGIT_BIAS_TOKENS = 1024
+# A temperature below this samples greedily, as vLLM's does: dividing logits by ~1e-38 overflows
+# them to infinity (softmax NaN: token 0 every time), and long before that the distribution is
+# the argmax's anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -102,7 +106,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
     @property
     def penalizes(self) -> bool:

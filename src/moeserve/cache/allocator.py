@@ -37,12 +37,22 @@ def page_hash(key: PageKey) -> PageHash:
     return hash(key)
 
 
-def chain_hashes(token_ids: Seq[int], page_size: int, num_pages: int, known: list[PageHash] | None = None) -> list[PageHash]:
-    """The hashes of the first ``num_pages`` full pages of ``token_ids``; ``known`` (the hashes
-    of a prefix of them, computed before) is extended in place and returned."""
+def salted_root(cache_salt: str | None) -> PageHash:
+    """The parent hash of a sequence's first page: a request's ``cache_salt`` (vLLM's field)
+    starts its chain apart, so requests of different salts never share a page (and the
+    ``cached_tokens`` they see cannot tell one client what another sent)."""
+    return ROOT_HASH if cache_salt is None else hash(("cache_salt", cache_salt))
+
+
+def chain_hashes(
+    token_ids: Seq[int], page_size: int, num_pages: int, known: list[PageHash] | None = None, root: PageHash = ROOT_HASH
+) -> list[PageHash]:
+    """The hashes of the first ``num_pages`` full pages of ``token_ids`` (the first one's parent
+    is ``root``); ``known`` (the hashes of a prefix of them, computed before) is extended in
+    place and returned."""
     hashes = known if known is not None else []
     for i in range(len(hashes), num_pages):
-        parent = hashes[i - 1] if i else ROOT_HASH
+        parent = hashes[i - 1] if i else root
         hashes.append(page_hash(page_key(parent, token_ids[i * page_size : (i + 1) * page_size])))
     return hashes
 
@@ -114,7 +124,7 @@ class PagedAllocator:
                 self._free.append(page)
 
     # ---- the prefix index ----
-    def lookup(self, token_ids: Seq[int], num_pages: int, known: list[PageHash] | None = None) -> list[int]:
+    def lookup(self, token_ids: Seq[int], num_pages: int, known: list[PageHash] | None = None, root: PageHash = ROOT_HASH) -> list[int]:
         """The cached pages of the longest run of ``token_ids``' first ``num_pages`` full pages
         found in the index, from the first page on; no reference is taken. ``known`` (their
         hashes computed so far, as ``chain_hashes`` keeps them) is extended in place up to the
@@ -123,7 +133,7 @@ class PagedAllocator:
         ps, index = self.page_size, self._index
         pages = []
         for i in range(num_pages):
-            key = page_key(hashes[i - 1] if i else ROOT_HASH, token_ids[i * ps : (i + 1) * ps])
+            key = page_key(hashes[i - 1] if i else root, token_ids[i * ps : (i + 1) * ps])
             if i == len(hashes):
                 hashes.append(page_hash(key))
             entry = index.get(hashes[i])

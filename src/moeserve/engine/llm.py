@@ -71,11 +71,9 @@ class LLM:
         prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                text, ids = self.engine.tokenize(prompt)
-                self.engine.validate(ids, p)
+                prepared.append((self.engine.prepare(prompt, p), p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            prepared.append(({"prompt": text, "prompt_token_ids": ids}, p))
         rids = [self.engine.add_request(prompt, p) for prompt, p in prepared]
         # Each step's deltas are folded into these; the engine keeps no output of its own.
         outputs = {

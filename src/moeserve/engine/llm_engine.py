@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
-from moeserve.cache.allocator import PagedAllocator
+from moeserve.cache.allocator import PagedAllocator, salted_root
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings
 from moeserve.engine.context import leading_decode_rows
@@ -143,15 +143,36 @@ class LLMEngine:
         if params.stop_list and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
 
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+    @staticmethod
+    def cache_salt(prompt: PromptType) -> str | None:
+        """A prompt dict's ``cache_salt`` (as vLLM's): its request shares prefix-cache pages only
+        with requests of the same salt."""
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        return salt
+
+    def prepare(self, prompt: PromptType, params: SamplingParams) -> dict[str, Any]:
+        """The prompt validated with its settings (a ValueError names the field and the limit), as
+        a dict ``add_request`` takes: ``prompt`` (its text or None), ``prompt_token_ids`` and,
+        if it has one, ``cache_salt``."""
         text, token_ids = self.tokenize(prompt)
         self.validate(token_ids, params)
+        salt = self.cache_salt(prompt)
+        return {"prompt": text, "prompt_token_ids": token_ids, **({"cache_salt": salt} if salt is not None else {})}
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+        prepared = self.prepare(prompt, params)
+        text, token_ids = prepared["prompt"], prepared["prompt_token_ids"]
+        root = salted_root(prepared.get("cache_salt"))
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
         seqs = []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params, leader=seqs[0] if seqs else None)
+            seq = Sequence(
+                next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params, root_hash=root, leader=seqs[0] if seqs else None
+            )
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             seqs.append(seq)
@@ -175,13 +196,12 @@ class LLMEngine:
 
     @property
     def num_running(self) -> int:
-        return len({s.request_id for s in self.scheduler.running})
+        return self.scheduler.num_running_requests
 
     @property
     def num_waiting(self) -> int:
-        if not self.scheduler.waiting:  # the common case, and this is asked every server step
-            return 0
-        return len({s.request_id for s in self.scheduler.waiting} - {s.request_id for s in self.scheduler.running})
+        """Requests with a sequence waiting and none running."""
+        return self.scheduler.num_waiting_requests
 
     @property
     def num_waiting_seqs(self) -> int:

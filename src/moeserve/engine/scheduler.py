@@ -42,11 +42,11 @@ the queue while its first sample computes the prompt pages, then map them.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
-from moeserve.cache.allocator import ROOT_HASH, PagedAllocator, chain_hashes
+from moeserve.cache.allocator import PagedAllocator, chain_hashes
 from moeserve.engine.sequence import Sequence, SeqStatus
 
 if TYPE_CHECKING:
@@ -106,12 +106,59 @@ class ScheduledBatch:
         return self.sampling[i]
 
 
+class SequenceQueue:
+    """Sequences in order, where adding at either end, taking the first and removing any one
+    cost O(1) whatever the queue holds (an abort of a request queued behind 100,000 others must
+    not scan them). Iterates first to last; ``reversed`` last to first."""
+
+    def __init__(self) -> None:
+        self._seqs: OrderedDict[Sequence, None] = OrderedDict()  # (a Sequence hashes by identity)
+
+    def append(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+
+    def appendleft(self, seq: Sequence) -> None:
+        self._seqs[seq] = None
+        self._seqs.move_to_end(seq, last=False)
+
+    def popleft(self) -> Sequence:
+        return self._seqs.popitem(last=False)[0]
+
+    def remove(self, seq: Sequence) -> bool:
+        """Take ``seq`` out; False if it was not here."""
+        return self._seqs.pop(seq, False) is None
+
+    @property
+    def first(self) -> Sequence:
+        return next(iter(self._seqs))
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def __bool__(self) -> bool:
+        return bool(self._seqs)
+
+    def __contains__(self, seq: object) -> bool:
+        return seq in self._seqs
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._seqs)
+
+    def __reversed__(self) -> Iterator[Sequence]:
+        return reversed(self._seqs)
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PagedAllocator):
         self.config = config
         self.allocator = allocator
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting = SequenceQueue()
+        self.running = SequenceQueue()  # in admission order: the newest is preempted first
+        # Sequences waiting and running per request id, and the requests with some sequence
+        # waiting and none running, kept as they change (a server asks every step).
+        self._waiting_of: dict[str, int] = {}
+        self._running_of: dict[str, int] = {}
+        self.num_waiting_requests = 0
         self.num_preemptions = 0
         # vLLM's prefix cache counters, in tokens: those of admitted sequences, and of them those
         # found cached
@@ -121,6 +168,25 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self._count(seq.request_id, waiting=1)
+
+    def _count(self, rid: str, waiting: int = 0, running: int = 0) -> None:
+        w0, r0 = self._waiting_of.get(rid, 0), self._running_of.get(rid, 0)
+        w, r = w0 + waiting, r0 + running
+        for counts, n in ((self._waiting_of, w), (self._running_of, r)):
+            if n:
+                counts[rid] = n
+            else:
+                counts.pop(rid, None)
+        self.num_waiting_requests += int(w > 0 and r == 0) - int(w0 > 0 and r0 == 0)
+
+    def num_waiting_of(self, request_id: str) -> int:
+        """Sequences of this request waiting to be scheduled."""
+        return self._waiting_of.get(request_id, 0)
+
+    @property
+    def num_running_requests(self) -> int:
+        return len(self._running_of)
 
     @property
     def has_unfinished(self) -> bool:
@@ -148,7 +214,7 @@ class Scheduler:
             self._add_to(batch, seq, n, deferred)
             budget -= n
         while self.waiting and budget > 0 and len(batch) < cap and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]  # nothing scheduled, no pages (new or preempted)
+            seq = self.waiting.first  # nothing scheduled, no pages (new or preempted)
             if self._waits_for_leader(seq):
                 break
             hits = self._lookup(seq)
@@ -161,6 +227,7 @@ class Scheduler:
             self._map_prefix(seq, hits)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self._count(seq.request_id, waiting=-1, running=1)
             self._add_to(batch, seq, n)
             budget -= n
         return batch
@@ -171,7 +238,7 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return []
         max_pages = (seq.num_tokens - 1) // self.allocator.page_size
-        return self.allocator.lookup(seq.token_ids, max_pages, seq.page_hashes)
+        return self.allocator.lookup(seq.token_ids, max_pages, seq.page_hashes, seq.root_hash)
 
     def _map_prefix(self, seq: Sequence, hits: list[int]) -> None:
         self.allocator.acquire(hits)
@@ -198,9 +265,9 @@ class Scheduler:
         full = min(seq.num_computed, seq.num_tokens) // ps
         if full <= seq.num_cached_pages:
             return
-        hashes = chain_hashes(seq.token_ids, ps, full, seq.page_hashes)
+        hashes = chain_hashes(seq.token_ids, ps, full, seq.page_hashes, seq.root_hash)
         for i in range(seq.num_cached_pages, full):
-            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else ROOT_HASH, seq.token_ids[i * ps : (i + 1) * ps])
+            self.allocator.cache(seq.pages[i], hashes[i - 1] if i else seq.root_hash, seq.token_ids[i * ps : (i + 1) * ps])
         seq.num_cached_pages = full
 
     def _wanted(self, seq: Sequence, async_scheduling: bool) -> tuple[int, bool] | None:
@@ -254,6 +321,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._count(seq.request_id, waiting=1, running=-1)
 
     def finish_step(self, batch: ScheduledBatch) -> None:
         """The batch's forward pass is done: its tokens are in the cache."""
@@ -267,13 +335,10 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
         seq.status = SeqStatus.FINISHED
-        if seq in self.running:
-            self.running.remove(seq)
-        else:
-            try:
-                self.waiting.remove(seq)
-            except ValueError:
-                pass
+        if self.running.remove(seq):
+            self._count(seq.request_id, running=-1)
+        elif self.waiting.remove(seq):
+            self._count(seq.request_id, waiting=-1)
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_cached_pages = 0

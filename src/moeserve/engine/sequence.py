@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeserve.cache.allocator import ROOT_HASH
 from moeserve.engine.stop import StreamedText
 from moeserve.outputs import SeqDelta
 from moeserve.sampling_params import SamplingParams
@@ -30,11 +31,13 @@ class Sequence:
     num_scheduled: int = 0  # ... or being computed by a batch in flight
     pages: list[int] = field(default_factory=list)
     in_flight: int = 0  # batches holding it whose results have not come back
-    # Prefix cache: hashes of its first full pages (computed once, tokens never change), how many
+    # Prefix cache: hashes of its first full pages (computed once, tokens never change), the
+    # chain's root (a request's cache_salt keeps its pages apart), how many
     # of its pages are settled with the index (mapped from it or offered to it), the prompt
     # tokens found cached when it was first admitted, and the request's first sample, whose
     # prompt pages the others wait for (n > 1) so that they map them instead of computing them.
     page_hashes: list[int] = field(default_factory=list)
+    root_hash: int = ROOT_HASH  # its first page's parent: ``allocator.salted_root`` of its request's cache_salt
     num_cached_pages: int = 0
     num_cached_tokens: int | None = None
     leader: "Sequence | None" = None

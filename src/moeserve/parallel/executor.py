@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import signal
 import socket
 import time
 from collections import deque
@@ -21,7 +22,7 @@ from moeserve.engine.step_input import StepInput
 from moeserve.distributed.layout import Layout
 from moeserve.parallel.nodes import accept_remote_ranks, spawn_rank, stop_processes
 from moeserve.parallel.step_link import node_authkey
-from moeserve.parallel.worker import RankInfo
+from moeserve.parallel.worker import RankInfo, rendezvous_url
 
 log = logging.getLogger("moeserve")
 
@@ -67,7 +68,9 @@ class MultiProcessExecutor:
             raise ValueError(f"{world} ranks cannot be split evenly over {nodes} nodes")
         per_node = world // nodes
         port = config.master_port or _free_port()
-        init = f"tcp://{config.master_addr}:{port}"
+        # One host: the process group meets on loopback, whatever --master-addr says (nothing
+        # outside this host has to reach it); several: on node 0's address.
+        init = rendezvous_url("127.0.0.1" if nodes == 1 else config.master_addr, port)
         self.conns: list[Connection] = [None] * world  # type: ignore[list-item]
         self.procs: dict[int, mp.process.BaseProcess] = {}  # local ranks only
         self._closed = False
@@ -121,32 +124,25 @@ class MultiProcessExecutor:
                     rank = conn_rank[obj]
                     try:
                         msg = obj.recv()
-                    except (EOFError, OSError):
-                        if rank in self.procs:
-                            continue  # the sentinel reports the death with the exit code
-                        self._fail(
-                            f"rank {rank} (stage {self.layout.stage_of(rank)}) on another node "
-                            f"closed its connection (the process or its node died)"
-                        )
+                    except (EOFError, OSError):  # dead (a local rank's sentinel fires too)
+                        self._fail(self._failure_report())
                     if msg[0] == "error":
                         self._fail(self._failure_report(rank, msg))
                     if want_rank is None or rank == want_rank:
                         return rank, msg
                     self._fail(f"unexpected message {msg[0]!r} from rank {rank}")
             for obj in ready:
-                if obj in sentinels:
-                    rank = sentinels[obj]
-                    # Let a traceback that is already in the pipe win over the bare exit code.
-                    if self.conns[rank].poll(0.5):
-                        break
-                    stage = self.layout.stage_of(rank)
-                    self._fail(f"rank {rank} (stage {stage}) died with exit code {self.procs[rank].exitcode}")
+                if obj in sentinels:  # (its pipe may still hold its traceback: the report reads it)
+                    self._fail(self._failure_report())
 
-    def _failure_report(self, first_rank: int, first: tuple) -> str:
-        """Every rank's error that arrives within ``ERROR_GRACE_S`` of the first, the root cause
-        first: when one rank fails, its peers' collectives fail too ("connection closed by
-        peer"), and the peer's report may come in before the one that explains it."""
-        errors = {first_rank: first}
+    def _failure_report(self, first_rank: int | None = None, first: tuple | None = None) -> str:
+        """What every rank says within ``ERROR_GRACE_S`` (its error, or its death), the root
+        cause first: when one rank fails or dies, its peers' collectives fail too ("connection
+        closed by peer"), and a peer's report may come in before the one that explains it. A
+        rank that died without a word (killed) comes first, then the errors that are not a
+        peer's loss, then those that are."""
+        errors = {first_rank: first} if first is not None else {}
+        deaths: dict[int, str] = {}
         others = {c: r for r, c in enumerate(self.conns) if r != first_rank and c is not None}
         deadline = time.monotonic() + ERROR_GRACE_S
         while others and (left := deadline - time.monotonic()) > 0:
@@ -155,11 +151,23 @@ class MultiProcessExecutor:
                 try:
                     msg = conn.recv()
                 except (EOFError, OSError):
+                    deaths[rank] = self._death(rank)
                     continue
                 if msg[0] == "error":
                     errors[rank] = msg
         ordered = sorted(errors.values(), key=lambda m: (_is_peer_loss(m[3]), m[1]))
-        return "\n".join(f"rank {m[1]} (stage {m[2]}) failed:\n{m[3]}" for m in ordered)
+        lines = [deaths[r] for r in sorted(deaths)] + [f"rank {m[1]} (stage {m[2]}) failed:\n{m[3]}" for m in ordered]
+        return "\n".join(lines)
+
+    def _death(self, rank: int) -> str:
+        stage = self.layout.stage_of(rank)
+        proc = self.procs.get(rank)
+        if proc is None:
+            return f"rank {rank} (stage {stage}) on another node closed its connection (the process or its node died)"
+        proc.join(1)
+        code = proc.exitcode
+        how = f" (killed by {signal.Signals(-code).name})" if code is not None and code < 0 and -code in signal.valid_signals() else ""
+        return f"rank {rank} (stage {stage}) died with exit code {code}{how}"
 
     def _fail(self, message: str) -> None:
         log.error(message)

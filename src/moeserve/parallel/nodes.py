@@ -16,7 +16,7 @@ from multiprocessing.connection import Listener
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig
 from moeserve.distributed.layout import Layout
-from moeserve.parallel.worker import worker_main
+from moeserve.parallel.worker import rendezvous_url, worker_main
 
 log = logging.getLogger("moeserve")
 
@@ -81,7 +81,7 @@ def run_worker_node(model_config: ModelConfig, config: EngineConfig) -> int:
         raise ValueError(f"{layout.world_size} ranks cannot be split evenly over {config.nnodes} nodes")
     per_node = layout.world_size // config.nnodes
     first = config.node_rank * per_node
-    init = f"tcp://{config.master_addr}:{config.master_port}"
+    init = rendezvous_url(config.master_addr, config.master_port)
     procs = [spawn_rank(r, layout, model_config, config, init, r - first, None) for r in range(first, first + per_node)]
     log.info(
         "node %d: ranks %d..%d started, engine at %s:%d",

@@ -6,7 +6,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import socket
 import threading
+import urllib.parse
 import time
 import traceback
 from collections import deque
@@ -48,6 +50,43 @@ def _maybe_fail(phase: str, rank: int, step: int = 0) -> None:
         return
     if phase == "load" or step == int(parts[2]):
         raise RuntimeError(f"injected failure ({spec})")
+
+
+def loopback_interface() -> str | None:
+    """The name of this host's loopback network interface (``lo`` on Linux)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((n for n in ("lo", "lo0") if n in names), None)
+
+
+def rendezvous_url(host: str, port: int) -> str:
+    """``tcp://HOST:PORT`` for ``join_process_group`` (an IPv6 address in brackets)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def join_process_group(backend: str, init_method: str, rank: int, world_size: int, single_host: bool) -> None:
+    """``torch.distributed.init_process_group`` whose sockets listen on the rendezvous address
+    only: left to itself, torch's TCPStore (rank 0) listens on every interface of the host, and
+    gloo and NCCL on the address the host's name resolves to. ``init_method`` is
+    ``tcp://HOST:PORT``; a single-host layout's is 127.0.0.1 (the executor's choice), and its
+    gloo and NCCL sockets go on the loopback interface too (unless GLOO_SOCKET_IFNAME or
+    NCCL_SOCKET_IFNAME say otherwise)."""
+    url = urllib.parse.urlsplit(init_method)
+    host, port = url.hostname or "127.0.0.1", int(url.port or 0)
+    if single_host and (lo := loopback_interface()) is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", lo)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", lo)
+    timeout = timedelta(minutes=30)
+    if rank == 0:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, kind, proto)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(addr)
+        listener.listen(max(128, world_size))
+        # The store serves on this socket (and owns it from now on).
+        store = dist.TCPStore(host, port, world_size, True, timeout, master_listen_fd=listener.detach())
+    else:
+        store = dist.TCPStore(host, port, world_size, False, timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _exit_with_parent() -> None:
@@ -98,9 +137,7 @@ def _run(
     if cuda:
         torch.cuda.set_device(local_rank)
         config = dataclasses.replace(config, device=f"cuda:{local_rank}")
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=layout.world_size, timeout=timedelta(minutes=30)
-    )
+    join_process_group("nccl" if cuda else "gloo", init_method, rank, layout.world_size, single_host=config.nnodes == 1)
     stage_groups = [dist.new_group(layout.stage_ranks(s)) for s in range(layout.pp)]
     stage, tp_rank = layout.stage_of(rank), layout.tp_rank_of(rank)
     set_tp_group(TPGroup(size=layout.tp, rank=tp_rank, group=stage_groups[stage], ep_size=layout.ep))

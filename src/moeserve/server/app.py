@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import gc
 import logging
 import secrets
 import time
@@ -15,13 +17,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from moeserve.server.body_limit import BodySizeLimit
+from moeserve.server.body_process import BodyPreparer
 from moeserve.server.chat import create_chat_completion
 from moeserve.server.completions import create_completion
 from moeserve.server.engine_client import AsyncEngineClient
 from moeserve.server.errors import APIError, install_error_handlers
-from moeserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from moeserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, watch_event_loop
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N
+from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, DEFAULT_STALL_TIMEOUT_S
 from moeserve.server.openai_shared import ServerContext
 
 log = logging.getLogger("moeserve.server")
@@ -34,16 +37,25 @@ class ServerConfig:
     api_key: str | None = None
     max_waiting: int | None = 1024
     max_n: int = DEFAULT_MAX_N
+    max_prompts: int = DEFAULT_MAX_PROMPTS
     max_request_bytes: int = DEFAULT_MAX_BODY_BYTES
     engine_log_level: int = logging.WARNING
+    docs: bool = False  # serve /docs and /redoc (their pages load scripts from a CDN)
+    engine_stall_timeout: float = DEFAULT_STALL_TIMEOUT_S  # /health: engine_stalled after this long (0: never)
+    # (path, trust_remote_code) of the tokenizer, for the processes that prepare large bodies;
+    # None: they are prepared in worker threads of this process (holding its GIL while validated)
+    tokenizer_source: tuple[str, bool] | None = None
     started_at: float = field(default_factory=time.monotonic)
     on_engine_death: Callable[[str], None] | None = None  # e.g. stop the HTTP server
 
     def __post_init__(self) -> None:
+        if self.engine_stall_timeout < 0:
+            raise ValueError(f"engine_stall_timeout must be >= 0 (0: off), got {self.engine_stall_timeout}")
         if self.api_key is not None and not self.api_key.strip():
             raise ValueError("the API key is empty: give a real key, or none at all to serve without one")
-        if self.max_n < 1 or self.max_request_bytes < 1:
-            raise ValueError(f"max_n and max_request_bytes must be at least 1, got {self.max_n}, {self.max_request_bytes}")
+        for name in ("max_n", "max_prompts", "max_request_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
 def _request_body(model: type[BaseModel]) -> dict:
@@ -101,19 +113,38 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
         on_death=config.on_engine_death,
         engine_log_level=config.engine_log_level,
     )
-    ctx = ServerContext(client, tokenizer, config.model_names, config.engine_kwargs["model"], metrics, max_n=config.max_n)
+    ctx = ServerContext(
+        client,
+        tokenizer,
+        config.model_names,
+        config.engine_kwargs["model"],
+        metrics,
+        max_n=config.max_n,
+        max_prompts=config.max_prompts,
+        preparer=BodyPreparer(config.tokenizer_source) if config.tokenizer_source is not None else None,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         client.start()
         log.info("engine process %d started; /health answers 503 until it is ready", client.pid)
         await ctx.warm_up([CompletionRequest, ChatCompletionRequest])
+        # What start-up made (modules, the tokenizer, schemas) lives as long as the server: out of
+        # the garbage collector's sight, so that its full passes, which hold the GIL and so the
+        # event loop, scan only what requests make (a large answer triggered 0.3 s passes).
+        gc.collect()
+        gc.freeze()
+        watch = asyncio.ensure_future(watch_event_loop(metrics))
         try:
             yield
         finally:
+            watch.cancel()
+            if ctx.preparer is not None:
+                ctx.preparer.shutdown()
             client.shutdown()
 
-    app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan)
+    docs = {} if config.docs else {"docs_url": None, "redoc_url": None}
+    app = FastAPI(title="moeserve", version=__version__, lifespan=lifespan, **docs)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
@@ -151,17 +182,29 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
 
     @v1.post("/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(raw: Request) -> Any:
-        return await create_completion(await ctx.parse(raw, CompletionRequest), raw, ctx)
+        return await create_completion(raw, ctx)
 
     @v1.post("/chat/completions", openapi_extra=_request_body(ChatCompletionRequest))
     async def chat(raw: Request) -> Any:
-        return await create_chat_completion(await ctx.parse(raw, ChatCompletionRequest), raw, ctx)
+        return await create_chat_completion(raw, ctx)
 
     app.include_router(v1)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         elapsed = round(time.monotonic() - config.started_at, 1)
+        stalled = client.stalled_for()
+        if config.engine_stall_timeout and stalled > config.engine_stall_timeout:
+            return JSONResponse(
+                {
+                    "status": "engine_stalled",
+                    "detail": f"the engine has not stepped for {stalled:.1f} s while {client.num_in_flight} request(s) are "
+                    f"pending (--engine-stall-timeout {config.engine_stall_timeout:g}); it answers again once it steps",
+                    "engine_pid": client.pid,
+                    **client.stats,
+                },
+                status_code=503,
+            )
         if client.state == "ready":
             return JSONResponse(
                 {

@@ -3,17 +3,20 @@ logprobs as ``logprobs.content[{token, logprob, bytes, top_logprobs}]``."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
 from moeserve.server.openai_shared import (
+    JSON_PIECE_ITEMS,
     SSEResponse,
     ServerContext,
     cached_tokens,
+    answer_weight,
     collect_while_connected,
+    json_answer,
     new_id,
     now,
     reject_unsupported,
@@ -88,7 +91,14 @@ def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[
     ]
 
 
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: ServerContext):
+def _lazy_logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int, as_ids: bool) -> Iterator:
+    """``_logprobs_content``, built ``JSON_PIECE_ITEMS`` tokens at a time as it is written."""
+    for i in range(0, len(token_ids), JSON_PIECE_ITEMS):
+        yield from _logprobs_content(ctx, token_ids[i : i + JSON_PIECE_ITEMS], rows[i : i + JSON_PIECE_ITEMS], n, as_ids)
+
+
+async def create_chat_completion(raw: Request, ctx: ServerContext):
+    req = await ctx.parse(raw, ChatCompletionRequest, chat_prompt, {"messages": []})
     model = ctx.check_model(req.model)
     _reject_unsupported_chat(req)
     if req.max_completion_tokens is not None:
@@ -100,10 +110,10 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         req, max_tokens, n_top if req.logprobs else None, {**names, "logprobs": "top_logprobs", "prompt": "messages"}, ctx.max_n
     )
     ctx.client.check_available()
-    text, ids = await ctx.blocking(chat_prompt, req, ctx, inline=await ctx.is_small(raw))
+    text, ids = await ctx.prompts(raw, chat_prompt, req, inline=await ctx.is_small(raw))
     as_ids = req.return_tokens_as_token_ids
     cid = new_id("chatcmpl")
-    group = await submit(ctx, raw, cid, [(text, ids)], kwargs, {"prompt": "messages"})
+    group = await submit(ctx, raw, cid, [(text, ids)], kwargs, {"prompt": "messages"}, req.cache_salt)
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
 
     if req.stream:
@@ -137,18 +147,14 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, ctx: 
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
     results = await collect_while_connected(raw, group, req.n)
-    choices = []
-    for (_, i), r in sorted(results.items()):
-        lp = {"content": _logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} if req.logprobs else None
-        choices.append(
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": r.text},
-                "logprobs": lp,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-        )
     completion_tokens = sum(len(r.token_ids) for r in results.values())
+
+    def choices() -> Iterator[dict]:
+        for (_, i), r in sorted(results.items()):
+            lp = {"content": _lazy_logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} if req.logprobs else None
+            message = {"role": "assistant", "content": r.text}
+            yield {"index": i, "message": message, "logprobs": lp, "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+
     cached = results[(0, 0)].cached_tokens if results else 0
-    return {**head, "choices": choices, "usage": usage(len(ids), completion_tokens, cached)}
+    tail = {"usage": usage(len(ids), completion_tokens, cached)}
+    return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, n_top if req.logprobs else None))

@@ -11,7 +11,13 @@ import socket
 import sys
 import time
 
-from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_SHUTDOWN_TIMEOUT_S
+from moeserve.server.defaults import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_N,
+    DEFAULT_MAX_PROMPTS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+    DEFAULT_STALL_TIMEOUT_S,
+)
 
 log = logging.getLogger("moeserve.server")
 
@@ -45,6 +51,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="the largest n (completions per prompt) a request may ask for (OpenAI's limit: 128)",
     )
     p.add_argument(
+        "--max-prompts",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS,
+        help="the most prompts one /v1/completions request may carry (OpenAI's limit: 2048); a larger "
+        "request is queued a slice at a time, so that later requests are scheduled within a few steps",
+    )
+    p.add_argument(
         "--max-request-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, help="refuse a larger request body with 413 (default 8 MiB)"
     )
     p.add_argument(
@@ -53,8 +66,31 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="on SIGTERM, seconds the requests in flight get to finish before they are ended with an error (new ones get 503 meanwhile)",
     )
+    p.add_argument(
+        "--engine-stall-timeout",
+        type=float,
+        default=DEFAULT_STALL_TIMEOUT_S,
+        help="/health answers 503 engine_stalled when requests are pending and the engine has not stepped for this many "
+        "seconds (stopped, or stuck in one step); it recovers when the engine steps again (0: never)",
+    )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="serve the interactive API docs at /docs and /redoc (off by default: their pages load scripts from a CDN)",
+    )
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def redact_query_values(record: logging.LogRecord) -> bool:
+    """Access-log filter: a client may put its API key in the query string (``?api_key=...``);
+    the values of a logged path's query go as ``<redacted>``. (No route here reads a query.)"""
+    args = record.args
+    if isinstance(args, tuple) and len(args) > 2 and isinstance(args[2], str) and "?" in args[2]:
+        path, _, query = args[2].partition("?")
+        names = [part.split("=", 1)[0] for part in query.split("&")]
+        record.args = (*args[:2], path + "?" + "&".join(f"{n}=<redacted>" for n in names), *args[3:])
+    return True
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -82,9 +118,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from moeserve.server.app import ServerConfig, create_app
     from moeserve.server.shutdown import DrainingServer
 
-    for flag in ("max_waiting", "max_n", "max_request_bytes"):
+    for flag in ("max_waiting", "max_n", "max_prompts", "max_request_bytes"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be at least 1, got {getattr(args, flag)}")
+    if args.engine_stall_timeout < 0:
+        raise ValueError(f"--engine-stall-timeout must be >= 0 (0: off), got {args.engine_stall_timeout}")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.api_key is not None and not args.api_key.strip():
@@ -127,10 +165,14 @@ def run_serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_waiting=args.max_waiting,
         max_n=args.max_n,
+        max_prompts=args.max_prompts,
         max_request_bytes=args.max_request_bytes,
         started_at=started,
         engine_log_level=logging.DEBUG if logging.getLogger().level <= logging.DEBUG else logging.WARNING,
         on_engine_death=on_engine_death,
+        docs=args.docs,
+        engine_stall_timeout=args.engine_stall_timeout,
+        tokenizer_source=(args.tokenizer or kw["model"], bool(args.trust_remote_code)),
     )
     app = create_app(config, tokenizer)
     host = f"[{args.host}]" if ":" in args.host else args.host
@@ -141,6 +183,7 @@ def run_serve(args: argparse.Namespace) -> int:
     else:
         log.warning("auth off: no API key, /v1/* answers anyone who can connect to %s", host)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log, timeout_graceful_shutdown=5)
+    logging.getLogger("uvicorn.access").addFilter(redact_query_values)  # (after uvicorn set up its loggers)
     server = DrainingServer(uv_config, app.state.ctx.client, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])

@@ -3,7 +3,7 @@ legacy logprobs format (tokens, token_logprobs, top_logprobs, text_offset)."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from typing import AsyncIterator, Iterator
 
 from fastapi import Request
 
@@ -13,7 +13,9 @@ from moeserve.server.openai_shared import (
     SSEResponse,
     ServerContext,
     cached_tokens,
+    answer_weight,
     collect_while_connected,
+    json_answer,
     new_id,
     now,
     prompt_index,
@@ -36,6 +38,10 @@ def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | Non
         items = list(p)
     if not items:
         raise bad_request("prompt is empty", "prompt")
+    if len(items) > ctx.max_prompts:
+        raise bad_request(
+            f"a request may carry at most {ctx.max_prompts} prompts (this server's --max-prompts), got {len(items)}", "prompt"
+        )
     out = []
     for item in items:
         if isinstance(item, str):
@@ -85,7 +91,8 @@ class _Logprobs:
         return out
 
 
-async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerContext):
+async def create_completion(raw: Request, ctx: ServerContext):
+    req = await ctx.parse(raw, CompletionRequest, _prompts, {"prompt": [0]})
     model = ctx.check_model(req.model)
     reject_unsupported(req)
     if req.suffix:
@@ -98,9 +105,9 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
     ctx.client.check_available()
     small = await ctx.is_small(raw)
     # Off the event loop when there is text to tokenize in a large body; token ids are only copied.
-    prompts = await ctx.blocking(_prompts, req, ctx, inline=small or not _has_text(req))
+    prompts = await ctx.prompts(raw, _prompts, req, inline=small or not _has_text(req))
     cid = new_id("cmpl")
-    group = await submit(ctx, raw, cid, prompts, kwargs, {"prompt": "prompt"})
+    group = await submit(ctx, raw, cid, prompts, kwargs, {"prompt": "prompt"}, req.cache_salt)
     try:  # decoded only once the engine has checked the token ids
         echo = await ctx.blocking(_echo, req, ctx, prompts, inline=small) if req.echo else [""] * len(prompts)
     except BaseException:
@@ -141,18 +148,19 @@ async def create_completion(req: CompletionRequest, raw: Request, ctx: ServerCon
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
     results = await collect_while_connected(raw, group, req.n)
-    choices = []
-    for (p, i), r in sorted(results.items()):
-        lp = _Logprobs(ctx, req.logprobs or 0, 0, as_ids).block(r.token_ids, r.logprobs) if req.logprobs is not None else None
-        choices.append(
-            {
+    completion_tokens = sum(len(r.token_ids) for r in results.values())
+
+    def choices() -> Iterator[dict]:
+        for (p, i), r in sorted(results.items()):
+            lp = _Logprobs(ctx, req.logprobs or 0, 0, as_ids).block(r.token_ids, r.logprobs) if req.logprobs is not None else None
+            yield {
                 "index": p * req.n + i,
                 "text": echo[p] + r.text,
                 "logprobs": lp,
                 "finish_reason": r.finish_reason,
                 "stop_reason": r.stop_reason,
             }
-        )
-    completion_tokens = sum(len(r.token_ids) for r in results.values())
+
     cached = sum(r.cached_tokens for (_, i), r in results.items() if i == 0)
-    return {**head, "choices": choices, "usage": usage(n_prompt, completion_tokens, cached)}
+    tail = {"usage": usage(n_prompt, completion_tokens, cached)}
+    return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, req.logprobs))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing as mp
+import multiprocessing.connection
 import queue
 import threading
 import time
@@ -99,6 +100,12 @@ class AsyncEngineClient:
         self._closing = False
         self._proc: Any = None
         self.trace = open_request_trace("http")
+        # The heartbeat: commands sent and those the engine says it read, when it last said
+        # anything (set by the reader thread), and since when work has been pending.
+        self._commands_sent = 0
+        self._commands_read = 0
+        self._last_heard = time.monotonic()
+        self._pending_since = time.monotonic()
 
     # ---- lifecycle ----
     def start(self) -> None:
@@ -168,6 +175,19 @@ class AsyncEngineClient:
         raise ShuttingDownError("the server is shutting down and takes no new requests; retry elsewhere or later")
 
     @property
+    def has_pending_work(self) -> bool:
+        """Whether the engine owes an answer: requests in flight, or commands it has not read."""
+        return bool(self._requests or self._accepting) or self._commands_read < self._commands_sent
+
+    def stalled_for(self) -> float:
+        """Seconds the engine has gone without a word while work was pending (0 when none is):
+        a busy engine loop speaks after every step that changes something and at least every
+        ``engine_process.HEARTBEAT_S`` otherwise, so a long silence means it is stopped or stuck."""
+        if self.state != "ready" or not self.has_pending_work:
+            return 0.0
+        return max(0.0, time.monotonic() - max(self._last_heard, self._pending_since))
+
+    @property
     def num_in_flight(self) -> int:
         """Engine requests admitted (or being admitted) and not finished."""
         return len(self._requests)
@@ -221,6 +241,9 @@ class AsyncEngineClient:
     def _send(self, msg: tuple) -> None:
         if self.state == "failed":
             raise EngineDeadError(self.error or "unknown reason")
+        if self._commands_read >= self._commands_sent:  # it has read everything: its silence counts from now
+            self._pending_since = time.monotonic()
+        self._commands_sent += 1
         self._outbox.put(msg)
 
     def _send_quietly(self, msg: tuple) -> None:
@@ -246,9 +269,13 @@ class AsyncEngineClient:
             try:
                 msg = self._evt_r.recv()
             except (EOFError, OSError):
-                self._proc.join(5)
-                self._post(("exited", self._proc.exitcode))
+                # Not join() here: the event loop's shutdown joins the process too, and two threads
+                # reaping one child race (the loser saw it alive and terminated it after 10 s). The
+                # loop alone reaps it (``_dispatch``).
+                mp.connection.wait([self._proc.sentinel], 5)
+                self._post(("exited",))
                 return
+            self._last_heard = time.monotonic()
             if not self._post(msg):
                 return
 
@@ -263,6 +290,7 @@ class AsyncEngineClient:
         kind = msg[0]
         if kind == "batch":
             _, events, deltas, stats = msg
+            self._commands_read = stats.pop("commands_read", self._commands_read)
             for event in events:
                 self._event(event)
             for packed in deltas:
@@ -283,7 +311,8 @@ class AsyncEngineClient:
         elif kind == "fatal":
             self._fatal = msg[1]
         elif kind == "exited":
-            self._engine_died(msg[1])
+            self._proc.join(5)  # its fds close a moment before it can be reaped
+            self._engine_died(self._proc.exitcode)
 
     def _event(self, event: tuple) -> None:
         kind, rid = event[0], event[1]

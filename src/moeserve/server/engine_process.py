@@ -30,6 +30,8 @@ import signal
 import sys
 import time
 import traceback
+from collections import OrderedDict
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
@@ -39,6 +41,9 @@ from moeserve.server.request_trace import open_request_trace
 log = logging.getLogger("moeserve")
 
 WARMUP_REQUEST_ID = "__moeserve_warmup__"
+# A busy loop sends at least one message this often, even through steps that change nothing the
+# server sees (a long prompt's chunks): the server's heartbeat (``AsyncEngineClient.stalled_for``).
+HEARTBEAT_S = 0.5
 # Tests: a request whose prompt text contains this variable's value fails at its third token, as
 # a broken detokenizer or stop-string check would (the failure of one request among several).
 FAILURE_ENV = "MOESERVE_INJECT_REQUEST_FAILURE"
@@ -202,18 +207,47 @@ class _FailingDetokenizer:
         return self.inner.flush() if self.inner is not None else ""
 
 
+@dataclass(eq=False)
+class Backlog:
+    """The prompts of one HTTP request that are not in the engine's queue yet: validated when the
+    request came in, queued a slice at a time (see ``EngineLoop``)."""
+
+    key: str
+    items: OrderedDict[str, tuple[dict, Any]]  # request id -> (prompt as the engine prepared it, SamplingParams)
+    exempt: bool  # taken over --max-waiting (nothing waited): what it has not queued does not count
+    seqs: int  # sequences in ``items``
+    queued: list[str] = field(default_factory=list)  # the request ids of its last slice
+
+
 class EngineLoop:
+    """Takes in the server's commands between steps and runs the engine.
+
+    A request's prompts (times ``n``) go into the engine's queue a slice of about
+    ``max_num_seqs`` sequences at a time (the most one step admits): the next slice once the
+    previous one has left the queue. A request that comes later is queued behind one slice, not
+    behind a whole batch of thousands, and is scheduled within a few steps. ``--max-waiting``
+    counts what waits in the queue and what requests have not queued yet, except for one request
+    larger than the limit, taken when nothing waits (or it could never be served): while it is
+    being queued the others are counted without it, and a second one larger than the limit gets
+    the 503 until it is all in."""
+
     def __init__(self, engine: Any, cmds: Connection, events: Connection, max_waiting: int | None):
         self.engine = engine
         self.cmds = cmds
         self.events = events
         self.max_waiting = max_waiting
+        self.slice = max(1, int(getattr(engine.config, "max_num_seqs", 256)))
         self.trace = engine.request_trace = open_request_trace("engine")
         self._untold: set[str] = set()  # traced requests whose first token is not sent yet
+        self._backlogs: OrderedDict[str, Backlog] = OrderedDict()  # by the key of their add
+        self._backlog_of: dict[str, Backlog] = {}  # request id -> the backlog that holds it
+        self._failed: list[tuple] = []  # deltas of requests that failed as they were queued
+        self._commands_read = 0  # every message says how many (the server's heartbeat counts what it sent)
+        self._last_sent = time.monotonic()
 
     def run(self) -> None:
         while True:
-            busy = self.engine.has_unfinished_requests()
+            busy = self.engine.has_unfinished_requests() or bool(self._backlogs)
             t0 = time.perf_counter()
             cmds = self._drain(block=not busy)
             if cmds is None:
@@ -228,6 +262,7 @@ class EngineLoop:
                 if self.trace is not None and cmd[0] == "add":
                     self._trace_intake(cmd, received)
                 events.extend(self._handle(cmd))
+            self._refill()
             if cmds:  # the step trace's intake (MOESERVE_STEP_TRACE)
                 self.engine.intake_requests += sum(len(c[2]) for c in cmds if c[0] == "add")
                 self.engine.intake_s += time.perf_counter() - t0
@@ -241,7 +276,9 @@ class EngineLoop:
                 deltas = []
                 if answer is not None:
                     answer()
-            if deltas or (cmds and not events):
+            if self._failed:
+                deltas, self._failed = deltas + self._failed, []
+            if deltas or (cmds and not events) or (busy and time.monotonic() - self._last_sent > HEARTBEAT_S):
                 message = self.message([], deltas)
                 if self._untold and deltas:
                     self._trace_sent(deltas)
@@ -261,13 +298,14 @@ class EngineLoop:
         return [d.to_wire() for d in self.engine.step_deltas(after_launch)]
 
     def message(self, events: list[tuple], deltas: list[tuple]) -> tuple:
-        return ("batch", events, deltas, self.stats())
+        self._last_sent = time.monotonic()
+        return ("batch", events, deltas, {**self.stats(), "commands_read": self._commands_read})
 
     def stats(self) -> dict:
         e = self.engine
         return {
             "running": e.num_running,
-            "waiting": e.num_waiting,
+            "waiting": e.num_waiting + len(self._backlog_of),
             "kv_cache_usage": e.kv_cache_usage,
             "preemptions": e.num_preemptions,
             "prefix_cache_queries": e.prefix_cache_queries,
@@ -284,48 +322,99 @@ class EngineLoop:
                     cmds.append(self.cmds.recv())
         except (EOFError, OSError):
             return None
+        self._commands_read += len(cmds)
         return cmds
 
     def _handle(self, cmd: tuple) -> list[tuple]:
         if cmd[0] == "abort":
-            self.engine.abort_request(cmd[1])
-            self._untold.discard(cmd[1])
+            self._abort(cmd[1])
             return []
+        from moeserve.sampling_params import SamplingParams
+
         _, key, items = cmd
-        refusal = self._overloaded(sum(int(kwargs.get("n", 1)) for _, _, kwargs in items))
+        cost = sum(int(kwargs.get("n", 1)) for _, _, kwargs in items)
+        refusal, exempt = self._overloaded(cost)
         if refusal:
             return [("error", key, 503, refusal)]
-        added = []
-        try:
+        prepared: OrderedDict[str, tuple[dict, Any]] = OrderedDict()
+        try:  # every prompt is checked now: the request is admitted or refused whole
             for rid, prompt, kwargs in items:
-                self._add(rid, prompt, kwargs)
-                added.append(rid)
+                if rid in self.engine.requests or rid in self._backlog_of or rid in prepared:
+                    raise ValueError(f"request id {rid!r} is already in use")
+                params = SamplingParams(**kwargs)
+                prepared[rid] = (self.engine.prepare(prompt, params), params)
         except Exception as e:  # noqa: BLE001 - one bad request must not take the engine down
-            for rid in added:
-                self.engine.abort_request(rid)
             if isinstance(e, ValueError):
                 return [("error", key, 400, str(e))]
             return [("error", key, 500, f"{type(e).__name__}: {e}")]
-        if self.trace is not None:
-            self.trace.mark(added, "added")
-            self._untold.update(added)
+        backlog = Backlog(key, prepared, exempt, cost)
+        self._queue_slice(backlog)
+        if backlog.items:
+            self._backlogs[key] = backlog
+            self._backlog_of.update(dict.fromkeys(backlog.items, backlog))
         return [("accepted", key)]
 
-    def _overloaded(self, cost: int) -> str | None:
-        """Why a request of ``cost`` sequences (prompts x n) is refused, if it is. One larger than
-        the whole limit still gets in when nothing is waiting, or it could never be served."""
-        waiting = self.engine.num_waiting_seqs
-        if self.max_waiting is None or waiting == 0 or waiting + cost <= self.max_waiting:
-            return None
-        return (
-            f"the server is overloaded: {waiting} sequences are already waiting to be scheduled and this "
-            f"request adds {cost} (--max-waiting {self.max_waiting}); retry later"
-        )
+    def _queue_slice(self, backlog: Backlog) -> None:
+        """Its next prompts into the engine's queue: at least one, about ``slice`` sequences."""
+        backlog.queued = []
+        seqs = 0
+        while backlog.items and seqs < self.slice:
+            rid, (prompt, params) = backlog.items.popitem(last=False)
+            self._backlog_of.pop(rid, None)
+            backlog.seqs -= params.n
+            try:
+                self._add(rid, prompt, params)
+            except Exception as e:  # noqa: BLE001 - it was validated: this is a bug, its request's alone
+                log.exception("request %s could not be queued", rid)
+                wire = RequestDelta(rid, [], True, f"{type(e).__name__}: {e}", len(prompt["prompt_token_ids"]), 0).to_wire()
+                self._failed.append(wire)
+                continue
+            backlog.queued.append(rid)
+            seqs += params.n
+        if self.trace is not None and backlog.queued:
+            self.trace.mark(backlog.queued, "added")
+            self._untold.update(backlog.queued)
 
-    def _add(self, rid: str, prompt: dict, kwargs: dict) -> None:
-        from moeserve.sampling_params import SamplingParams
+    def _refill(self) -> None:
+        """Queue the next slice of every request whose previous slice has left the queue."""
+        waiting_of = self.engine.scheduler.num_waiting_of
+        for key, backlog in list(self._backlogs.items()):
+            if not any(waiting_of(rid) for rid in backlog.queued):
+                self._queue_slice(backlog)
+                if not backlog.items:
+                    del self._backlogs[key]
 
-        params = SamplingParams(**kwargs)
+    def _abort(self, rid: str) -> None:
+        backlog = self._backlog_of.pop(rid, None)
+        if backlog is None:
+            self.engine.abort_request(rid)
+        else:  # not queued yet: nothing of it is in the engine
+            backlog.seqs -= backlog.items.pop(rid)[1].n
+            if not backlog.items:
+                self._backlogs.pop(backlog.key, None)
+        self._untold.discard(rid)
+
+    def _overloaded(self, cost: int) -> tuple[str | None, bool]:
+        """(why a request of ``cost`` sequences (prompts x n) is refused, or None; whether it is
+        taken over the limit). One larger than the whole limit still gets in when nothing is
+        waiting, or it could never be served; see the class doc for how it is counted."""
+        if self.max_waiting is None:
+            return None, False
+        exempt = next((b for b in self._backlogs.values() if b.exempt), None)
+        waiting = self.engine.num_waiting_seqs + sum(b.seqs for b in self._backlogs.values() if not b.exempt)
+        if exempt is not None:
+            waiting -= sum(self.engine.scheduler.num_waiting_of(rid) for rid in exempt.queued)
+        if waiting + cost <= self.max_waiting:
+            return None, False
+        if waiting == 0 and exempt is None:
+            return None, True
+        if waiting == 0:
+            why = f"another request larger than --max-waiting ({self.max_waiting}) is being queued and this one adds {cost}"
+        else:
+            why = f"{waiting} sequences are already waiting to be scheduled and this request adds {cost} (--max-waiting {self.max_waiting})"
+        return f"the server is overloaded: {why}; retry later", False
+
+    def _add(self, rid: str, prompt: dict, params: Any) -> None:
         self.engine.add_request(prompt, params, rid)
         marker = os.environ.get(FAILURE_ENV)
         if marker and marker in (prompt.get("prompt") or ""):

@@ -6,8 +6,9 @@ import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 log = logging.getLogger("moeserve.server")
 
@@ -17,6 +18,7 @@ ERROR_TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     422: "invalid_request_error",
     500: "internal_error",
     503: "service_unavailable",
@@ -53,6 +55,9 @@ class APIError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+    def __reduce__(self) -> tuple:  # (a large body's error comes back from another process)
+        return APIError, (self.status, self.message, self.param, self.code, self.type)
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -104,6 +109,14 @@ def _describe_validation_error(err: dict) -> tuple[str, str | None]:
     return f"{param}: {msg}", param
 
 
+def describe_validation_errors(errors: list) -> tuple[str, str | None]:
+    """(message, param) of a 400 for pydantic's errors of a request body."""
+    message, param = _describe_validation_error(errors[0]) if errors else ("invalid request body", None)
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return message, param
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -111,11 +124,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        message, param = _describe_validation_error(errors[0]) if errors else ("invalid request body", None)
-        if len(errors) > 1:
-            message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
-        return error_response(400, message, param)
+        return error_response(400, *describe_validation_errors(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -123,6 +132,12 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = f"no route {request.method} {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> Response:
+        # A client may hang up while it uploads its body: a normal event, nobody to answer.
+        log.debug("%s %s: the client disconnected during its upload", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -56,6 +56,22 @@ TPOT_BUCKETS = (
 )
 
 
+LOOP_LAG_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+LOOP_LAG_SAMPLE_S = 0.05
+
+
+async def watch_event_loop(metrics: "ServerMetrics") -> None:
+    """Observe, every ``LOOP_LAG_SAMPLE_S``, how late the loop woke (runs until cancelled): a
+    request that holds the loop (parsing, serializing) shows here as lag every client paid."""
+    import asyncio
+    import time
+
+    while True:
+        t0 = time.monotonic()
+        await asyncio.sleep(LOOP_LAG_SAMPLE_S)
+        metrics.loop_lag.observe(max(0.0, time.monotonic() - t0 - LOOP_LAG_SAMPLE_S))
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
@@ -92,6 +108,13 @@ class ServerMetrics:
         self.prefix_hits = Counter("moeserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r).labels(
             model_name
         )
+        self.loop_lag = Histogram(
+            "moeserve:event_loop_lag_seconds",
+            "How late the HTTP process's event loop woke for a timer (sampled every 50 ms): what any request waited then",
+            labels,
+            buckets=LOOP_LAG_BUCKETS,
+            registry=r,
+        ).labels(model_name)
         self._seen = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.model_name = model_name
 

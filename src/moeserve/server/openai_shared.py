@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import json
 import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 import anyio
 import anyio.to_thread
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
-from starlette.responses import StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from moeserve.outputs import RequestDelta, SeqDelta
-from moeserve.server.defaults import DEFAULT_MAX_N
+from moeserve.server.body_process import BodyPreparer
+from moeserve.server.defaults import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS
 from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
 from moeserve.server.metrics import ServerMetrics
@@ -28,6 +30,7 @@ from moeserve.server.protocol import _SamplingFields
 from moeserve.server.request_trace import RequestTrace
 
 MAX_LOGPROBS = 20
+MAX_TOKEN_ID_DIGITS = 18  # any longer is no vocabulary's token id (and past int64)
 PREPARE_THREADS = 4  # requests parsed and tokenized at once, off the event loop
 # A body up to this size is tokenized (its text prompts, chat template) on the event loop (well
 # under a millisecond or two): a worker-thread round trip costs more than that work, and it is
@@ -49,6 +52,8 @@ class ServerContext:
     model_path: str
     metrics: ServerMetrics
     max_n: int = DEFAULT_MAX_N
+    max_prompts: int = DEFAULT_MAX_PROMPTS
+    preparer: BodyPreparer | None = None  # large bodies to prompts in other processes (None: in threads)
     _token_strs: dict[int, str] = field(default_factory=dict)
     _token_bytes: dict[int, list[int]] = field(default_factory=dict)
     _limiter: anyio.CapacityLimiter | None = None
@@ -68,12 +73,9 @@ class ServerContext:
     def check_model(self, name: str | None) -> str:
         if name is None or name in self.model_names or name == self.model_path:
             return name or self.model_name
-        raise APIError(
-            404,
-            f"the model {name!r} does not exist; this server serves {', '.join(repr(n) for n in self.model_names)}",
-            param="model",
-            code="model_not_found",
-        )
+        # The served names are not listed: by default the name is the model's directory, and a
+        # path on this host is nobody's business (GET /v1/models lists them to a client with the key).
+        raise APIError(404, f"the model {name[:200]!r} does not exist (GET /v1/models lists this server's)", "model", "model_not_found")
 
     async def blocking(self, fn: Callable[..., T], *args: Any, inline: bool = False) -> T:
         """``fn(*args)`` in a worker thread: parsing, tokenizing and detokenizing a large request
@@ -93,16 +95,32 @@ class ServerContext:
         for model in models:
             await self.blocking(_validate_quietly, model, body)
 
-    async def parse(self, raw: Request, model: type[M]) -> M:
-        """The request body as ``model`` (off the event loop above ``INLINE_PARSE_BYTES``); a 400 in
-        OpenAI's format when it is not valid JSON (a lone surrogate escape included) or not a
-        valid request."""
+    async def parse(self, raw: Request, model: type[M], build: Callable[[M, "ServerContext"], Any], drop: dict) -> M:
+        """The request body as ``model``; a 400 in OpenAI's format when it is not valid JSON (a
+        lone surrogate escape included) or not a valid request, a 415 when it is not declared
+        JSON. A body up to ``INLINE_PARSE_BYTES`` is parsed on the event loop; a larger one in
+        another process (``body_process``), which also runs ``build(request, ctx)`` (its
+        prompts) for :meth:`prompts` and gives the request back without its ``drop`` fields."""
         start = time.monotonic()
+        check_json_content_type(raw)
         body = await raw.body()
-        parsed = await self.blocking(parse_body, model, body, inline=len(body) <= INLINE_PARSE_BYTES)
+        if len(body) <= INLINE_PARSE_BYTES or self.preparer is None:
+            parsed = await self.blocking(parse_body, model, body, inline=len(body) <= INLINE_PARSE_BYTES)
+        else:
+            parsed, raw.state.prompts = await self.preparer.prepare(model, build, drop, body, self.max_model_len, self.max_prompts)
         if self.trace is not None:
             raw.state.trace_marks = {"start": start, "parsed": time.monotonic()}
         return parsed
+
+    async def prompts(self, raw: Request, build: Callable[[M, "ServerContext"], T], req: M, inline: bool) -> T:
+        """``build(req, self)``: the request's prompts (tokenized on the event loop when ``inline``),
+        or what the process that parsed a large body made of them already."""
+        built = getattr(raw.state, "prompts", None)
+        if built is None:
+            return await self.blocking(build, req, self, inline=inline)
+        if isinstance(built, APIError):
+            raise built
+        return built
 
     @staticmethod
     async def is_small(raw: Request) -> bool:
@@ -155,6 +173,20 @@ class ServerContext:
                 param,
                 code="context_length_exceeded",
             )
+
+
+def check_json_content_type(raw: Request) -> None:
+    """A 415 unless the body is declared JSON: a web page may send any site a POST of
+    ``text/plain`` (or of no type) without asking (a CORS "simple request"), but not of
+    ``application/json``, so this keeps pages in a browser on this host from making a local
+    server generate."""
+    declared = raw.headers.get("content-type", "")
+    if declared.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(
+            415,
+            f"the request body must be JSON sent with 'Content-Type: application/json' (got {declared[:100]!r})",
+            code="unsupported_media_type",
+        )
 
 
 def _validate_quietly(model: type[BaseModel], body: str) -> None:
@@ -236,6 +268,8 @@ def new_id(prefix: str) -> str:
 
 
 def reject_unsupported(req: _SamplingFields) -> None:
+    if req.cache_salt == "":
+        raise bad_request("cache_salt must be a non-empty string (or left out)", "cache_salt")
     if req.repetition_penalty not in (None, 1.0):
         raise bad_request(
             "repetition_penalty is not supported by this server (leave it unset or 1; presence_penalty and frequency_penalty are)",
@@ -250,7 +284,9 @@ def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     out = {}
     for key, value in bias.items():
         if not key.isascii() or not key.isdigit():
-            raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {key!r}", "logit_bias")
+            raise bad_request(f"logit_bias keys must be token ids (integers >= 0), got {key[:40]!r}", "logit_bias")
+        if len(key) > MAX_TOKEN_ID_DIGITS:  # (int() refuses more than 4,300 digits with a ValueError)
+            raise bad_request(f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id of this model", "logit_bias")
         out[int(key)] = value
     return out
 
@@ -302,11 +338,13 @@ async def submit(
     prompts: list[tuple[str | None, list[int]]],
     kwargs: dict,
     param_map: dict[str, str] | None = None,
+    cache_salt: str | None = None,
 ) -> RequestGroup:
     """One engine request per prompt (``{request_id}-{i}``); all accepted, or none left running."""
     ctx.client.check_available()
     group = ctx.client.group()
-    items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids}, kwargs) for i, (text, ids) in enumerate(prompts)]
+    salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+    items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids, **salt}, kwargs) for i, (text, ids) in enumerate(prompts)]
     if ctx.trace is not None:
         rids = [rid for rid, _, _ in items]
         for at, t in getattr(raw.state, "trace_marks", {}).items():
@@ -382,6 +420,95 @@ async def unless_disconnected(request: Request, work: Awaitable[Any], poll_s: fl
             task.cancel()
 
 
+# An answer of more entries than this (tokens, times 1 + the top logprobs of each) is written in
+# a worker thread: json.dumps holds the GIL for the whole of what it writes, and a 77.5 MB
+# answer (n=128, top_logprobs 20) built and written on the event loop held it for seconds.
+LARGE_ANSWER_ENTRIES = 20_000
+JSON_PIECE_ITEMS = 64  # list items written by one json call, deep in a large answer (~100 KB of logprobs)
+_to_json = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode  # as JSONResponse writes
+
+
+def answer_weight(tokens: int, top_logprobs: int | None) -> int:
+    return tokens * (1 + (top_logprobs or 0) if top_logprobs is not None else 1)
+
+
+async def json_answer(ctx: ServerContext, head: dict, choices: Iterable[dict], tail: dict, weight: int) -> Response:
+    """A non-streamed answer, ``{**head, "choices": [...], **tail}`` as JSON. ``choices`` is
+    built as it is written, a choice at a time (a large one's logprobs a few hundred tokens at a
+    time, as iterators): what is alive at once stays small, so the garbage collector, which holds
+    the GIL while it scans, does not run full passes over an answer's millions of objects. A
+    large answer (by ``weight``) is written in a worker thread, in pieces (``json_pieces``) between
+    which the GIL changes hands."""
+
+    if weight <= LARGE_ANSWER_ENTRIES:
+        return Response("".join(answer_pieces(head, choices, tail)).encode(), media_type="application/json")
+    blocks = await ctx.blocking(lambda: join_in_blocks(answer_pieces(head, choices, tail)))
+
+    async def send() -> AsyncIterator[bytes]:
+        for block in blocks:
+            yield block
+
+    headers = {"content-length": str(sum(len(b) for b in blocks))}
+    return StreamingResponse(send(), media_type="application/json", headers=headers)
+
+
+def join_in_blocks(pieces: Iterable[str], block_bytes: int = 1 << 20) -> list[bytes]:
+    """The pieces as UTF-8, joined into blocks of about ``block_bytes``: no one copy or encoding
+    of the whole (tens of MB, holding the GIL) is ever made."""
+    blocks: list[bytes] = []
+    pending: list[bytes] = []
+    size = 0
+    for piece in pieces:
+        data = piece.encode()
+        pending.append(data)
+        size += len(data)
+        if size >= block_bytes:
+            blocks.append(b"".join(pending))
+            pending, size = [], 0
+    if pending:
+        blocks.append(b"".join(pending))
+    return blocks
+
+
+def answer_pieces(head: dict, choices: Iterable[dict], tail: dict) -> Iterator[str]:
+    """``{**head, "choices": list(choices), **tail}`` as JSON (``head`` and ``tail`` not empty)."""
+    yield _to_json(head)[:-1] + ',"choices":['
+    for i, choice in enumerate(choices):
+        if i:
+            yield ","
+        yield from json_pieces(choice, depth=2)
+    yield "]," + _to_json(tail)[1:]
+
+
+def json_pieces(obj: Any, depth: int) -> Iterator[str]:
+    """``obj`` as JSON, in pieces whose concatenation is ``_to_json(obj)`` (an iterator as a
+    list): dicts and lists down to ``depth`` levels are written an item at a time, a list or an
+    iterator below that ``JSON_PIECE_ITEMS`` items at a time."""
+    if depth and isinstance(obj, dict):
+        yield "{"
+        for i, (key, value) in enumerate(obj.items()):
+            yield ("," if i else "") + _to_json(str(key)) + ":"
+            yield from json_pieces(value, depth - 1)
+        yield "}"
+    elif depth and isinstance(obj, list):
+        yield "["
+        for i, item in enumerate(obj):
+            if i:
+                yield ","
+            yield from json_pieces(item, depth - 1)
+        yield "]"
+    elif isinstance(obj, Iterator) or (isinstance(obj, list) and len(obj) > JSON_PIECE_ITEMS):
+        items = iter(obj)
+        yield "["
+        sep = ""
+        while chunk := list(itertools.islice(items, JSON_PIECE_ITEMS)):
+            yield sep + _to_json(chunk)[1:-1]
+            sep = ","
+        yield "]"
+    else:
+        yield _to_json(obj)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,
@@ -402,7 +529,16 @@ def top_logprobs(row: dict[int, float], n: int) -> list[tuple[int, float]]:
 
 
 def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+    """One server-sent event. JSON leaves U+2028, U+2029 and U+0085 raw in its strings, and line
+    readers that split on every Unicode line break (``str.splitlines``: httpx's ``iter_lines``,
+    requests' ``iter_lines(decode_unicode=True)``) would cut the event there: they go escaped."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    if "\u2028" in text or "\u2029" in text or "\x85" in text:
+        text = text.translate(_UNICODE_LINE_BREAKS)
+    return f"data: {text}\n\n"
+
+
+_UNICODE_LINE_BREAKS = {0x2028: "\\u2028", 0x2029: "\\u2029", 0x85: "\\u0085"}
 
 
 async def sse_events(chunks: AsyncIterator[dict], group: RequestGroup) -> AsyncIterator[str]:

@@ -49,6 +49,7 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
+    cache_salt: StrictStr | None = None  # shares prefix-cache pages only with requests of the same salt
 
 
 class CompletionRequest(_SamplingFields):
