@@ -99,15 +99,28 @@ def build_tokenizer(out: Path, vocab_size: int, seed: int = 0, samples: int = 20
 
 
 # ---- data ----
-def _encode_chunk(args: tuple[int, int, int, str]) -> tuple[list[list[int]], list[int]]:
+def _encode_chunk(args: tuple[int, int, int, str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Samples start .. start + n, tokenized: (all ids, int16; each sample's length; each prompt's
+    length). Arrays, not lists: they cross the process boundary cheaply."""
     seed, start, n, tokenizer_path = args
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_path)
     samples = tasks.training_samples(seed, n, start)
-    prompts = tok.encode_batch([s.prompt() for s in samples], add_special_tokens=False)
+    # The tool declaration turn (half a prompt's tokens) repeats: tokenized once per variant. It
+    # ends with a special token, so its ids and the rest's are the whole prompt's.
+    heads, tails = [], []
+    for text in (s.prompt() for s in samples):
+        cut = text.index(cf.IM_END) + len(cf.IM_END) if text.startswith(cf.IM_SYSTEM + "tool_declare") else 0
+        heads.append(text[:cut])
+        tails.append(text[cut:])
+    declared = {h: tok.encode(h, add_special_tokens=False).ids for h in set(heads)}
+    rest = tok.encode_batch(tails, add_special_tokens=False)
     completions = tok.encode_batch([s.completion() for s in samples], add_special_tokens=False)
-    return [p.ids + c.ids for p, c in zip(prompts, completions)], [len(p.ids) for p in prompts]
+    prompts = [declared[h] + r.ids for h, r in zip(heads, rest)]
+    seqs = [p + c.ids for p, c in zip(prompts, completions)]
+    flat = np.fromiter((t for s in seqs for t in s), dtype=np.int16)
+    return flat, np.asarray([len(s) for s in seqs]), np.asarray([len(p) for p in prompts])
 
 
 def encode_samples(seed: int, n: int, tokenizer_path: Path, max_len: int, workers: int) -> tuple[list[np.ndarray], np.ndarray]:
@@ -122,10 +135,10 @@ def encode_samples(seed: int, n: int, tokenizer_path: Path, max_len: int, worker
     else:
         parts = [_encode_chunk(j) for j in jobs]
     seqs, starts = [], []
-    for ids, prompt_lens in parts:
-        for s, p in zip(ids, prompt_lens):
+    for flat, lengths, prompt_lens in parts:
+        for s, p in zip(np.split(flat, np.cumsum(lengths)[:-1]), prompt_lens):
             if len(s) <= max_len:
-                seqs.append(np.asarray(s, dtype=np.int16))
+                seqs.append(s)
                 starts.append(p)
     return seqs, np.asarray(starts)
 
