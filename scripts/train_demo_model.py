@@ -453,7 +453,9 @@ def engine_check(weights: Path, device: torch.device, n_tasks: int, say) -> dict
         ("fp8", write_quantized_copy(bf16, root / "fp8", "fp8"), "triton"),
     ):
         t = time.time()
-        with LLM(str(path), device=device.type, dtype="bfloat16", backend=backend, enforce_eager=True) as llm:
+        # An explicit KV size: sized from free memory, this model's tiny pages would number millions.
+        kw = dict(device=device.type, dtype="bfloat16", backend=backend, enforce_eager=True, num_kv_pages=8192)
+        with LLM(str(path), **kw) as llm:
             tok = llm.get_tokenizer()
             prompts = [{"prompt_token_ids": tok.encode(s.prompt(), add_special_tokens=False)} for s in samples]
             runs[name] = [o.outputs[0] for o in llm.generate(prompts, params)]
