@@ -479,7 +479,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=0, help="training steps (0: as many as fit in --train-seconds at the measured pace)")
-    p.add_argument("--max-steps", type=int, default=12000, help="--steps 0: at most this many")
+    p.add_argument("--max-steps", type=int, default=40000, help="--steps 0: at most this many")
     p.add_argument("--train-seconds", type=float, default=150.0, help="--steps 0: the training time to fill")
     p.add_argument("--samples", type=int, default=600_000, help="training conversations generated")
     p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per step")
