@@ -17,7 +17,7 @@ except ImportError:
 
 @pytest.fixture(scope="session", autouse=True)
 def _isolated_cache(tmp_path_factory):
-    """The demo model is generated into a per-session cache, never the user's."""
+    """The random test model and the demo's quantized copies are generated into a per-session cache, never the user's."""
     if "MOESERVE_CACHE" not in os.environ:
         os.environ["MOESERVE_CACHE"] = str(tmp_path_factory.mktemp("moeserve-cache"))
     yield

@@ -10,7 +10,7 @@ from moeserve import LLM, SamplingParams  # noqa: E402
 from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
 from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
 from moeserve.config import RopeConfig, parse_model_config  # noqa: E402
-from moeserve.demo import DEMO_CONFIG  # noqa: E402
+from moeserve.demo.random_model import RANDOM_CONFIG  # noqa: E402
 from moeserve.engine.context import StepContext, step_context  # noqa: E402
 from moeserve.kernels import rope_cache  # noqa: E402
 from moeserve.kernels.rope_cache import rope_and_cache  # noqa: E402
@@ -24,7 +24,7 @@ BF16_TOL = {"atol": 2e-2, "rtol": 2e-2}  # one rounding step may land one ulp ap
 
 
 def _attention(q_lora: int | None, bias: bool, seed: int) -> MLAAttention:
-    config = parse_model_config({**DEMO_CONFIG, "q_lora_rank": q_lora, "attention_bias": bias})
+    config = parse_model_config({**RANDOM_CONFIG, "q_lora_rank": q_lora, "attention_bias": bias})
     attn = MLAAttention(config, 0, RotaryEmbedding(config.rope, config.qk_rope_head_dim))
     g = torch.Generator().manual_seed(seed)
     for name, p in attn.named_parameters():
@@ -106,7 +106,7 @@ def test_fused_parameters_are_views_of_the_fused_weight(q_lora):
 
 def _rope_norm_case(Lk: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(Lk)
-    config = parse_model_config({**DEMO_CONFIG, "kv_lora_rank": Lk})
+    config = parse_model_config({**RANDOM_CONFIG, "kv_lora_rank": Lk})
     T, H, R, extra = 5, 3, config.qk_rope_head_dim, 24
     rotary = RotaryEmbedding(RopeConfig(theta=10000.0, interleave=True), R).to(DEV)
     norm = RMSNorm(Lk, eps=1e-6).to(DEV)

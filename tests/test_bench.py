@@ -1,5 +1,5 @@
 """`moeserve bench` against a live CPU server, `moeserve bench --offline`, and `moeserve sweep` over two
-layouts of the demo model: JSON keys, reports and plots."""
+layouts of the random test model: JSON keys, reports and plots."""
 
 import json
 
@@ -8,7 +8,7 @@ import pytest
 from moeserve.bench.online import run_serving
 from moeserve.bench.sweep import run_sweep
 from moeserve.cli import main
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 
 from server_utils import ServerProcess
 
@@ -33,7 +33,7 @@ KEYS = {
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = ServerProcess(str(ensure_demo_model()), tmp_path_factory.mktemp("bench") / "server.log").start()
+    srv = ServerProcess(str(ensure_random_model()), tmp_path_factory.mktemp("bench") / "server.log").start()
     try:
         assert srv.wait(120).code == 0, srv.log()
         yield srv
@@ -157,7 +157,7 @@ def test_offline_bench_on_cpu(tmp_path):
 
 def test_sweep_two_layouts_and_a_failing_one(tmp_path):
     runs = run_sweep(
-        str(ensure_demo_model()),
+        str(ensure_random_model()),
         ["tp1", "pp2", "tp3"],
         [1, 2],
         str(tmp_path),

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from moeserve.config import load_model_config, parse_model_config
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo.random_model import RANDOM_CONFIG
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.models.deepseek_weights import ROUTED_EXPERTS, checkpoint_tensor_shapes, model_tensors
 from moeserve.planner.weights import parameter_counts
@@ -47,9 +47,9 @@ def test_loader_and_planner_list_the_same_modules(model):
 def test_router_bias_exists_when_the_router_uses_it():
     """The router's selection bias is a tensor of noaux_tc routing (what layers.moe.Router builds),
     not of every V3 config: the planner and the loader once disagreed here."""
-    greedy = parse_model_config({**DEMO_CONFIG, "topk_method": "greedy", "n_group": 1, "topk_group": 1})
+    greedy = parse_model_config({**RANDOM_CONFIG, "topk_method": "greedy", "n_group": 1, "topk_group": 1})
     assert greedy.is_v3 and greedy.topk_method == "greedy"
-    for cfg in (greedy, parse_model_config(DEMO_CONFIG)):
+    for cfg in (greedy, parse_model_config(RANDOM_CONFIG)):
         model = DeepseekForCausalLM(cfg)
         built = {n for n, _ in model.named_parameters()}
         listed = {n for n, _ in checkpoint_tensor_shapes(cfg)}

@@ -3,7 +3,7 @@ including characters split across tokens (byte-level tokens)."""
 
 import pytest
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.engine.detokenizer import IncrementalDetokenizer, StreamDetokenizer, WindowDetokenizer
 
 
@@ -11,7 +11,7 @@ from moeserve.engine.detokenizer import IncrementalDetokenizer, StreamDetokenize
 def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(ensure_demo_model()), local_files_only=True)
+    return AutoTokenizer.from_pretrained(str(ensure_random_model()), local_files_only=True)
 
 
 @pytest.mark.parametrize("kind", [StreamDetokenizer, WindowDetokenizer])

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 PROMPTS = [[5, 9, 3, 77, 12, 40, 41, 42, 2], [11, 12], [90, 1, 2, 3, 4, 5], [8] * 13, [60, 61, 62]]
@@ -128,8 +128,8 @@ def test_logprobs_are_log_probabilities(llm):
         assert sum(torch.tensor(list(lp.values())).exp()) <= 1 + 1e-5
 
 
-def test_demo_model_with_tokenizer_stop_strings_and_streaming_text():
-    path = ensure_demo_model()
+def test_random_model_with_tokenizer_stop_strings_and_streaming_text():
+    path = ensure_random_model()
     with LLM(str(path), device="cpu") as llm:
         base = llm.generate("The quick brown fox", SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0]
         assert base.text == llm.tokenizer.decode(base.token_ids, skip_special_tokens=True)

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.engine_client import PIPE_BYTES, _widen_pipe
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess
@@ -79,7 +79,7 @@ def test_the_server_step_trace_counts_each_request_it_takes_in(tmp_path):
     """MOESERVE_STEP_TRACE under the server: the engine loop's intake (``added``, ``intake_ms``)
     counts every request once, in the step that took it in (the warm-up adds its own directly)."""
     trace = tmp_path / "steps.jsonl"
-    srv = ServerProcess(str(ensure_demo_model()), tmp_path / "server.log", env={"MOESERVE_STEP_TRACE": str(trace)}).start()
+    srv = ServerProcess(str(ensure_random_model()), tmp_path / "server.log", env={"MOESERVE_STEP_TRACE": str(trace)}).start()
     try:
         assert srv.wait().code == EXIT_READY, srv.log()
         before = len(trace.read_text().splitlines())
@@ -103,7 +103,7 @@ def test_the_engine_answers_an_add_once_the_step_that_computes_its_first_token_i
     from moeserve.engine.llm import build_engine
     from moeserve.server.engine_process import EngineLoop
 
-    engine = build_engine(EngineConfig(model=str(ensure_demo_model())))
+    engine = build_engine(EngineConfig(model=str(ensure_random_model())))
     cmd_r, cmd_w = mp.Pipe(duplex=False)
     evt_r, evt_w = mp.Pipe(duplex=False)
     cmd_w.send(("add", "k", [("k-0", {"prompt": None, "prompt_token_ids": [5, 6, 7]}, {"max_tokens": 2, "temperature": 0.0})]))
@@ -153,7 +153,7 @@ def test_a_large_request_is_queued_in_slices_and_counted_apart():
     from moeserve.engine.llm import build_engine
     from moeserve.server.engine_process import EngineLoop
 
-    engine = build_engine(EngineConfig(model=str(ensure_demo_model()), max_num_seqs=2))
+    engine = build_engine(EngineConfig(model=str(ensure_random_model()), max_num_seqs=2))
     loop = EngineLoop(engine, None, None, max_waiting=4)
 
     def add(key: str, prompts: int, bad: int | None = None) -> list[tuple]:

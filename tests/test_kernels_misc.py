@@ -75,7 +75,7 @@ def test_rmsnorm_strided_rows_and_empty():
 # ---- router ----
 
 from moeserve.config import parse_model_config  # noqa: E402
-from moeserve.demo import DEMO_CONFIG  # noqa: E402
+from moeserve.demo.random_model import RANDOM_CONFIG  # noqa: E402
 from moeserve.layers.moe import Router  # noqa: E402
 
 ROUTINGS = {
@@ -135,7 +135,11 @@ ROUTINGS = {
 @pytest.mark.parametrize("name", sorted(ROUTINGS))
 def test_router_kernel_matches_torch_router(name):
     config = parse_model_config(
-        {**DEMO_CONFIG, **ROUTINGS[name], "architectures": ["DeepseekV2ForCausalLM" if name.startswith("v2") else "DeepseekV3ForCausalLM"]}
+        {
+            **RANDOM_CONFIG,
+            **ROUTINGS[name],
+            "architectures": ["DeepseekV2ForCausalLM" if name.startswith("v2") else "DeepseekV3ForCausalLM"],
+        }
     )
     g = torch.Generator().manual_seed(len(name))
     router = Router(config)
@@ -166,7 +170,7 @@ from moeserve.layers.rotary import RotaryEmbedding  # noqa: E402
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rope_and_cache_matches_rotary_and_pool_write(interleave, dtype):
     g = torch.Generator().manual_seed(int(interleave))
-    config = parse_model_config(DEMO_CONFIG)  # kv_lora 32, rope 8
+    config = parse_model_config(RANDOM_CONFIG)  # kv_lora 32, rope 8
     T, H, R, Lk = 5, 3, config.qk_rope_head_dim, config.kv_lora_rank
     rotary = RotaryEmbedding(
         RopeConfig(theta=10000.0, rope_type="yarn", factor=4.0, original_max_position_embeddings=64, interleave=interleave), R

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 
 from moeserve.config import load_model_config, parse_model_config
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo.random_model import RANDOM_CONFIG
 from moeserve.distributed.tp_collectives import TPGroup, set_tp_group
 from moeserve.distributed.layout import Layout, split_problems
 from moeserve.planner import layout_names as planner_layouts
@@ -53,7 +53,7 @@ def test_int4_groups_are_part_of_the_rule():
 def test_a_layer_built_directly_with_a_bad_split_names_it():
     from moeserve.models.deepseek import DeepseekForCausalLM
 
-    cfg = parse_model_config(DEMO_CONFIG)
+    cfg = parse_model_config(RANDOM_CONFIG)
     set_tp_group(TPGroup(size=3))
     try:
         with pytest.raises(ValueError, match=f"{cfg.num_attention_heads} attention heads cannot be split over tp=3"):

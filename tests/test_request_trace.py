@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import httpx
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.request_trace import POINTS, load_timelines, span_medians
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess
@@ -13,7 +13,7 @@ from server_utils import ServerProcess
 
 def test_a_streamed_request_passes_every_point_in_order(tmp_path):
     prefix = tmp_path / "req"
-    srv = ServerProcess(str(ensure_demo_model()), tmp_path / "server.log", env={"MOESERVE_REQUEST_TRACE": str(prefix)}).start()
+    srv = ServerProcess(str(ensure_random_model()), tmp_path / "server.log", env={"MOESERVE_REQUEST_TRACE": str(prefix)}).start()
     try:
         assert srv.wait().code == EXIT_READY, srv.log()
         with httpx.Client(base_url=srv.url, timeout=60) as client:

@@ -7,7 +7,7 @@ from kernel_utils import DEV, DTYPES, real
 from test_kernels_misc import ROUTINGS
 
 from moeserve.config import parse_model_config
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo.random_model import RANDOM_CONFIG
 from moeserve.kernels import router as kr
 from moeserve.layers.moe import Router
 
@@ -45,7 +45,7 @@ def test_router_logits_strided_rows():
 
 def _router(routing: dict, hidden: int, seed: int) -> Router:
     arch = "DeepseekV2ForCausalLM" if routing["topk_method"] != "noaux_tc" else "DeepseekV3ForCausalLM"
-    config = parse_model_config({**DEMO_CONFIG, **routing, "hidden_size": hidden, "architectures": [arch]})
+    config = parse_model_config({**RANDOM_CONFIG, **routing, "hidden_size": hidden, "architectures": [arch]})
     g = torch.Generator().manual_seed(seed)
     router = Router(config)
     router.weight.data.normal_(0, 0.05, generator=g)

@@ -1,5 +1,5 @@
 """The OpenAI-compatible server, end to end: a real `moeserve.server serve` process on 127.0.0.1
-(CPU, the demo model) driven by the official `openai` client and raw httpx.
+(CPU, the random test model) driven by the official `openai` client and raw httpx.
 
 One main server for the module, plus a guarded one (API key, one sequence at a time, one waiting)
 and one whose checkpoint has no weights (its engine dies at start-up), all started together."""
@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.wait_ready import EXIT_GONE, EXIT_READY, EXIT_TIMEOUT, wait_ready
 from server_utils import ServerProcess, free_port, metric, poll
 
@@ -32,7 +32,7 @@ MAX_LEN = 512
 
 @pytest.fixture(scope="module")
 def demo_dir() -> str:
-    return str(ensure_demo_model())
+    return str(ensure_random_model())
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def launched(demo_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("server")
     broken = tmp / "no-weights"
     broken.mkdir()
-    for f in ensure_demo_model().iterdir():
+    for f in ensure_random_model().iterdir():
         if not f.name.endswith(".safetensors"):
             shutil.copy(f, broken / f.name)
     procs = SimpleNamespace(

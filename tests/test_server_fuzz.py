@@ -1,5 +1,5 @@
 """Property-based fuzzing of /v1/completions and /v1/chat/completions on a real server (CPU, the
-demo model, a short context so that every generation is short):
+random test model, a short context so that every generation is short):
 
 * bodies schemathesis draws from the server's own OpenAPI schema, valid and invalid;
 * hostile bodies from hypothesis: the request fields with NaN and infinities, integers far
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess, metric, poll, sse_data
 
@@ -40,7 +40,7 @@ FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None, derandomize=True,
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(
-        str(ensure_demo_model()),
+        str(ensure_random_model()),
         tmp_path_factory.mktemp("fuzz") / "server.log",
         "--max-model-len",
         "40",

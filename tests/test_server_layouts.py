@@ -5,7 +5,7 @@ then on, and its greedy answer the one a single process gives."""
 import httpx
 
 from moeserve import LLM, SamplingParams
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess
 
@@ -13,7 +13,7 @@ PROMPT = [5, 9, 3, 77, 12]
 
 
 def test_a_two_stage_server_is_ready_through_both_stages_and_answers_as_one_process(tmp_path):
-    model = str(ensure_demo_model())
+    model = str(ensure_random_model())
     srv = ServerProcess(model, tmp_path / "server.log", "--pipeline-parallel-size", "2", "--max-model-len", "256").start()
     try:
         r = srv.wait(timeout=180)

@@ -1,5 +1,5 @@
 """No single request takes the server down, stalls it or loses another's work (issue 14), each
-case the way it was found: a real server on 127.0.0.1 (CPU, the demo model), the `openai`
+case the way it was found: a real server on 127.0.0.1 (CPU, the random test model), the `openai`
 client and raw HTTP.
 
 Two servers start together: ``rel`` (small limits: --max-n 4, --max-num-seqs 4, --max-waiting 4,
@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.wait_ready import EXIT_READY, health_url, wait_ready
 from server_utils import ServerProcess, Stream, assert_idle_and_healthy, assert_openai_error, free_port, metric, poll
 
@@ -28,12 +28,12 @@ FAIL_MARKER = "<<fail-me>>"
 LIMIT = 4 << 20
 MAX_LEN = 512
 DRAIN_S = 8  # the drainer's --shutdown-timeout
-DRAIN_MAX_LEN = 32768  # the SIGTERM test's long request: past the demo's 4,096 positions (rope is computed, not tabled)
+DRAIN_MAX_LEN = 32768  # the SIGTERM test's long request: past the random model's 4,096 positions (rope is computed, not tabled)
 
 
 @pytest.fixture(scope="module")
 def demo_dir() -> str:
-    return str(ensure_demo_model())
+    return str(ensure_random_model())
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +268,7 @@ def test_min_tokens_above_max_tokens_is_a_400(rel):
 
 
 def test_logprobs_of_tokens_with_the_same_text_stay_apart(tokenizer, demo_dir):
-    """The demo tokenizer is byte-level: every byte >= 0x80 alone decodes to U+FFFD. A shared
+    """The random model's tokenizer is byte-level: every byte >= 0x80 alone decodes to U+FFFD. A shared
     key of completions' top_logprobs keeps the likelier value; return_tokens_as_token_ids keys
     each token apart; chat's list keeps every token, each with its own bytes."""
     from moeserve.server.chat import _logprobs_content

@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.request_trace import load_timelines
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess, Stream, assert_idle_and_healthy, assert_openai_error, poll, sse_data
@@ -36,7 +36,7 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def demo_dir() -> str:
-    return str(ensure_demo_model())
+    return str(ensure_random_model())
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A bounded soak (SOAK_SECONDS, 60 by default) of a real server on the demo model: concurrent
+"""A bounded soak (SOAK_SECONDS, 60 by default) of a real server on the random test model: concurrent
 streaming and non-streaming completions and chats, n > 1, random disconnects (mid-stream and
 mid-request), random bad requests, and a KV pool small enough to force preemption; and the
 shapes of issue 30: batches of many prompts, large requests dropped after their first chunk,
@@ -23,7 +23,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess, metric, poll, rss_bytes, sse_data
 
@@ -53,7 +53,7 @@ BAD = [  # (body, path) the server must refuse with a 4xx
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     srv = ServerProcess(
-        str(ensure_demo_model()),
+        str(ensure_random_model()),
         tmp_path_factory.mktemp("soak") / "server.log",
         "--max-model-len",
         str(MAX_LEN),

@@ -71,9 +71,9 @@ def test_small_bodies_are_parsed_on_the_event_loop_large_ones_in_a_worker_thread
 
 @pytest.fixture(scope="module")
 def demo_dir() -> str:
-    from moeserve.demo import ensure_demo_model
+    from moeserve.demo.random_model import ensure_random_model
 
-    return str(ensure_demo_model())
+    return str(ensure_random_model())
 
 
 def _pid_and_prompts(req, ctx):

@@ -7,12 +7,12 @@ import torch
 from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import LayerNotOnStage, StageKVPool, StageRange
 from moeserve.config import parse_model_config
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo.random_model import RANDOM_CONFIG
 from moeserve.engine.context import StepContext, step_context
 from moeserve.loader import load_model_weights
 from moeserve.models.deepseek import DeepseekForCausalLM
 
-CONFIG = parse_model_config({**DEMO_CONFIG, "num_hidden_layers": 5})
+CONFIG = parse_model_config({**RANDOM_CONFIG, "num_hidden_layers": 5})
 
 
 class GuardedPool(StageKVPool):

@@ -5,7 +5,7 @@ per pointer alignment), and the variants that a step picks by its size are compi
 import pytest
 import torch
 
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo.random_model import RANDOM_CONFIG
 from moeserve.config import parse_model_config
 from moeserve.engine.config import EngineConfig
 from moeserve.engine.model_runner import ModelRunner
@@ -15,7 +15,7 @@ from moeserve.sampling_params import SamplingParams
 
 def _runner(backend: str = "reference") -> ModelRunner:
     config = EngineConfig(model=None, device="cpu", dtype="float32", load_format="dummy", backend=backend, page_size=4, max_num_seqs=5)
-    return ModelRunner(parse_model_config(dict(DEMO_CONFIG)), config)
+    return ModelRunner(parse_model_config(dict(RANDOM_CONFIG)), config)
 
 
 def _step(query_lens: list[int], context_lens: list[int], page_size: int = 4) -> StepInput:

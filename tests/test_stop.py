@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moeserve import LLM, RequestOutput, SamplingParams
-from moeserve.demo import ensure_demo_model
+from moeserve.demo.random_model import ensure_random_model
 from moeserve.engine.stop import StreamedText
 from moeserve.outputs import RequestDelta
 
@@ -66,7 +66,7 @@ def test_engine_deltas_fold_into_what_generate_returns():
     """Per step each running completion brings its one new token (and its logprobs), text never
     taken back, finish reasons once; folded, they equal ``LLM.generate``, for greedy and seeded
     n > 1 requests with stop strings, logprobs and an included stop string."""
-    with LLM(str(ensure_demo_model()), device="cpu") as llm:
+    with LLM(str(ensure_random_model()), device="cpu") as llm:
         prompt = "The quick brown fox"
         base = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
         seeded = dict(temperature=0.9, seed=3, n=3, max_tokens=16, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""``moeserve`` command line: generate | plan | serve | bench | wait-ready."""
+"""``moeserve`` command line: generate | chat | plan | serve | bench | wait-ready."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from moeserve.bench.sweep import add_sweep_arguments, run_sweep_cli
 from moeserve.engine.args import add_engine_arguments, engine_kwargs
 from moeserve.planner.plan_command import add_plan_arguments, run_plan
+from moeserve.repl import add_chat_arguments, run_chat
 from moeserve.server.commands import (
     add_serve_arguments,
     add_systemd_unit_arguments,
@@ -43,9 +44,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     prompt: object = args.prompt
     if args.prompt_token_ids:
+        if args.chat:
+            raise ValueError("--chat renders --prompt as a message; it does not take --prompt-token-ids")
         prompt = {"prompt_token_ids": [int(t) for t in args.prompt_token_ids.split(",")]}
     with LLM(args.model, **engine_kwargs(args)) as llm:
-        out = llm.generate(prompt, params)[0]
+        if args.chat:
+            kwargs = {"thinking": False} if args.no_thinking else None
+            out = llm.chat([{"role": "user", "content": args.prompt}], params, chat_template_kwargs=kwargs)[0]
+        else:
+            out = llm.generate(prompt, params)[0]
     c = out.outputs[0]
     if args.prompt is not None and not args.prompt_token_ids:
         print(f"prompt: {args.prompt!r}")
@@ -75,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text offline (default model: the built-in demo)")
     add_engine_arguments(g)
     g.add_argument("--prompt", default="Hello, MoE!")
+    g.add_argument("--chat", action="store_true", help="send --prompt as a user message through the model's chat template")
+    g.add_argument("--no-thinking", action="store_true", help="with --chat: chat_template_kwargs thinking=false")
     g.add_argument("--prompt-token-ids", default=None, help="comma-separated token ids instead of --prompt")
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -83,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("--ignore-eos", action="store_true")
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="talk to a model in the terminal, offline (default model: the built-in demo)")
+    add_engine_arguments(c)
+    add_chat_arguments(c)
+    c.set_defaults(func=run_chat)
 
     b = sub.add_parser("bench", help="benchmark the engine offline (--offline) or a server (--url)")
     add_engine_arguments(b)

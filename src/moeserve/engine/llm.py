@@ -100,6 +100,31 @@ class LLM:
             bar.close()
         return [results[r] for r in rids]
 
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or several, rendered by the
+        tokenizer's chat template with ``tools`` and ``chat_template_kwargs`` (e.g. Kimi's
+        ``{"thinking": False}``), as vLLM's ``LLM.chat``. The text comes back raw: tool calls and
+        reasoning are in it as the model wrote them."""
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise ValueError("this model has no tokenizer with a chat template; use generate()")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = tok.apply_chat_template(
+                conversation, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False, **(chat_template_kwargs or {})
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def shutdown(self) -> None:
         self.engine.shutdown()
 

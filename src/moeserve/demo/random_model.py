@@ -1,8 +1,9 @@
-"""The built-in demo model: a tiny DeepseekV3 checkpoint (MLA with q_lora, YaRN rope, one
-dense layer, grouped sigmoid routing with shared experts) plus a byte-level tokenizer.
+"""A random-weight tiny DeepseekV3 checkpoint (MLA with q_lora, YaRN rope, one dense layer,
+grouped sigmoid routing with shared experts) plus a byte-level tokenizer, for plumbing tests.
 
-Its weights are random (deterministic from a fixed seed): it exercises every part of the
-engine without a download, and its text is gibberish by design.
+Its weights are random (deterministic from a fixed seed) and its lm_head favours printable
+bytes, so it never stops by itself: tests of lengths, streaming and limits rely on that. Its
+text is gibberish by design; the demo model that talks is ``moeserve.demo.ensure_demo_model``.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch
 from safetensors.torch import save_file
 
 from moeserve.config import parse_model_config
+from moeserve.demo import cache_root
 from moeserve.loader import dummy_tensor
 from moeserve.models.deepseek_weights import checkpoint_tensor_shapes
 
-DEMO_VERSION = 2
-DEMO_SEED = 1234
+RANDOM_VERSION = 2
+RANDOM_SEED = 1234
 
-DEMO_CONFIG = {
+RANDOM_CONFIG = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
     "vocab_size": 320,
@@ -71,9 +73,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def demo_model_dir() -> Path:
-    root = Path(os.environ.get("MOESERVE_CACHE", Path.home() / ".cache" / "moeserve"))
-    return root / f"demo-deepseek-v3-v{DEMO_VERSION}"
+def random_model_dir() -> Path:
+    return cache_root() / f"random-deepseek-v3-v{RANDOM_VERSION}"
 
 
 def write_byte_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) -> None:
@@ -89,7 +90,7 @@ def write_byte_tokenizer(path: Path, chat_template: str | None = CHAT_TEMPLATE) 
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>")
     # Reserved ids up to the model's vocab size, as real checkpoints have: every id decodes.
-    fast.add_special_tokens({"additional_special_tokens": [f"<|reserved_{i}|>" for i in range(len(fast), DEMO_CONFIG["vocab_size"])]})
+    fast.add_special_tokens({"additional_special_tokens": [f"<|reserved_{i}|>" for i in range(len(fast), RANDOM_CONFIG["vocab_size"])]})
     if chat_template:
         fast.chat_template = chat_template
     fast.save_pretrained(str(path))
@@ -105,16 +106,16 @@ def _byte_of(ch: str) -> int:
     return others[code - 256]
 
 
-def ensure_demo_model() -> Path:
-    """Create the demo checkpoint on first use (about a second); later calls reuse it."""
-    path = demo_model_dir()
+def ensure_random_model() -> Path:
+    """Create the random checkpoint on first use (about a second); later calls reuse it."""
+    path = random_model_dir()
     if (path / "model.safetensors").exists():
         return path
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
-    config = parse_model_config(DEMO_CONFIG)
+    config = parse_model_config(RANDOM_CONFIG)
     tensors = {
-        name: dummy_tensor(name, shape, DEMO_SEED, "cpu", torch.float32).contiguous() for name, shape in checkpoint_tensor_shapes(config)
+        name: dummy_tensor(name, shape, RANDOM_SEED, "cpu", torch.float32).contiguous() for name, shape in checkpoint_tensor_shapes(config)
     }
     # Random weights, but printable ASCII output even when sampling: other tokens' lm_head rows
     # are zero (logit 0) and the printable rows are scaled up so that their logits dominate.
@@ -124,7 +125,7 @@ def ensure_demo_model() -> Path:
     tensors["lm_head.weight"][printable] *= 25
     save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     with open(tmp / "config.json", "w") as f:
-        json.dump(DEMO_CONFIG, f, indent=2)
+        json.dump(RANDOM_CONFIG, f, indent=2)
     write_byte_tokenizer(tmp)
     try:
         tmp.rename(path)
