@@ -22,6 +22,7 @@ from starlette.responses import Response, StreamingResponse
 
 from moeserve.outputs import RequestDelta, SeqDelta
 from moeserve.server.body_process import BodyPreparer
+from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.defaults import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS
 from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
@@ -54,6 +55,7 @@ class ServerContext:
     max_n: int = DEFAULT_MAX_N
     max_prompts: int = DEFAULT_MAX_PROMPTS
     preparer: BodyPreparer | None = None  # large bodies to prompts in other processes (None: in threads)
+    chat: ChatSettings = field(default_factory=ChatSettings)  # template, parsers, generation defaults
     _token_strs: dict[int, str] = field(default_factory=dict)
     _token_bytes: dict[int, list[int]] = field(default_factory=dict)
     _limiter: anyio.CapacityLimiter | None = None
