@@ -561,14 +561,17 @@ def test_trained_demo_model_calls_get_weather_and_answers(tmp_path):
     try:
         client = _client({"demo": server}, "demo")
         from moeserve.demo.tasks import TOOLS as DEMO_TOOLS
+        from moeserve.repl import run_demo_tool
 
+        tools = [DEMO_TOOLS["get_weather"]]
         for stream in (False, True):
-            [c] = ask(client, stream, messages=user("What's the weather in Montevideo?"), tools=[DEMO_TOOLS["get_weather"]])
+            [c] = ask(client, stream, messages=user("What's the weather in Montevideo?"), tools=tools, max_tokens=96)
             assert [(t["name"], json.loads(t["arguments"])) for t in c.calls] == [("get_weather", {"city": "Montevideo"})]
+            result = run_demo_tool("get_weather", {"city": "Montevideo"})
             messages = user("What's the weather in Montevideo?") + [c.message()]
-            messages.append({"role": "tool", "tool_call_id": c.calls[0]["id"], "content": '{"condition": "rainy", "temperature_c": 14}'})
-            [a] = ask(client, stream, messages=messages, tools=[DEMO_TOOLS["get_weather"]], max_tokens=96)
-            assert "14" in (a.content or "") and not a.calls
+            messages.append({"role": "tool", "tool_call_id": c.calls[0]["id"], "content": json.dumps(result)})
+            [a] = ask(client, stream, messages=messages, tools=tools, max_tokens=96)
+            assert str(result["temperature_c"]) in (a.content or "") and not a.calls
             [off] = ask(client, stream, messages=user("Hello!"), extra_body={"chat_template_kwargs": {"thinking": False}}, max_tokens=64)
             assert off.reasoning is None and off.content
     finally:

@@ -4,8 +4,9 @@ A server whose weights cannot write a given reply (the random test model, the de
 trained weights are in) still has to be tested end to end on it: tool calls, reasoning and
 markers split anywhere, through the real engine, detokenizer, stop tokens and HTTP path. With
 ``MOESERVE_TEST_SCRIPT`` naming a JSON file, the engine process replaces each sampled token of a
-scripted request by the script's next token (the model then computes on it, as on any token), so
-every stage after sampling runs as in serving. The file::
+scripted request by the script's next token before the engine takes it in (with synchronous
+scheduling, as on CPU, the model then computes on it as on any token), so every stage after
+sampling runs as in serving. The file::
 
     [{"when": "text in the prompt", "replies": ["reply of choice 0", "reply of choice 1", ...]}, ...]
 
