@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -21,7 +21,6 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from moeserve.outputs import RequestDelta, SeqDelta
-from moeserve.server.body_process import BodyPreparer
 from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.defaults import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS
 from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
@@ -29,6 +28,9 @@ from moeserve.server.errors import APIError, bad_request, error_body, from_value
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import _SamplingFields
 from moeserve.server.request_trace import RequestTrace
+
+if TYPE_CHECKING:  # a type only: body_process imports this module
+    from moeserve.server.body_process import BodyPreparer
 
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID_DIGITS = 18  # any longer is no vocabulary's token id (and past int64)
