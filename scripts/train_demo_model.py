@@ -15,7 +15,9 @@ greedy replies, MTP next-next-token accuracy, perplexity). Install the weights w
 ``cp OUT/demo/{training_log.txt,loss.png,eval.json} docs/demo-model/``.
 
 Deterministic given --seed: the data (each sample its own seeded rng), the initial weights, the
-batch order; deterministic GPU kernels on request (--deterministic-kernels), and attention is a plain softmax.
+batch order (conversations packed into rows of --max-len tokens, each attending only to itself:
+one shape every step, which torch.compile fuses on a GPU); deterministic GPU kernels on request
+(--deterministic-kernels), and attention is a plain softmax.
 Needs torch, numpy, safetensors, tokenizers (and matplotlib for the plot, transformers only for
 --build-tokenizer); moeserve itself is read from src/ (only its standard-library and torch parts).
 """
@@ -143,52 +145,67 @@ def encode_samples(seed: int, n: int, tokenizer_path: Path, max_len: int, worker
     return seqs, np.asarray(starts)
 
 
-def batches(lengths: np.ndarray, batch_tokens: int, rng: np.random.Generator, window: int = 8192):
-    """Endless batches of sample indices: shuffled, then sorted by length within windows so a
-    batch pads little, ``count x longest <= batch_tokens``; batch order shuffled."""
+def pack(lengths: np.ndarray, row_len: int, rng: np.random.Generator) -> list[list[int]]:
+    """Conversations packed into rows of ``row_len`` tokens, in a shuffled order, each into the
+    fullest row it still fits (best fit): every step has the same shape, and almost no padding."""
+    rows_with_free = np.zeros(row_len + 1, dtype=np.int64)  # how many rows have exactly s tokens free
+    free: list[list[int]] = [[] for _ in range(row_len + 1)]
+    rows: list[list[int]] = []
+    for i in rng.permutation(len(lengths)):
+        n = int(lengths[i])
+        fits = np.flatnonzero(rows_with_free[n:])
+        if len(fits):
+            space = n + int(fits[0])
+            r = free[space].pop()
+            rows_with_free[space] -= 1
+        else:
+            space, r = row_len, len(rows)
+            rows.append([])
+        rows[r].append(int(i))
+        if space > n:
+            free[space - n].append(r)
+            rows_with_free[space - n] += 1
+    return rows
+
+
+def packed_arrays(seqs, starts, rows: list[list[int]], row_len: int, pad: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The packed rows: token ids [R, row_len], the loss mask (completion tokens) and each token's
+    document (its conversation's place in the row; padding is a document of its own)."""
+    ids = np.full((len(rows), row_len), pad, dtype=np.int32)
+    mask = np.zeros((len(rows), row_len), dtype=bool)
+    docs = np.full((len(rows), row_len), -1, dtype=np.int16)
+    for r, row in enumerate(rows):
+        at = 0
+        for d, i in enumerate(row):
+            s = seqs[i]
+            ids[r, at : at + len(s)] = s
+            mask[r, at + starts[i] : at + len(s)] = True
+            docs[r, at : at + len(s)] = d
+            at += len(s)
+    return ids, mask, docs
+
+
+def epochs(seqs, starts, lengths: np.ndarray, rows_per_step: int, row_len: int, pad: int, rng: np.random.Generator, device):
+    """Endless steps of packed rows (ids [B, row_len] long, loss mask, documents), on the device:
+    each epoch repacks in a new order and moves once."""
     while True:
-        order = rng.permutation(len(lengths))
-        for w in range(0, len(order), window):
-            idx = order[w : w + window]
-            idx = idx[np.argsort(lengths[idx], kind="stable")]
-            group, out = [], []
-            for i in idx:
-                if group and (len(group) + 1) * lengths[i] > batch_tokens:
-                    out.append(group)
-                    group = []
-                group.append(i)
-            if group:
-                out.append(group)
-            for j in rng.permutation(len(out)):
-                yield out[j]
-
-
-def collate(seqs, starts, idx, pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids [B, T] and the loss mask (completion tokens)."""
-    T = max(len(seqs[i]) for i in idx)
-    T = (T + 7) // 8 * 8
-    ids = np.full((len(idx), T), pad, dtype=np.int64)
-    mask = np.zeros((len(idx), T), dtype=bool)
-    for r, i in enumerate(idx):
-        s = seqs[i]
-        ids[r, : len(s)] = s
-        mask[r, starts[i] : len(s)] = True
-    if device.type != "cuda":
-        return torch.from_numpy(ids), torch.from_numpy(mask)
-    # Pinned and non-blocking: a copy from pageable memory would wait for the steps queued before it.
-    return (
-        torch.from_numpy(ids).pin_memory().to(device, non_blocking=True),
-        torch.from_numpy(mask).pin_memory().to(device, non_blocking=True),
-    )
+        rows = pack(lengths, row_len, rng)
+        arrays = packed_arrays(seqs, starts, rows, row_len, pad)
+        ids, mask, docs = (torch.from_numpy(a).to(device) for a in arrays)
+        order = torch.from_numpy(rng.permutation(len(rows))).to(device)
+        for b in range(0, len(rows) - rows_per_step + 1, rows_per_step):
+            take = order[b : b + rows_per_step]
+            yield ids[take].long(), mask[take], docs[take]
 
 
 # ---- model ----
-def losses(model: DemoModel, ids: torch.Tensor, mask: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def losses(model: DemoModel, ids: torch.Tensor, mask: torch.Tensor, docs: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy of the next token over completion tokens, and of the MTP layer's
-    next-next token."""
-    h = model.hidden(ids, valid)
+    next-next token (a completion token's inputs are always in its own conversation)."""
+    valid = ids != pad
+    h = model.hidden(ids, valid, docs)
     main = _masked_ce(model.logits(h[:, :-1]), ids[:, 1:], mask[:, 1:])
-    mtp = _masked_ce(model.mtp_logits(h, ids, valid)[:, :-1], ids[:, 2:], mask[:, 2:])  # position i predicts i + 2
+    mtp = _masked_ce(model.mtp_logits(h, ids, valid, docs)[:, :-1], ids[:, 2:], mask[:, 2:])  # position i predicts i + 2
     return main, mtp
 
 
@@ -345,7 +362,10 @@ def train(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize()
 
-    feed = batches(lengths, args.batch_tokens, np.random.default_rng(args.seed))
+    rows_per_step = max(1, args.batch_tokens // args.max_len)
+    feed = epochs(seqs, starts, lengths, rows_per_step, args.max_len, pad, np.random.default_rng(args.seed), device)
+    # One shape every step (packed rows): compiled once, the step's many small kernels fused.
+    step_losses = torch.compile(losses) if args.compile else losses
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     log: list[dict] = []
     t_train = time.time()
@@ -354,12 +374,11 @@ def train(args: argparse.Namespace) -> None:
     acc_n = 0
     step = 0
     while step < total:
-        ids, mask = collate(seqs, starts, next(feed), pad, device)
-        valid = ids != pad
+        ids, mask, docs = next(feed)
         for g in opt.param_groups:
             g["lr"] = lr_at(step)
         with autocast:
-            main, mtp = losses(model, ids, mask, valid)
+            main, mtp = step_losses(model, ids, mask, docs, pad)
             loss = main + args.mtp_weight * mtp
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -379,9 +398,9 @@ def train(args: argparse.Namespace) -> None:
 
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
-                    ids, mask = collate(seqs, starts, next(feed), pad, device)
+                    ids, mask, docs = next(feed)
                     with autocast:
-                        main, mtp = losses(model, ids, mask, ids != pad)
+                        main, mtp = step_losses(model, ids, mask, docs, pad)
                         loss = main + args.mtp_weight * mtp
                     opt.zero_grad(set_to_none=True)
                     loss.backward()
@@ -498,7 +517,7 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=40000, help="--steps 0: at most this many")
     p.add_argument("--train-seconds", type=float, default=150.0, help="--steps 0: the training time to fill")
     p.add_argument("--samples", type=int, default=600_000, help="training conversations generated")
-    p.add_argument("--batch-tokens", type=int, default=65536, help="padded tokens per step")
+    p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per step (rows of --max-len packed conversations)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=200)
@@ -512,6 +531,7 @@ def main() -> None:
         help="ask torch for deterministic GPU kernels (the data, initial weights and batch order are seeded either way); "
         "the first H200 run with them on paced 366 ms a step",
     )
+    p.add_argument("--compile", type=int, default=None, help="torch.compile the step (default: 1 on a GPU, 0 on a CPU)")
     p.add_argument("--profile", action="store_true", help="print the GPU kernels of 5 steps after the pace probe")
     p.add_argument("--time-limit", type=float, default=260.0, help="stop training after this many seconds whatever --steps says")
     p.add_argument("--engine-check", action="store_true", help="then run moeserve on the weights: fast path vs reference, INT4 and FP8")
@@ -526,6 +546,8 @@ def main() -> None:
         return
     if args.out is None:
         p.error("--out is needed to train")
+    if args.compile is None:
+        args.compile = int(args.device.startswith("cuda"))
     if args.eval_tasks is None:
         args.eval_tasks = 300 if args.device.startswith("cuda") else 0
     train(args)

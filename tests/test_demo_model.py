@@ -159,6 +159,27 @@ def test_training_model_computes_what_transformers_does(tmp_path):
     assert (ours - theirs).abs().max() < 1e-4
 
 
+def test_packed_rows_compute_each_conversation_alone(tmp_path):
+    """Training packs several conversations into one row (document ids): each one's logits and
+    MTP logits are those it gets alone, wherever it sits in the row."""
+    model = _random_demo(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    convs = [torch.randint(0, CONFIG["vocab_size"], (1, n), generator=g) for n in (17, 23, 9)]
+    pad = CONFIG["pad_token_id"]
+    row = torch.cat(convs + [torch.full((1, 7), pad)], dim=1)
+    docs = torch.cat([torch.full((1, c.shape[1]), d) for d, c in enumerate(convs)] + [torch.full((1, 7), -1)], dim=1)
+    with torch.no_grad():
+        h = model.hidden(row, row != pad, docs)
+        logits, mtp = model.logits(h), model.mtp_logits(h, row, row != pad, docs)
+        at = 0
+        for c in convs:
+            alone = model.hidden(c)
+            n = c.shape[1]
+            assert (model.logits(alone) - logits[:, at : at + n]).abs().max() < 1e-5
+            assert (model.mtp_logits(alone, c) - mtp[:, at : at + n - 1]).abs().max() < 1e-5
+            at += n
+
+
 def test_checkpoint_has_deepseek_v3_mtp_layout():
     tensors = load_file(str(MODEL_DIR / "model.safetensors"))
     n = CONFIG["num_hidden_layers"]

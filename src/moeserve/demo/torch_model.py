@@ -6,8 +6,11 @@ checkpoint, so that ``hf_state_dict`` is the checkpoint the engine and transform
 It computes what transformers' ``DeepseekV3ForCausalLM`` computes (a test holds the logits equal),
 with one difference that only changes speed: the routed experts run densely (every expert on every
 token, weighted by the router's weights, zero outside its top-k). Attention is causal over
-right-padded rows (positions from 0 in every row), through torch's SDPA. The MTP layer at position i reads the main model's final
-(normed) hidden state at i and the embedding of token i + 1 and predicts token i + 2:
+right-padded rows (positions from 0 in every row), through torch's SDPA; rows that pack several
+conversations pass their document ids and attend within their own conversation only (rope
+depends on relative positions only, so a conversation's offset in its row does not matter).
+The MTP layer at position i reads the main model's final (normed) hidden state at i and the
+embedding of token i + 1 and predicts token i + 2:
 ``eh_proj([enorm(embed(t[i+1])), hnorm(h[i])])`` through one decoder layer, ``shared_head.norm``
 and ``shared_head.head``. Its embedding and head are the main model's (shared, as in DeepSeek-V3);
 the checkpoint holds copies under the MTP layer's names.
@@ -51,6 +54,13 @@ def _linear(n_in: int, n_out: int) -> nn.Linear:
     return nn.Linear(n_in, n_out, bias=False)
 
 
+def document_mask(docs: torch.Tensor) -> torch.Tensor:
+    """docs [B, T] -> the attention mask [B, 1, T, T]: causal, and within a token's own document."""
+    T = docs.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=docs.device).tril()
+    return ((docs[:, :, None] == docs[:, None, :]) & causal)[:, None]
+
+
 class Attention(nn.Module):
     """MLA, computed in the expanded form (per-head keys and values from the latent)."""
 
@@ -66,7 +76,7 @@ class Attention(nn.Module):
         self.kv_b_proj = _linear(c.kv_lora_rank, heads * (c.qk_nope_head_dim + c.v_head_dim))
         self.o_proj = _linear(heads * c.v_head_dim, h)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         c = self.c
         B, T, _ = x.shape
         heads, nope, rope = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
@@ -81,7 +91,11 @@ class Attention(nn.Module):
         k = torch.cat([k_nope, k_pe], dim=-1).transpose(1, 2)
         # Values padded to the query/key head size: one head size lets SDPA pick its fused kernels.
         v = F.pad(v, (0, c.qk_head_dim - c.v_head_dim)).transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.softmax_scale)[..., : c.v_head_dim]
+        if attn_mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=c.softmax_scale)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=c.softmax_scale)
+        out = out[..., : c.v_head_dim]
         return self.o_proj(out.transpose(1, 2).reshape(B, T, heads * c.v_head_dim))
 
 
@@ -161,8 +175,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MoE(c) if layer_id >= c.first_k_dense_replace else MLP(c.hidden_size, c.intermediate_size)
 
-    def forward(self, x, cos, sin, valid):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x, cos, sin, valid, attn_mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn_mask)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, valid) if isinstance(self.mlp, MoE) else self.mlp(h))
 
@@ -228,27 +242,35 @@ class DemoModel(nn.Module):
         freqs = torch.arange(T, device=device, dtype=torch.float32)[:, None] * self.inv_freq.to(device)
         return (freqs.cos() * self.rope_scale).to(dtype)[None], (freqs.sin() * self.rope_scale).to(dtype)[None]
 
-    def hidden(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
-        """ids [B, T] (right-padded; positions 0..T-1) -> final normed hidden states [B, T, H]."""
+    def hidden(self, ids: torch.Tensor, valid: torch.Tensor | None = None, docs: torch.Tensor | None = None) -> torch.Tensor:
+        """ids [B, T] (right-padded; positions 0..T-1) -> final normed hidden states [B, T, H].
+        ``docs`` [B, T]: which conversation of a packed row each token belongs to."""
         T = ids.shape[1]
         x = self.model.embed_tokens(ids)
         cos, sin = self._rope(T, ids.device, _compute_dtype(x))
+        mask = None if docs is None else document_mask(docs)
         for layer in self.model.layers[: self.c.num_hidden_layers]:
-            x = layer(x, cos, sin, valid)
+            x = layer(x, cos, sin, valid, mask)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def mtp_logits(self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def mtp_logits(
+        self, hidden: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor | None = None, docs: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Position i of the result predicts token i + 2, from ``hidden[:, i]`` and ``ids[:, i + 1]``
-        (``T - 1`` positions)."""
+        (``T - 1`` positions; ``docs`` as in ``hidden``)."""
         mtp = self.mtp
         T = ids.shape[1] - 1
         e = mtp.enorm(self.model.embed_tokens(ids[:, 1:]))
         x = mtp.eh_proj(torch.cat([e, mtp.hnorm(hidden[:, :T])], dim=-1))
         cos, sin = self._rope(T, ids.device, _compute_dtype(x))
-        x = mtp(x, cos, sin, None if valid is None else valid[:, 1:])
+        if docs is None:
+            mask = None
+        else:  # position i is a document's when tokens i and i + 1 both are; the rest see only each other
+            mask = document_mask(torch.where(docs[:, :-1] == docs[:, 1:], docs[:, :-1], torch.full_like(docs[:, 1:], -2)))
+        x = mtp(x, cos, sin, None if valid is None else valid[:, 1:], mask)
         return self.lm_head(mtp.shared_head.norm(x)).float()
 
     # ---- the Hugging Face checkpoint ----
