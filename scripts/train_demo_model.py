@@ -274,6 +274,8 @@ def evaluate(model: DemoModel, tok, device, n_tasks: int, n_text: int, pad: int,
         result["call_tasks"] = sum(s.kind == "call" for s in samples)
         result["answer_tasks"] = sum(s.kind == "answer" for s in samples)
         result["examples"] = [tok.decode(o, skip_special_tokens=False) for o in outs[:6]]
+        missed = [(s, o) for s, o, t in zip(samples, outs, texts) if not tasks.accuracy([s], [t])[s.kind]]
+        result["missed"] = [{"asked": s.messages[-1]["content"], "wrote": tok.decode(o, skip_special_tokens=False)} for s, o in missed[:20]]
     metrics = text_metrics(model, lambda t: tok.encode(t, add_special_tokens=False).ids, tasks.held_out_text(n_text), device)
     result["held_out_perplexity"] = metrics["perplexity"]
     result["mtp_next_next_token_accuracy"] = metrics["mtp_accuracy"]
@@ -444,7 +446,8 @@ def train(args: argparse.Namespace) -> None:
         result["gpu"] = torch.cuda.get_device_name()
     for k, v in result.items():
         if k != "examples":
-            say(f"eval {k}: {v:.4f}" if isinstance(v, float) else f"eval {k}: {v}")
+            if k != "missed":
+                say(f"eval {k}: {v:.4f}" if isinstance(v, float) else f"eval {k}: {v}")
     plot(log, out / "loss.png")
 
     def write_results() -> None:
@@ -457,7 +460,7 @@ def train(args: argparse.Namespace) -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            result["engine"] = engine_check(out / "model.safetensors", device, min(args.eval_tasks, 200), say)
+            result["engine"] = engine_check(out / "model.safetensors", device, min(args.eval_tasks, args.engine_tasks), say)
         except Exception as e:  # noqa: BLE001 - the weights are written; say what failed and go on
             say(f"engine check failed: {type(e).__name__}: {e}")
     say(f"done in {time.time() - t_start:.0f}s")
@@ -535,6 +538,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="print the GPU kernels of 5 steps after the pace probe")
     p.add_argument("--time-limit", type=float, default=260.0, help="stop training after this many seconds whatever --steps says")
     p.add_argument("--engine-check", action="store_true", help="then run moeserve on the weights: fast path vs reference, INT4 and FP8")
+    p.add_argument("--engine-tasks", type=int, default=200, help="--engine-check: held-out tasks per engine run")
     p.add_argument("--eval-tasks", type=int, default=None, help="held-out tasks to answer greedily (default 300 on a GPU, 0 on a CPU)")
     p.add_argument("--eval-text", type=int, default=200, help="held-out conversations for perplexity and MTP accuracy")
     p.add_argument("--workers", type=int, default=None, help="processes generating the data (default: up to 16)")

@@ -205,3 +205,19 @@ def test_selftest_passes_here_and_a_broken_kernel_is_left_off(monkeypatch, caplo
         ok = selftest.working_kernels(torch.device(DEV))
     assert "router" not in ok and "rmsnorm" in ok
     assert "kernel router is unavailable" in caplog.text
+
+
+def test_selftest_holds_its_references_to_float32_whatever_the_caller_set(monkeypatch):
+    """A caller that switched TF32 on (as a training script does) must not make every kernel
+    disagree with its float32 reference; the caller's setting comes back afterwards."""
+    from moeserve.kernels import selftest
+
+    seen = []
+    monkeypatch.setattr(selftest, "CHECKS", {"probe": lambda device: seen.append(torch.get_float32_matmul_precision()) or True})
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert selftest.working_kernels(torch.device("cpu")) == {"probe"}
+        assert seen == ["highest"] and torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -130,20 +130,31 @@ def working_kernels(device: torch.device, names: set[str] | None = None) -> set[
     ``names`` (default: all; the runner passes those its model uses, so a bf16 model does not
     compile the FP8 kernels, nor an FP8 one the INT4 kernels)."""
     ok = set()
-    for name, check in CHECKS.items():
-        if names is not None and name not in names:
-            continue
-        try:
-            if check(device):
-                ok.add(name)
-            else:
-                log.warning("kernel %s disagrees with its reference on %s: keeping the torch path", name, device)
-        except Exception as e:  # noqa: BLE001 - a compile error here must not stop the server
-            log.warning(
-                "kernel %s is unavailable on %s (%s: %s): keeping the torch path",
-                name,
-                device,
-                type(e).__name__,
-                str(e).splitlines()[0] if str(e) else "",
-            )
+    # The references are float32 matmuls held to 1e-4: TF32, if the caller switched it on
+    # (torch.set_float32_matmul_precision("high")), would make every kernel "disagree".
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        for name, check in CHECKS.items():
+            if names is not None and name not in names:
+                continue
+            _run_check(name, check, device, ok)
+    finally:
+        torch.set_float32_matmul_precision(precision)
     return ok
+
+
+def _run_check(name: str, check: Callable[[torch.device], bool], device: torch.device, ok: set[str]) -> None:
+    try:
+        if check(device):
+            ok.add(name)
+        else:
+            log.warning("kernel %s disagrees with its reference on %s: keeping the torch path", name, device)
+    except Exception as e:  # noqa: BLE001 - a compile error here must not stop the server
+        log.warning(
+            "kernel %s is unavailable on %s (%s: %s): keeping the torch path",
+            name,
+            device,
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
