@@ -9,6 +9,7 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
+from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
     JSON_PIECE_ITEMS,
     SSEResponse,
@@ -58,7 +59,7 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str, li
         )
     except Exception as e:  # noqa: BLE001 - a template error is the request's problem
         raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
-    ids = ctx.encode(text, "messages", add_special_tokens=False)
+    ids = truncate(req, ctx.encode(text, "messages", add_special_tokens=False), ctx.max_model_len)
     ctx.check_prompt_length(ids, "messages")
     return text, ids
 
@@ -112,8 +113,8 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
     ctx.client.check_available()
     text, ids = await ctx.prompts(raw, chat_prompt, req, inline=await ctx.is_small(raw))
     as_ids = req.return_tokens_as_token_ids
-    cid = new_id("chatcmpl")
-    group = await submit(ctx, raw, cid, [(text, ids)], kwargs, {"prompt": "messages"}, req.cache_salt)
+    cid = response_id(req, "chatcmpl") or new_id("chatcmpl")
+    group = await submit(ctx, raw, cid, [(text, ids)], kwargs, {"prompt": "messages"}, req.cache_salt, req.priority)
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
 
     if req.stream:
@@ -157,4 +158,7 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
 
     cached = results[(0, 0)].cached_tokens if results else 0
     tail = {"usage": usage(len(ids), completion_tokens, cached)}
+    if req.prompt_logprobs is not None:  # vLLM's, beside usage
+        rows = results[(0, 0)].prompt_logprobs or []
+        tail["prompt_logprobs"] = prompt_logprobs_json(rows, ids, req.prompt_logprobs, ctx.token_str)
     return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, n_top if req.logprobs else None))
