@@ -20,6 +20,10 @@ import httpx
 from moeserve.server.wait_ready import WaitResult, wait_ready
 
 
+# Kimi K2.x as its guide serves it (issue 33): reasoning and tool calls parsed, tools answered
+K2_AGENT_FLAGS = ("--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2", "--enable-auto-tool-choice")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -94,18 +94,22 @@ def test_echo_with_logprobs_equals_transformers(server, model_dir, hf, max_token
         assert choice["finish_reason"] == "length"
 
 
-def test_echo_with_logprobs_streamed_equals_non_streamed(server, model_dir):
-    body = {"model": model_dir, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 0}
-    whole = post(server, "/v1/completions", body).json()["choices"][0]
+@pytest.mark.parametrize("max_tokens", [0, 4])
+def test_echo_with_logprobs_streamed_equals_non_streamed(server, model_dir, max_tokens):
+    body = {"model": model_dir, "prompt": PROMPT, "echo": True, "logprobs": 1, "max_tokens": max_tokens, "temperature": 0, "n": 2}
+    whole = post(server, "/v1/completions", body).json()["choices"]
     with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
         chunks = [json.loads(d) for d in sse_data(r.iter_lines()) if d != "[DONE]"]
-    text, lp = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for c in chunks:
-        for choice in c["choices"]:
-            text += choice["text"]
-            for k in lp:
-                lp[k] += (choice["logprobs"] or {}).get(k, [])
-    assert text == whole["text"] and lp == whole["logprobs"]
+    for index in (0, 1):
+        text, lp = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for c in chunks:
+            for choice in c["choices"]:
+                if choice["index"] == index:
+                    text += choice["text"]
+                    for k in lp:
+                        lp[k] += (choice["logprobs"] or {}).get(k, [])
+        assert text == whole[index]["text"] and lp == whole[index]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["text_offset"]) > max_tokens and lp["token_logprobs"][0] is None
 
 
 def test_prompt_logprobs_field_on_completions_and_chat(server, model_dir, hf):
@@ -321,25 +325,31 @@ REFUSED_VALUES = {
     "stream_interval": 4,
     "stream_options": {"include_usage": True},  # without stream (with stream: test_server.py)
     "echo": True,  # chat's (completions honours it)
-    "continue_final_message": True,
     "add_special_tokens": True,  # chat's (completions honours it)
     "documents": [{"title": "t", "text": "x"}],
     "chat_template": "{{ messages[0]['content'] }}",
     "media_io_kwargs": {"image": {}},
     "mm_processor_kwargs": {"a": 1},
     "return_prompt_text": True,
-    # issue 33's (tool calls and reasoning in chat): refused until its branch honours them
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-    "tool_choice": "required",
     "reasoning_effort": "low",
     "include_reasoning": False,
     "parallel_tool_calls": False,
 }
+CHAT_ONLY = {"echo", "add_special_tokens", "documents", "chat_template", "media_io_kwargs", "return_prompt_text"}
 REFUSED_ON = {
-    "completions": set(REFUSED_VALUES)
-    - {"echo", "add_special_tokens", "continue_final_message", "documents", "chat_template"}
-    - {"media_io_kwargs", "return_prompt_text", "tools", "tool_choice", "reasoning_effort", "include_reasoning", "parallel_tool_calls"},
+    "completions": set(REFUSED_VALUES) - CHAT_ONLY - {"reasoning_effort", "include_reasoning", "parallel_tool_calls"},
     "chat": set(REFUSED_VALUES) - {"suffix"},
+}
+# Honoured when the server is started for it, a 400 naming the field on this one (started without
+# --enable-auto-tool-choice): (the value, the test that shows it honoured).
+FLAG_GATED = {
+    "chat": {
+        "tools": (
+            [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "test_server_agentic.py::test_weather_question_yields_a_get_weather_call",
+        )
+    },
+    "completions": {},
 }
 # Honoured: (the field's value, a check of the answer against the same request without it) or the
 # test that shows its effect (``file::test``; this test checks that it exists and the value is taken).
@@ -396,7 +406,15 @@ HONOURED = {
         "max_completion_tokens": (3, lambda r, base: r["usage"]["completion_tokens"] == 3),
         "add_generation_prompt": (False, lambda r, base: r["usage"]["prompt_tokens"] < base["usage"]["prompt_tokens"]),
         "chat_template_kwargs": ({"unused": 1}, "test_chat_template.py"),
+        "continue_final_message": (True, "test_server_agentic.py::test_continue_final_message"),
+        # tools hidden from the template: the prompt is the one without tools
+        "tool_choice": ("none", lambda r, base: r["usage"]["prompt_tokens"] == base["usage"]["prompt_tokens"]),
     },
+}
+# the body a field is sent with besides the base request's
+WITH = {
+    "continue_final_message": {"messages": CHAT + [{"role": "assistant", "content": "Sure"}], "add_generation_prompt": False},
+    "tool_choice": {"tools": FLAG_GATED["chat"]["tools"][0]},
 }
 # Accepted with no effect by definition: who the caller is (OpenAI's end-user id; vLLM's sticky
 # session for routing between servers), which one server has no use for.
@@ -406,7 +424,7 @@ METADATA = {"user": "someone", "session_id": "s-1"}
 def test_the_field_lists_are_covered():
     for route, fields in (("completions", VLLM_COMPLETION_FIELDS), ("chat", VLLM_CHAT_FIELDS)):
         for f in fields:
-            kinds = [f in REFUSED_ON[route], f in HONOURED[route], f in METADATA]
+            kinds = [f in REFUSED_ON[route], f in HONOURED[route], f in METADATA, f in FLAG_GATED[route]]
             assert sum(kinds) == 1, f"{route}: {f} is {'in no list' if not any(kinds) else 'in several lists'}"
     table = {**REFUSED, **REFUSED_CHAT, **REFUSED_COMPLETION}
     assert set(table) - set(REFUSED_VALUES) <= {"functions", "function_call"}  # (OpenAI's legacy chat functions, not vLLM's)
@@ -438,6 +456,12 @@ def test_every_vllm_field_is_honoured_or_a_400_naming_it(server, model_dir, rout
             r = post(server, path, body)
             assert_openai_error(r, 400, f)
             report[f] = "400"
+        elif f in FLAG_GATED[route]:
+            value, check = FLAG_GATED[route][f]
+            assert_openai_error(post(server, path, {**base_body, f: value}), 400, f)
+            file, _, name = check.partition("::")
+            assert re.search(rf"^def {name}\(", (TESTS / file).read_text(), re.M), check
+            report[f] = "400 here, honoured with its flag"
         else:
             value, check = HONOURED[route][f]
             if check == "required":
@@ -447,7 +471,7 @@ def test_every_vllm_field_is_honoured_or_a_400_naming_it(server, model_dir, rout
                 continue
             if value == "from-base":
                 value = [plain[2]] if f == "stop_token_ids" else [chr(first_char_token(base))]
-            body = {**base_body, f: value}
+            body = {**base_body, **WITH.get(f, {}), f: value}
             if f in ("top_k", "min_p"):
                 body["temperature"] = 1.0
             if f == "stream":

@@ -493,7 +493,7 @@ def test_chat_without_a_template_is_a_clear_400(demo_dir):
     client = SimpleNamespace(info={"max_model_len": MAX_LEN})
     ctx = ServerContext(client, tok, ["demo"], demo_dir, metrics=None)
     req = ChatCompletionRequest(messages=CHAT)
-    text, ids = chat_prompt(req, ctx)
+    text, ids, _ = chat_prompt(req, ctx)
     assert text.endswith("<|assistant|>") and len(ids) == len(tok.encode(text, add_special_tokens=False))
     tok.chat_template = None
     with pytest.raises(APIError, match="no chat template; use /v1/completions") as e:

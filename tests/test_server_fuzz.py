@@ -1,5 +1,6 @@
 """Property-based fuzzing of /v1/completions and /v1/chat/completions on a real server (CPU, the
-random test model, a short context so that every generation is short):
+random test model, a short context so that every generation is short, outputs through the K2 reasoning
+and tool-call parsers):
 
 * bodies schemathesis draws from the server's own OpenAPI schema, valid and invalid;
 * hostile bodies from hypothesis: the request fields with NaN and infinities, integers far
@@ -26,7 +27,7 @@ from hypothesis import strategies as st
 
 from moeserve.demo.random_model import ensure_random_model
 from moeserve.server.wait_ready import EXIT_READY
-from server_utils import ServerProcess, metric, poll, sse_data
+from server_utils import K2_AGENT_FLAGS, ServerProcess, metric, poll, sse_data
 
 schemathesis = pytest.importorskip("schemathesis")
 
@@ -52,6 +53,7 @@ def server(tmp_path_factory):
         "256",
         "--max-request-bytes",
         str(1 << 20),
+        *K2_AGENT_FLAGS,  # issue 33: requests with tools and tool choices, outputs through the parsers
     ).start()
     try:
         r = srv.wait()
@@ -208,7 +210,9 @@ FIELDS = {
     "chat_template_kwargs": st.one_of(st.none(), st.dictionaries(nasty_text, scalar, max_size=2)),
     "response_format": st.one_of(st.none(), nasty),
     "model": st.one_of(st.none(), nasty_text),
-    "tools": st.one_of(st.none(), nasty),
+    "tools": st.one_of(st.none(), nasty, st.just([{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])),
+    "tool_choice": st.one_of(st.sampled_from(["none", "auto", "required"]), nasty),
+    "continue_final_message": st.booleans(),
     "suffix": st.one_of(st.none(), nasty_text),
 }
 

@@ -9,6 +9,7 @@ ranks are up (device, pipeline stages, KV cache capacity), resolved once by ``re
 from __future__ import annotations
 
 from dataclasses import MISSING, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,6 +71,13 @@ class EngineConfig:
     # None: on for CUDA, off elsewhere; with several stages the micro-batches in flight already overlap.
     async_scheduling: bool | None = setting(None, "schedule the next step while one runs (one pipeline stage; auto: on for CUDA)")
     trust_remote_code: bool = setting(False, "let transformers run the tokenizer's own code from the model directory")
+    # vLLM's flag: its eos_token_id list ends generation (Kimi K2-Instruct's <|im_end|>, which its
+    # config.json does not name); the server also takes its sampling values as request defaults.
+    generation_config: str = setting(
+        "auto",
+        "auto: the checkpoint's generation_config.json (its eos_token_id ends generation; the server's requests default to "
+        "its sampling values); vllm: ignore it; or a directory holding one",
+    )
     tokenizer: str | None = setting(None, "tokenizer directory (default: the model directory)")
     hf_overrides: dict | None = setting(
         None,
@@ -104,6 +112,8 @@ class EngineConfig:
             raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
+        if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
+            raise ValueError(f"generation_config {self.generation_config!r}: no generation_config.json there (auto | vllm | a directory)")
 
 
 @dataclass(frozen=True)

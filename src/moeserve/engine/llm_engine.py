@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from moeserve.cache.allocator import PagedAllocator, salted_root
+from moeserve.chat_template import GenerationDefaults
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings
 from moeserve.engine.context import leading_decode_rows
@@ -103,6 +104,8 @@ class LLMEngine:
         self.eos_token_ids = set(model_config.eos_token_ids)
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(tokenizer.eos_token_id)
+        # generation_config.json's list too, as vLLM reads it (--generation-config vllm: not)
+        self.eos_token_ids.update(GenerationDefaults.load(config.model, config.generation_config).eos_token_ids)
 
     # ---- requests ----
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:

@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from moeserve.server.body_limit import BodySizeLimit
 from moeserve.server.body_process import BodyPreparer
 from moeserve.server.chat import create_chat_completion
+from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.completions import create_completion
 from moeserve.server.engine_client import AsyncEngineClient
 from moeserve.server.errors import APIError, install_error_handlers
@@ -46,6 +47,7 @@ class ServerConfig:
     # (path, trust_remote_code) of the tokenizer, for the processes that prepare large bodies;
     # None: they are prepared in worker threads of this process (holding its GIL while validated)
     tokenizer_source: tuple[str, bool] | None = None
+    chat: ChatSettings = field(default_factory=ChatSettings)  # template, parsers, generation defaults
     started_at: float = field(default_factory=time.monotonic)
     on_engine_death: Callable[[str], None] | None = None  # e.g. stop the HTTP server
 
@@ -122,7 +124,8 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
         metrics,
         max_n=config.max_n,
         max_prompts=config.max_prompts,
-        preparer=BodyPreparer(config.tokenizer_source) if config.tokenizer_source is not None else None,
+        preparer=BodyPreparer(config.tokenizer_source, config.chat) if config.tokenizer_source is not None else None,
+        chat=config.chat,
     )
 
     @contextlib.asynccontextmanager

@@ -28,6 +28,7 @@ PROCESSES = 2  # large bodies prepared at once
 CHILD_NICENESS = 10
 
 _tokenizer: Any = None  # the child's own
+_chat: Any = None  # the server's ChatSettings (its template and parsers render chat prompts)
 
 
 class _Limits:
@@ -37,12 +38,13 @@ class _Limits:
         self.info = {"max_model_len": max_model_len}
 
 
-def _start_child(source: tuple[str, bool] | None) -> None:
+def _start_child(source: tuple[str, bool] | None, chat: Any = None) -> None:
     """A child's start: below the serving processes in the CPU's queue (a large body must not
     starve everyone else's streams of CPU either), deaf to SIGTERM and SIGINT as the engine is (a
     signal to the process group drains the server, which stops the children; they also end when
     it is gone), then the tokenizer."""
-    global _tokenizer
+    global _tokenizer, _chat
+    _chat = chat
     try:
         os.nice(CHILD_NICENESS)
     except (AttributeError, OSError):
@@ -68,6 +70,8 @@ def prepare_body(
         message, param = describe_validation_errors(e.errors(include_url=False, include_input=False))
         return None, bad_request(message, param)
     ctx = ServerContext(_Limits(max_model_len), _tokenizer, [], "", None, max_prompts=max_prompts)  # type: ignore[arg-type]
+    if _chat is not None:
+        ctx.chat = _chat
     try:
         built = build(req, ctx)
     except APIError as e:
@@ -78,14 +82,14 @@ def prepare_body(
 class BodyPreparer:
     """The children, started with the first body they are given."""
 
-    def __init__(self, tokenizer_source: tuple[str, bool] | None):
-        self.tokenizer_source = tokenizer_source
+    def __init__(self, tokenizer_source: tuple[str, bool] | None, chat: Any = None):
+        self.tokenizer_source, self.chat = tokenizer_source, chat
         self._pool: concurrent.futures.ProcessPoolExecutor | None = None
 
     def _executor(self) -> concurrent.futures.ProcessPoolExecutor:
         if self._pool is None:
             self._pool = concurrent.futures.ProcessPoolExecutor(
-                PROCESSES, mp_context=mp.get_context("spawn"), initializer=_start_child, initargs=(self.tokenizer_source,)
+                PROCESSES, mp_context=mp.get_context("spawn"), initializer=_start_child, initargs=(self.tokenizer_source, self.chat)
             )
         return self._pool
 

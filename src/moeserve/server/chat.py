@@ -1,14 +1,21 @@
-"""``/v1/chat/completions``: messages through the tokenizer's chat template, then generation;
-logprobs as ``logprobs.content[{token, logprob, bytes, top_logprobs}]``."""
+"""``/v1/chat/completions``: messages through the chat template (the checkpoint's, or
+``--chat-template``), with ``tools`` and ``chat_template_kwargs``, then generation; each choice's
+text through its ``ChoiceStream`` (``moeserve.parsers``: reasoning, content and tool calls, as
+``--reasoning-parser`` and ``--tool-call-parser`` say); logprobs as
+``logprobs.content[{token, logprob, bytes, top_logprobs}]``."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterator
+import functools
+from typing import AsyncIterator, Callable, Iterator, NamedTuple
 
 from fastapi import Request
 
+from moeserve.chat_template import render_chat
+from moeserve.parsers import ChoiceStream, history_tool_calls
+from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.errors import bad_request
-from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
+from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
     JSON_PIECE_ITEMS,
@@ -29,7 +36,9 @@ from moeserve.server.openai_shared import (
 )
 
 
-def _content(m: ChatMessage, i: int) -> str:
+def _content(m: ChatMessage, i: int) -> str | None:
+    if m.content is None and m.role == "assistant" and m.tool_calls:
+        return None  # as OpenAI sends a turn that only called tools (templates test for it)
     if m.content is None or isinstance(m.content, str):
         return m.content or ""
     texts = []
@@ -40,36 +49,77 @@ def _content(m: ChatMessage, i: int) -> str:
     return "\n".join(texts)
 
 
-def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> tuple[str, list[int]]:
+class ChatPrompt(NamedTuple):
+    text: str
+    ids: list[int]
+    history_tool_calls: int  # the calls already in the messages (K2's ids count on from them)
+
+
+def _template_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """The tools the template declares (none with ``tool_choice: "none"``, which hides them)."""
+    if not req.tools or req.tool_choice == "none":
+        return None
+    return [t.model_dump(exclude_unset=True) for t in req.tools]
+
+
+def _template_error_param(message: str) -> str:
+    for param in ("chat_template_kwargs", "continue_final_message"):
+        if message.startswith(param):
+            return param
+    return "messages"
+
+
+def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPrompt:
     if not req.messages:
         raise bad_request("messages must contain at least one message", "messages")
     tok = ctx.tokenizer
     if tok is None:
         raise bad_request("this model directory has no tokenizer, so chat is not available; use /v1/completions with token ids", "messages")
-    if not getattr(tok, "chat_template", None):
-        raise bad_request("this model's tokenizer has no chat template; use /v1/completions", "messages")
+    settings = ctx.chat
+    if settings.template is None and not getattr(tok, "chat_template", None):
+        raise bad_request(
+            "this model's tokenizer has no chat template; use /v1/completions (or start the server with --chat-template)", "messages"
+        )
     messages = []
     for i, m in enumerate(req.messages):
         msg = {k: v for k, v in m.model_dump(exclude_none=True).items() if k != "content"}
         msg["content"] = _content(m, i)
         messages.append(msg)
+    history = history_tool_calls(messages)
+    messages = settings.parsers.normalize_history(messages)
     try:
-        text = tok.apply_chat_template(
-            messages, add_generation_prompt=req.add_generation_prompt, tokenize=False, **(req.chat_template_kwargs or {})
+        text = render_chat(
+            tok,
+            messages,
+            template=settings.template,
+            tools=_template_tools(req),
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template_kwargs=req.chat_template_kwargs,
         )
+    except ValueError as e:
+        raise bad_request(str(e), _template_error_param(str(e))) from None
     except Exception as e:  # noqa: BLE001 - a template error is the request's problem
-        raise bad_request(f"the chat template failed on these messages: {e}", "messages") from None
+        raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
     ids = truncate(req, ctx.encode(text, "messages", add_special_tokens=False), ctx.max_model_len)
     ctx.check_prompt_length(ids, "messages")
-    return text, ids
+    return ChatPrompt(text, ids, history)
 
 
-def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
+def _reject_unsupported_chat(req: ChatCompletionRequest, settings: ChatSettings) -> None:
     reject_unsupported(req)
-    if req.tools:
-        raise bad_request("tools are not supported by this server", "tools")
-    if req.tool_choice not in (None, "none"):
-        raise bad_request("tool_choice is not supported by this server", "tool_choice")
+    if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
+        raise bad_request(
+            "tool_choice 'required' or a named function needs structured outputs (constrained decoding), not yet supported "
+            "by this server; use 'auto' or 'none'",
+            "tool_choice",
+        )
+    if req.tools and req.tool_choice != "none" and not settings.auto_tool_choice:
+        raise bad_request(
+            '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser '
+            "(or send tool_choice 'none')",
+            "tool_choice" if req.tool_choice else "tools",
+        )
     if req.response_format and req.response_format.get("type", "text") != "text":
         raise bad_request("response_format other than text is not supported by this server", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
@@ -79,6 +129,17 @@ def _reject_unsupported_chat(req: ChatCompletionRequest) -> None:
             "a chat template of the request's own is not accepted (it would run on this server); the model's template is used",
             "chat_template_kwargs",
         )
+
+
+def _streams(req: ChatCompletionRequest, settings: ChatSettings, prompt: ChatPrompt) -> Callable[[], ChoiceStream]:
+    """Makes a choice's stream: its text to reasoning, content and tool-call deltas (without
+    parsers, the text as it is: content)."""
+    if not settings.parsers.active:
+        return ChoiceStream
+    tools = bool(req.tools) and req.tool_choice != "none"
+    return functools.partial(
+        settings.parsers.stream, prompt.text, req.chat_template_kwargs, tools=tools, history_tool_calls=prompt.history_tool_calls
+    )
 
 
 def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int, as_ids: bool = False) -> list:
@@ -101,7 +162,8 @@ def _lazy_logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[
 async def create_chat_completion(raw: Request, ctx: ServerContext):
     req = await ctx.parse(raw, ChatCompletionRequest, chat_prompt, {"messages": []})
     model = ctx.check_model(req.model)
-    _reject_unsupported_chat(req)
+    _reject_unsupported_chat(req, ctx.chat)
+    req = ctx.chat.with_defaults(req)
     if req.max_completion_tokens is not None:
         max_tokens, names = req.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
     else:
@@ -110,11 +172,14 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
     kwargs = sampling_kwargs(
         req, max_tokens, n_top if req.logprobs else None, {**names, "logprobs": "top_logprobs", "prompt": "messages"}, ctx.max_n
     )
+    if ctx.chat.parsers.active:  # the parsers read the markers; the streams drop special tokens
+        kwargs["skip_special_tokens"] = False
     ctx.client.check_available()
-    text, ids = await ctx.prompts(raw, chat_prompt, req, inline=await ctx.is_small(raw))
+    prompt = await ctx.prompts(raw, chat_prompt, req, inline=await ctx.is_small(raw))
+    new_stream = _streams(req, ctx.chat, prompt)
     as_ids = req.return_tokens_as_token_ids
     cid = response_id(req, "chatcmpl") or new_id("chatcmpl")
-    group = await submit(ctx, raw, cid, [(text, ids)], kwargs, {"prompt": "messages"}, req.cache_salt, req.priority)
+    group = await submit(ctx, raw, cid, [(prompt.text, prompt.ids)], kwargs, {"prompt": "messages"}, req.cache_salt, req.priority)
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
 
     if req.stream:
@@ -130,20 +195,24 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
                     "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
                     **extra,
                 }
+            streams: dict[int, ChoiceStream] = {}
             cached: dict[str, int] = {}
             async for rid, update in group.updates():
                 cached_tokens(cached, update, rid)
                 choices = []
                 for seq in update.seqs:
                     completion_tokens += len(seq.token_ids)
-                    delta = {"content": seq.text} if seq.text or not seq.finish_reason else {}
+                    stream = streams.get(seq.index) or streams.setdefault(seq.index, new_stream())
+                    step = stream.step(seq.text, seq.finish_reason)
+                    finish_reason = stream.finish_reason if seq.finish_reason else None
+                    delta = step.to_openai() or ({} if finish_reason else {"content": ""})
                     lp = {"content": _logprobs_content(ctx, seq.token_ids, seq.logprobs or [], n_top, as_ids)} if req.logprobs else None
-                    if seq.text or lp or seq.finish_reason:
-                        choices.append({"index": seq.index, "delta": delta, "logprobs": lp, "finish_reason": seq.finish_reason})
+                    if step or lp or finish_reason:
+                        choices.append({"index": seq.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
                 if choices:
                     yield {**head, "choices": choices, **extra}
             if include_usage:
-                yield {**head, "choices": [], "usage": usage(len(ids), completion_tokens, sum(cached.values()))}
+                yield {**head, "choices": [], "usage": usage(len(prompt.ids), completion_tokens, sum(cached.values()))}
 
         return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
 
@@ -153,12 +222,21 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
     def choices() -> Iterator[dict]:
         for (_, i), r in sorted(results.items()):
             lp = {"content": _lazy_logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} if req.logprobs else None
-            message = {"role": "assistant", "content": r.text}
-            yield {"index": i, "message": message, "logprobs": lp, "finish_reason": r.finish_reason, "stop_reason": r.stop_reason}
+            stream = new_stream()
+            stream.feed(r.text)
+            stream.finish(r.finish_reason)
+            parsed = stream.result()
+            yield {
+                "index": i,
+                "message": parsed.message(),
+                "logprobs": lp,
+                "finish_reason": parsed.finish_reason,
+                "stop_reason": r.stop_reason,
+            }
 
     cached = results[(0, 0)].cached_tokens if results else 0
-    tail = {"usage": usage(len(ids), completion_tokens, cached)}
+    tail = {"usage": usage(len(prompt.ids), completion_tokens, cached)}
     if req.prompt_logprobs is not None:  # vLLM's, beside usage
         rows = results[(0, 0)].prompt_logprobs or []
-        tail["prompt_logprobs"] = prompt_logprobs_json(rows, ids, req.prompt_logprobs, ctx.token_str)
+        tail["prompt_logprobs"] = prompt_logprobs_json(rows, prompt.ids, req.prompt_logprobs, ctx.token_str)
     return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, n_top if req.logprobs else None))

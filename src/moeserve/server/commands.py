@@ -80,6 +80,38 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--uvicorn-log-level", default="info", choices=["critical", "error", "warning", "info", "debug", "trace"])
     p.add_argument("--no-access-log", action="store_true", help="do not log every HTTP request")
+    add_chat_arguments(p)
+
+
+def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for chat templates, reasoning and tool calls (``--generation-config`` is an
+    engine flag: the engine stops at its eos tokens)."""
+    from moeserve.parsers import REASONING_PARSERS, TOOL_PARSERS
+
+    g = p.add_argument_group("chat: template, reasoning and tool calls")
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template (a file, or the template itself) used instead of the checkpoint's own",
+    )
+    g.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="return the model's reasoning (<think>...</think>) as reasoning_content, apart from content",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="read the model's tool calls (in its own markers) into OpenAI tool_calls",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="answer requests with tools (tool_choice auto): the model decides when to call them (needs --tool-call-parser)",
+    )
 
 
 def redact_query_values(record: logging.LogRecord) -> bool:
@@ -116,6 +148,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from moeserve.engine.config import EngineConfig
     from moeserve.engine.tokenizer import load_tokenizer
     from moeserve.server.app import ServerConfig, create_app
+    from moeserve.server.chat_settings import ChatSettings
     from moeserve.server.shutdown import DrainingServer
 
     for flag in ("max_waiting", "max_n", "max_prompts", "max_request_bytes"):
@@ -140,6 +173,15 @@ def run_serve(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.tokenizer or kw["model"], args.trust_remote_code)
     if tokenizer is None:
         log.warning("no tokenizer in %s: only token-id prompts work (/v1/completions)", kw["model"])
+    chat = ChatSettings.load(
+        tokenizer,
+        kw["model"],
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        chat_template=args.chat_template,
+        generation_config=kw["generation_config"],
+    )
     try:
         sock = _bind(args.host, args.port)
     except OSError as e:
@@ -173,11 +215,14 @@ def run_serve(args: argparse.Namespace) -> int:
         docs=args.docs,
         engine_stall_timeout=args.engine_stall_timeout,
         tokenizer_source=(args.tokenizer or kw["model"], bool(args.trust_remote_code)),
+        chat=chat,
     )
     app = create_app(config, tokenizer)
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info("serving %s on http://%s:%d (model %s)", config.model_names[0], host, args.port, kw["model"])
     log.info("prefix caching %s", "on" if kw.get("enable_prefix_caching", True) else "off")
+    for line in chat.describe():
+        log.info(line)
     if config.api_key:
         log.info("auth on: /v1/* needs 'Authorization: Bearer <key>'")
     else:

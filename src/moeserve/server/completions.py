@@ -103,6 +103,7 @@ async def create_completion(raw: Request, ctx: ServerContext):
     req = await ctx.parse(raw, CompletionRequest, _prompts, {"prompt": [0]})
     model = ctx.check_model(req.model)
     reject_unsupported(req)
+    req = ctx.chat.with_defaults(req)  # generation_config.json's sampling values, where unset
     if req.suffix:
         raise bad_request("suffix is not supported by this server", "suffix")
     if req.best_of is not None and req.best_of != req.n:

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 from moeserve.outputs import RequestDelta
 from moeserve.server.request_trace import open_request_trace
+from moeserve.server.scripted_output import ScriptedReplies
 
 log = logging.getLogger("moeserve")
 
@@ -244,6 +245,9 @@ class EngineLoop:
         self._failed: list[tuple] = []  # deltas of requests that failed as they were queued
         self._commands_read = 0  # every message says how many (the server's heartbeat counts what it sent)
         self._last_sent = time.monotonic()
+        self.script = ScriptedReplies.from_env(getattr(engine, "tokenizer", None))  # tests only
+        if self.script is not None:
+            self.script.install(engine)
 
     def run(self) -> None:
         while True:
@@ -420,3 +424,5 @@ class EngineLoop:
         if marker and marker in (prompt.get("prompt") or ""):
             for seq in self.engine.requests[rid].seqs:
                 seq.detok = _FailingDetokenizer(seq.detok)
+        if self.script is not None:
+            self.script.attach(self.engine, rid, prompt.get("prompt"))

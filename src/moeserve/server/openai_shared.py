@@ -11,7 +11,7 @@ import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable, Iterable, Iterator, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.responses import Response, StreamingResponse
 
 from moeserve.outputs import RequestDelta, SeqDelta
-from moeserve.server.body_process import BodyPreparer
+from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.defaults import DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS
 from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
@@ -29,6 +29,9 @@ from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import _SamplingFields
 from moeserve.server.request_fields import echoes, engine_kwargs, refuse_unhonoured
 from moeserve.server.request_trace import RequestTrace
+
+if TYPE_CHECKING:  # a type only: body_process imports this module
+    from moeserve.server.body_process import BodyPreparer
 
 MAX_LOGPROBS = 20
 MAX_TOKEN_ID_DIGITS = 18  # any longer is no vocabulary's token id (and past int64)
@@ -55,6 +58,7 @@ class ServerContext:
     max_n: int = DEFAULT_MAX_N
     max_prompts: int = DEFAULT_MAX_PROMPTS
     preparer: BodyPreparer | None = None  # large bodies to prompts in other processes (None: in threads)
+    chat: ChatSettings = field(default_factory=ChatSettings)  # template, parsers, generation defaults
     _token_strs: dict[int, str] = field(default_factory=dict)
     _token_bytes: dict[int, list[int]] = field(default_factory=dict)
     _limiter: anyio.CapacityLimiter | None = None

@@ -1,7 +1,7 @@
 """The OpenAI request bodies we accept (pydantic), with vLLM's extras (top_k, min_p, ignore_eos, ...).
 
 Unknown fields are kept (``model_extra``) and otherwise ignored, as OpenAI clients send a few we
-have no use for; fields we cannot honour (tools, vLLM's structured outputs, ...) are rejected
+have no use for; fields we cannot honour (vLLM's structured outputs, beam search, ...) are rejected
 with a 400 when set (``request_fields.REFUSED``), never silently dropped."""
 
 from __future__ import annotations
@@ -78,12 +78,55 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any]  # a JSON string, as OpenAI's; an object is passed on as it is
+
+
+class ToolCallParam(BaseModel):
+    """A call in an assistant message of the history."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: StrictStr | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant: the calls it made (content may be null)
+    tool_call_id: StrictStr | None = None  # tool: the call this is the result of
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -92,8 +135,9 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict[str, Any] | None = Field(default=None)

@@ -52,7 +52,6 @@ REFUSED_COMPLETION = {
 }
 REFUSED_CHAT = {
     "echo": (False,),  # vLLM's chat echo: the reply prepended with the last message of its role
-    "continue_final_message": (False,),
     "add_special_tokens": (False,),  # the template adds them
     "documents": ([],),
     "media_io_kwargs": ({},),

@@ -34,8 +34,9 @@ class DetokenizeRequest(BaseModel):
 
 def tokenize(req: TokenizeRequest, ctx: ServerContext) -> dict:
     """The body's token ids (``build`` for ``ServerContext.parse``: a large body's in another process)."""
-    from moeserve.server.chat import _reject_unsupported_chat, chat_prompt
+    from moeserve.server.chat import chat_prompt
     from moeserve.server.protocol import ChatCompletionRequest
+    from moeserve.server.request_fields import refuse_unhonoured
 
     if ctx.tokenizer is None:
         raise bad_request("this model directory has no tokenizer", "prompt" if req.prompt is not None else "messages")
@@ -52,8 +53,8 @@ def tokenize(req: TokenizeRequest, ctx: ServerContext) -> dict:
             chat = ChatCompletionRequest.model_validate(body)
         except ValidationError as e:
             raise bad_request(*describe_validation_errors(e.errors(include_url=False, include_input=False))) from None
-        _reject_unsupported_chat(chat)
-        ids = chat_prompt(chat, ctx)[1]
+        refuse_unhonoured(chat)  # (tools are rendered whatever the server's tool choice, as vLLM does)
+        ids = chat_prompt(chat, ctx).ids
     strs = ctx.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": ctx.max_model_len, "tokens": ids, "token_strs": strs}
 
