@@ -140,4 +140,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    # vLLM's, honoured: documents and reasoning_effort go to the template (as vLLM passes them);
+    # include_reasoning false leaves reasoning_content out; parallel_tool_calls false keeps a
+    # choice's first tool call only; add_special_tokens adds the tokenizer's BOS and the like
+    # around the rendered prompt (the template usually writes them)
+    documents: list[dict[str, StrictStr]] | None = None
+    reasoning_effort: StrictStr | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool = True
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(default=None)

@@ -17,8 +17,9 @@ from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, _
 _ANY = object()  # no value is accepted but null (and the defaults listed beside it)
 
 # Field -> the values it is accepted with (it has no effect then), for fields either route does not
-# honour. Null is always accepted. A structured-output field, a beam-search knob, disaggregated
-# serving's transfer parameters, a multimodal or render-only option: not served here (yet).
+# honour. Null is always accepted. A structured-output field (grammar-constrained decoding is not
+# in this server yet), a beam-search knob, disaggregated serving's transfer parameters, a
+# multimodal or render-only option: not served here.
 REFUSED = {
     "use_beam_search": (False,),
     "length_penalty": (1, 1.0),  # beam search's
@@ -39,6 +40,9 @@ REFUSED = {
     "ec_transfer_params": ({},),
     "vllm_xargs": ({},),
     "repetition_detection": (_ANY,),
+    "max_repetition_pattern_size": (0,),  # vLLM's stop on a repeated token pattern
+    "min_repetition_pattern_size": (0,),
+    "repetition_min_count": (0,),
     "thinking_token_budget": (-1,),  # -1: no budget
     "stream_interval": (1,),  # every step's tokens are streamed as they come
     "routed_experts_prompt_start": (0,),
@@ -46,28 +50,33 @@ REFUSED = {
     "return_mm_kwargs": (True,),
     "mm_processor_kwargs": ({},),
     "return_token_ids": (False,),
+    "response_format": ({"type": "text"},),  # (any object whose type is text)
 }
-REFUSED_COMPLETION = {
-    "response_format": ({"type": "text"},),
-}
+REFUSED_COMPLETION: dict[str, tuple] = {}
 REFUSED_CHAT = {
     "echo": (False,),  # vLLM's chat echo: the reply prepended with the last message of its role
-    "add_special_tokens": (False,),  # the template adds them
-    "documents": ([],),
     "media_io_kwargs": ({},),
     "return_prompt_text": (False,),
-    "reasoning_effort": (_ANY,),
-    "include_reasoning": (True,),
-    "parallel_tool_calls": (True,),
     "functions": ([],),  # OpenAI's legacy function calling
     "function_call": ("none",),
     "chat_template": (_ANY,),
     "best_of": (1,),  # (completions: best_of other than n is refused where it is declared)
 }
+STRUCTURED_OUTPUTS = frozenset(
+    {"response_format", "structured_outputs", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern"}
+    | {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
+)
 WHY = {
     "use_beam_search": "beam search is not supported by this server",
-    "chat_template": "a chat template of the request's own is not accepted (it would run on this server); the model's template is used",
+    "chat_template": "a chat template of the request's own is not accepted (it would run on this server; vLLM refuses it too "
+    "unless started with --trust-request-chat-template); the model's template or the server's --chat-template is used",
 }
+
+
+def _why(name: str) -> str:
+    if name in STRUCTURED_OUTPUTS:
+        return f"{name}: structured outputs (grammar-constrained decoding) are not supported yet by this server"
+    return WHY.get(name, f"{name} is not supported by this server")
 
 
 def _refused(req: _SamplingFields) -> dict[str, tuple]:
@@ -84,14 +93,17 @@ def refuse_unhonoured(req: _SamplingFields) -> None:
         raise bad_request("stream_options.continuous_usage_stats is not supported by this server", "stream_options")
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs are not available with stream: true (as in vLLM)", "prompt_logprobs")
-    extra = req.model_extra or {}
+    values = dict(req.model_extra or {})
+    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:  # (declared on chat)
+        values["response_format"] = req.response_format
     for name, accepted in _refused(req).items():
-        value = extra.get(name)
+        value = values.get(name)
         if value is None or any(a is not _ANY and value == a and type(value) is type(a) for a in accepted):
             continue
-        why = WHY.get(name, f"{name} is not supported by this server")
+        if name == "response_format" and isinstance(value, dict) and value.get("type", "text") == "text":
+            continue
         defaults = [repr(a) for a in accepted if a is not _ANY]
-        raise bad_request(f"{why} (leave it out{' or ' + ' / '.join(defaults) if defaults else ''})", name)
+        raise bad_request(f"{_why(name)} (leave it out{' or ' + ' / '.join(defaults) if defaults else ''})", name)
 
 
 def echoes(req: _SamplingFields) -> bool:
