@@ -57,7 +57,12 @@ def test_bad_prompts_raise_and_leave_the_engine_working(llm, prompt, params, mat
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(max_tokens=0), "max_tokens must be at least 1"),
+        (dict(max_tokens=-1), "max_tokens must be at least 0"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs must be >= 0"),
+        (dict(allowed_token_ids=[]), "allowed_token_ids must not be empty"),
+        (dict(bad_words=[" "]), "bad_words must be words that are not blank"),
+        (dict(truncate_prompt_tokens=0), "truncate_prompt_tokens must be at least 1, or -1"),
+        (dict(truncation_side="middle"), "truncation_side must be 'left' or 'right'"),
         (dict(temperature=-0.5), "temperature must be >= 0"),
         (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
         (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
@@ -246,3 +251,25 @@ def test_a_tiny_temperature_samples_greedily(llm, temperature):
     params = SamplingParams(temperature=temperature, max_tokens=12, ignore_eos=True, seed=3)
     assert params.greedy and not SamplingParams(temperature=1e-5).greedy
     assert tokens(llm.generate(PROMPTS, params)) == tokens(llm.generate(PROMPTS, GREEDY))
+
+
+def test_truncate_prompt_tokens_keeps_the_end_or_the_start(llm):
+    long = list(range(1, 80)) * 8  # 632 tokens: more than max_model_len (512)
+    left, right, fit = llm.generate(
+        [long, PROMPTS[0], long],
+        [
+            SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=5),
+            SamplingParams(temperature=0, max_tokens=3, truncate_prompt_tokens=4, truncation_side="right"),
+            SamplingParams(temperature=0, max_tokens=1, truncate_prompt_tokens=-1),
+        ],
+    )
+    assert left.prompt_token_ids == long[-5:] and right.prompt_token_ids == PROMPTS[0][:4]
+    assert fit.prompt_token_ids == long[-511:] and len(fit.outputs[0].token_ids) == 1
+    assert tokens([left]) == tokens(llm.generate([long[-5:]], SamplingParams(temperature=0, max_tokens=3)))
+
+
+def test_priorities_are_taken_per_prompt(llm):
+    outs = llm.generate(PROMPTS[:2], GREEDY, priority=[3, -1])
+    assert tokens(outs) == tokens(llm.generate(PROMPTS[:2], GREEDY))
+    with pytest.raises(ValueError, match="got 1 priorities for 2 prompts"):
+        llm.generate(PROMPTS[:2], GREEDY, priority=[1])

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from moeserve.demo.random_model import ensure_random_model
+from moeserve.outputs import RequestDelta
 from moeserve.server.engine_client import PIPE_BYTES, _widen_pipe
 from moeserve.server.wait_ready import EXIT_READY
 from server_utils import ServerProcess
@@ -138,7 +139,7 @@ def test_the_engine_answers_an_add_once_the_step_that_computes_its_first_token_i
         messages.append(evt_r.recv())
     assert seen[:2] == [("submit", False), ("wait", True)]
     assert messages[0][:3] == ("batch", [("accepted", "k")], [])
-    tokens = [len(d[6]) for m in messages[1:] for d in m[2]]
+    tokens = [len(s.token_ids) for m in messages[1:] for d in m[2] for s in RequestDelta.from_wire(d).seqs]
     assert sum(tokens) == 2 and all(not m[1] for m in messages[1:])
 
 

@@ -1,6 +1,7 @@
-"""Presence and frequency penalties and logit_bias (OpenAI's): the greedy tokens are transformers'
-with the same adjustment applied to its logits at each step, under synchronous and asynchronous
-scheduling, preemption and TP2; the logprobs stay the raw distribution's."""
+"""Presence and frequency penalties and logit_bias (OpenAI's), vLLM's allowed_token_ids and
+bad_words: the greedy tokens are transformers' with the same adjustment applied to its logits at
+each step, under synchronous and asynchronous scheduling (a bad word's next-to-last token may
+still be on the device), preemption and TP2; the logprobs stay the raw distribution's."""
 
 import pytest
 import torch
@@ -165,3 +166,75 @@ def test_sampling_with_every_option_never_waits_for_the_device():
         torch.cuda.set_sync_debug_mode(0)
     assert drawn.errors == {}
     assert drawn.result(drawn.packed.cpu()).token_ids[4] == int(adjusted[4].argmax())
+
+
+def reference_masks(logits: torch.Tensor, outputs: list[int], allowed: list[int] | None, words: list[list[int]]) -> torch.Tensor:
+    """vLLM's rules, one row at a time: only ``allowed`` tokens; a bad word's last token is banned
+    where the output ends with the rest of it."""
+    out = logits.clone()
+    if allowed is not None:
+        keep = torch.zeros_like(out, dtype=torch.bool)
+        keep[allowed] = True
+        out[~keep] = float("-inf")
+    for w in words:
+        if len(w) == 1 or outputs[len(outputs) - len(w) + 1 :] == w[:-1] and len(outputs) >= len(w) - 1:
+            out[w[-1]] = float("-inf")
+    return out
+
+
+def hf_masked_greedy(model, prompt: list[int], allowed, words, steps: int = MAX_NEW) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(ids).logits[0, -1].float()
+            nxt = int(reference_masks(logits, ids[0, len(prompt) :].tolist(), allowed, words).argmax())
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def masked(v3_checkpoint):
+    """Per prompt (allowed token ids, bad words as token ids, transformers' greedy tokens): the
+    words are cut from the greedy output itself, so each one bans a token it would have chosen."""
+    hf = load_hf(v3_checkpoint)
+    plain = [hf_masked_greedy(hf, p, None, []) for p in PROMPTS]
+    cases = []
+    for i, (prompt, out) in enumerate(zip(PROMPTS, plain)):
+        if i == 0:  # a single token, and a word of two tokens
+            allowed, words = None, [[out[3]], [out[0], out[1]]]
+        elif i == 1:  # a word of three tokens after the two-token one changed the output
+            first = hf_masked_greedy(hf, prompt, None, [[out[0], out[1]]])
+            allowed, words = None, [[out[0], out[1]], [first[0], first[1], first[2]]]
+        elif i == 2:
+            allowed, words = sorted(set(out[1:]) | {5, 17, 60}), []
+        else:
+            allowed, words = None, []
+        got = hf_masked_greedy(hf, prompt, allowed, words)
+        assert (got != out) == bool(allowed or words)
+        cases.append((allowed, words, got))
+    return cases
+
+
+@pytest.mark.parametrize("settings", [dict(), dict(async_scheduling=True), dict(tensor_parallel_size=2, async_scheduling=True)])
+def test_allowed_tokens_and_bad_words_are_transformers_with_the_same_masks(v3_checkpoint, masked, settings):
+    ps = [
+        SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, allowed_token_ids=allowed, bad_words_token_ids=words or None)
+        for allowed, words, _ in masked
+    ]
+    with LLM(str(v3_checkpoint), device="cpu", dtype="float32", **settings) as llm:
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], ps)
+    assert [o.outputs[0].token_ids for o in outs] == [got for *_, got in masked]
+    assert set(outs[2].outputs[0].token_ids) <= set(masked[2][0])
+
+
+def test_bad_word_masks_on_random_rows_with_pending_tokens():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+    words = [[4], [7, 8], [1, 2, 3]]
+    ps = [SamplingParams(bad_words_token_ids=words)] * 3
+    outputs = [[9, 1], [5], [1]]  # the known tokens; each row's last output token is on the device
+    pending = torch.tensor([2, 7, 9])
+    got = adjusted_logits(logits, ps, outputs, [0, 1, 2], pending)
+    for i in range(3):
+        full = outputs[i] + [int(pending[i])]
+        assert torch.equal(got[i], reference_masks(logits[i], full, None, words)), i
+    assert torch.isinf(got[0, 3]) and torch.isinf(got[1, 8]) and not torch.isinf(got[2, 3])

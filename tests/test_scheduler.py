@@ -198,3 +198,30 @@ def test_finishing_admitting_and_preempting_cost_the_same_behind_100k_queued_seq
     assert s.num_running_requests == 0 and s.num_waiting_requests == 1
     s.finish(seqs[3], "abort")
     assert not s.has_unfinished and s.allocator.num_free == 8
+
+
+def test_priority_orders_the_waiting_queue_and_preempts_the_lowest_first():
+    s = Scheduler(SchedulerConfig(max_num_seqs=1, max_num_batched_tokens=64, max_model_len=64), PagedAllocator(16, 4))
+    seqs = [seq(i, 3) for i in range(4)]
+    for q, priority in zip(seqs, [0, 5, -2, 0]):
+        q.priority = priority
+        s.add(q)
+    assert list(s.waiting) == [seqs[2], seqs[0], seqs[3], seqs[1]] and s.waiting.first is seqs[2]
+    order = []
+    for _ in seqs:
+        batch = run_step(s)
+        order += batch.seqs
+        s.finish(batch.seqs[0], "stop")
+    assert order == [seqs[2], seqs[0], seqs[3], seqs[1]] and not s.waiting
+
+    # three running (admitted by priority: 0, 1, 7), one page left for the three that want one
+    # each: the priority 0 one takes it, the priority 1 one preempts the 7 (not the newest admitted)
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64), PagedAllocator(4, 4))
+    run = [seq(10 + i, 4) for i in range(3)]
+    for q, priority in zip(run, [1, 7, 0]):
+        q.priority = priority
+        s.add(q)
+    assert run_step(s).seqs == [run[2], run[0], run[1]] and s.allocator.num_free == 1
+    batch = run_step(s)
+    assert batch.seqs == [run[2], run[0]] and run[1].num_preemptions == 1 and s.waiting.first is run[1]
+    assert run[0].num_preemptions == run[2].num_preemptions == 0

@@ -278,6 +278,17 @@ def test_two_calls_in_one_turn_after_text(k2, stream):
     ]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_include_reasoning_and_parallel_tool_calls_false(k2, stream):
+    """vLLM's ``include_reasoning: false`` leaves the reasoning out; ``parallel_tool_calls: false``
+    (OpenAI's) gives the first call of a turn that made two."""
+    extra = {"include_reasoning": False, "parallel_tool_calls": False}
+    [c] = ask(k2, stream, messages=user("Weather in Oslo and Rome?"), tools=TOOLS, extra_body=extra)
+    assert c.finish_reason == "tool_calls" and c.reasoning is None and c.content == "Checking both."
+    assert [(t["id"], json.loads(t["arguments"])) for t in c.calls] == [("functions.get_weather:0", {"city": "Oslo"})]
+    assert not any("reasoning_content" in p for p in c.pieces)
+
+
 def run_agent(client: openai.OpenAI, stream: bool, question: str, functions: dict) -> tuple[str, list[dict]]:
     """The loop an OpenAI-Agents-style runner goes through: ask; while the model calls tools, run
     each and send its result back under the call's id; return the answer and the conversation."""

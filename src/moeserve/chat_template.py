@@ -4,8 +4,8 @@ defaults (``generation_config.json``), as vLLM reads both.
 * The template: ``--chat-template`` (a file, or the template itself) over the checkpoint's own
   (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``, which the tokenizer
   loads; of several named ones, ``tool_use`` when the request has tools, else ``default``).
-* Rendering passes ``tools``, ``add_generation_prompt``, ``continue_final_message`` and the
-  request's ``chat_template_kwargs`` (K2.6: ``thinking``, ``preserve_thinking``; DeepSeek-V3.1:
+* Rendering passes ``tools``, ``documents``, ``add_generation_prompt``, ``continue_final_message``
+  and the request's ``chat_template_kwargs`` (K2.6: ``thinking``, ``preserve_thinking``; DeepSeek-V3.1:
   ``thinking``) to the template, as transformers' ``apply_chat_template`` does.
 * ``generation_config.json``: its ``eos_token_id`` (one id or a list: Kimi K2-Instruct ends a turn
   with ``<|im_end|>``, which its config.json does not name) stop generation besides the model's
@@ -59,6 +59,7 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict | None = None,
+    documents: list[dict] | None = None,
 ) -> str:
     """The prompt's text. ``template``: the ``--chat-template`` override (None: the tokenizer's
     own). Raises ``ValueError`` naming what is wrong with the request."""
@@ -78,6 +79,7 @@ def render_chat(
         chat_template=template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        documents=documents or None,
         tokenize=False,
         **kwargs,
     )

@@ -31,21 +31,24 @@ class RequestDelta:
     error: str | None  # why it failed (its completions finish with "error")
     prompt_tokens: int
     cached_tokens: int  # prompt tokens found in the prefix cache (of its first sample)
+    # vLLM's prompt_logprobs (a row per prompt position, the first None), in the request's first
+    # delta that has them: before or with its first tokens
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def to_wire(self) -> tuple:
         """As one flat tuple, for the pipe to the HTTP process: the request's fields, then seven
         per completion. It pickles several times faster than dataclasses, and one is sent for
         every running request every step."""
-        wire: tuple = (self.request_id, self.finished, self.error, self.prompt_tokens, self.cached_tokens)
+        wire: tuple = (self.request_id, self.finished, self.error, self.prompt_tokens, self.cached_tokens, self.prompt_logprobs)
         for s in self.seqs:
             wire += (s.index, s.token_ids, s.text, s.logprobs, s.cumulative_logprob, s.finish_reason, s.stop_reason)
         return wire
 
     @classmethod
     def from_wire(cls, wire: tuple) -> RequestDelta:
-        rid, finished, error, prompt_tokens, cached_tokens = wire[:_HEAD]
+        rid, finished, error, prompt_tokens, cached_tokens, prompt_logprobs = wire[:_HEAD]
         seqs = [SeqDelta(*wire[i : i + _PER_SEQ]) for i in range(_HEAD, len(wire), _PER_SEQ)]
-        return cls(rid, seqs, finished, error, prompt_tokens, cached_tokens)
+        return cls(rid, seqs, finished, error, prompt_tokens, cached_tokens, prompt_logprobs)
 
     @staticmethod
     def wire_has_tokens(wire: tuple) -> bool:
@@ -53,7 +56,7 @@ class RequestDelta:
         return any(wire[i + 1] for i in range(_HEAD, len(wire), _PER_SEQ))
 
 
-_HEAD, _PER_SEQ = 5, 7  # RequestDelta.to_wire: the request's fields, then each completion's
+_HEAD, _PER_SEQ = 6, 7  # RequestDelta.to_wire: the request's fields, then each completion's
 
 
 @dataclass
@@ -88,6 +91,9 @@ class RequestOutput:
     finished: bool = False
     error: str | None = None  # set when the request failed (finish_reason "error"): why
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (of its first sample)
+    # vLLM's: with SamplingParams.prompt_logprobs, a row per prompt token ({token: logprob} of the
+    # prompt's token and the top-N), the first None
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def empty(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], n: int, logprobs: bool) -> RequestOutput:
@@ -98,4 +104,6 @@ class RequestOutput:
         """Fold in the request's next delta (in place: the work is that of the delta)."""
         for s in delta.seqs:
             self.outputs[s.index].add(s)
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         self.finished, self.error, self.num_cached_tokens = delta.finished, delta.error, delta.cached_tokens

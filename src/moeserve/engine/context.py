@@ -34,6 +34,8 @@ class StepContext:
     # Runs of consecutive extend rows that attend one cached prefix (``shared_prefix_runs``), in
     # batch order; None when no two rows share one.
     prefix_groups: list[int] | None = None
+    # The prompt logprobs the last stage computes this step (``sampler.PromptLogprobs``), or None.
+    prompt_logprobs: Any = None
     # Sequences at the front of the batch that add one token each (set from query_lens).
     num_decode_rows: int = field(init=False)
 

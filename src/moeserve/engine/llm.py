@@ -58,7 +58,9 @@ class LLM:
         prompts: PromptType | Seq[PromptType],
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Seq[int] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's: each prompt's completions (``priority``: per prompt, lower is scheduled first)."""
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -67,6 +69,9 @@ class LLM:
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        priorities = list(priority) if priority is not None else [None] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         # Validate everything first so a bad prompt leaves nothing half-submitted.
         prepared = []
         for i, (prompt, p) in enumerate(zip(prompts, params)):
@@ -74,7 +79,7 @@ class LLM:
                 prepared.append((self.engine.prepare(prompt, p), p))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        rids = [self.engine.add_request(prompt, p) for prompt, p in prepared]
+        rids = [self.engine.add_request(prompt, p, priority=pr) for (prompt, p), pr in zip(prepared, priorities)]
         # Each step's deltas are folded into these; the engine keeps no output of its own.
         outputs = {
             rid: RequestOutput.empty(rid, prompt["prompt"], prompt["prompt_token_ids"], p.n, p.logprobs is not None)

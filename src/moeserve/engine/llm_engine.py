@@ -66,6 +66,9 @@ class Request:
     aborted: bool = False
     error: str | None = None  # why it failed; it finishes with finish_reason "error"
     output: RequestOutput | None = None  # what ``LLMEngine.step`` folds its deltas into
+    # Asked for prompt logprobs and not told them yet: its deltas wait until its first sample has
+    # computed them all, so that they come before (or with) its first tokens.
+    prompt_logprobs_owed: bool = False
 
     @property
     def finished(self) -> bool:
@@ -138,13 +141,40 @@ class LLMEngine:
                 f"token within max_model_len={self.max_model_len}"
             )
         params.validate()
-        if params.logprobs is not None and params.logprobs > V:
-            raise ValueError(f"logprobs must be at most the vocabulary size ({V}), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > V:
+                raise ValueError(f"{name} must be at most the vocabulary size ({V}), got {value}")
+        bad = next((t for t in params.allowed_token_ids or () if t >= V), None)
+        if bad is not None:
+            raise ValueError(f"allowed_token_ids token id {bad} is out of range: token ids must be in [0, {V}) (vocab_size)")
         bad = next((t for t in params.logit_bias or () if t >= V), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is out of range: token ids must be in [0, {V}) (vocab_size)")
         if params.stop_list and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer; this model directory has none")
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as the token sequences it may take in an output, as vLLM tokenizes them:
+        the word alone, and after a space (where that is another first token, of the same length)."""
+        out: list[list[int]] = []
+        for word in words:
+            alone = list(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = list(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            for ids in (alone, spaced):
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    @staticmethod
+    def priority(prompt: PromptType) -> int:
+        """A prompt dict's ``priority`` (vLLM's: lower is scheduled first; default 0)."""
+        value = prompt.get("priority", 0) if isinstance(prompt, dict) else 0
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"priority must be an integer, got {value!r}")
+        return value
 
     @staticmethod
     def cache_salt(prompt: PromptType) -> str | None:
@@ -157,16 +187,32 @@ class LLMEngine:
 
     def prepare(self, prompt: PromptType, params: SamplingParams) -> dict[str, Any]:
         """The prompt validated with its settings (a ValueError names the field and the limit), as
-        a dict ``add_request`` takes: ``prompt`` (its text or None), ``prompt_token_ids`` and,
-        if it has one, ``cache_salt``."""
+        a dict ``add_request`` takes: ``prompt`` (its text, or None when there is none or it was
+        truncated), ``prompt_token_ids`` (truncated as ``truncate_prompt_tokens`` says) and, if
+        it has them, ``cache_salt`` and ``priority``."""
         text, token_ids = self.tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            params.validate()
+            kept = params.truncate(token_ids, self.max_model_len)
+            text, token_ids = (text if len(kept) == len(token_ids) else None), kept
         self.validate(token_ids, params)
+        if params.bad_words and params.bad_words_token_ids is None:  # (a batch's prompts share their params)
+            params.bad_words_token_ids = self.bad_words_token_ids(params.bad_words)
         salt = self.cache_salt(prompt)
-        return {"prompt": text, "prompt_token_ids": token_ids, **({"cache_salt": salt} if salt is not None else {})}
+        priority = self.priority(prompt)
+        return {
+            "prompt": text,
+            "prompt_token_ids": token_ids,
+            **({"cache_salt": salt} if salt is not None else {}),
+            **({"priority": priority} if priority else {}),
+        }
 
-    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(self, prompt: PromptType, params: SamplingParams, request_id: str | None = None, priority: int | None = None) -> str:
+        """Queue a request; ``priority`` (vLLM's; or the prompt dict's) orders the waiting queue,
+        lower first."""
         prepared = self.prepare(prompt, params)
         text, token_ids = prepared["prompt"], prepared["prompt_token_ids"]
+        priority = prepared.get("priority", 0) if priority is None else priority
         root = salted_root(prepared.get("cache_salt"))
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
@@ -174,13 +220,22 @@ class LLMEngine:
         seqs = []
         for index in range(params.n):
             seq = Sequence(
-                next(self._seq_ids), rid, index, list(token_ids), len(token_ids), params, root_hash=root, leader=seqs[0] if seqs else None
+                next(self._seq_ids),
+                rid,
+                index,
+                list(token_ids),
+                len(token_ids),
+                params,
+                root_hash=root,
+                leader=seqs[0] if seqs else None,
+                priority=priority,
+                prompt_logprobs=[None] if index == 0 and params.prompt_logprobs is not None else None,
             )
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             seqs.append(seq)
             self.scheduler.add(seq)
-        self.requests[rid] = Request(rid, text, token_ids, params, seqs)
+        self.requests[rid] = Request(rid, text, token_ids, params, seqs, prompt_logprobs_owed=params.prompt_logprobs is not None)
         return rid
 
     def abort_request(self, request_id: str) -> None:
@@ -337,6 +392,10 @@ class LLMEngine:
         by_id = {s.seq_id: s for s in batch.seqs}
         now = time.monotonic()
         firsts: list[str] = []
+        for seq_id, (first, rows) in result.prompt_logprobs.items():
+            seq = by_id[seq_id]
+            if seq.prompt_logprobs is not None and not seq.finished:
+                seq.prompt_logprobs.extend(rows[len(seq.prompt_logprobs) - first :])  # (none it has twice)
         for j, seq_id in enumerate(step.sample_seq_ids):
             seq = by_id[seq_id]
             if seq.finished:  # e.g. a stop token in the step before (asynchronous scheduling)
@@ -351,6 +410,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 firsts.append(req.request_id)
+            if seq.params.max_tokens == 0:  # the prompt alone (its logprobs): the token is not kept
+                self._finish(seq, "length")
+                continue
             try:
                 self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
             except Exception as e:  # noqa: BLE001 - its detokenizer, stop strings or logprobs: its problem alone
@@ -369,16 +431,30 @@ class LLMEngine:
         changed = []
         for req in touched.values():
             finished = req.finished
+            prompt_logprobs = None
+            if req.prompt_logprobs_owed:
+                leader = req.seqs[0]
+                if leader.prompt_logprobs_pending and not finished:
+                    continue  # its tokens wait for the prompt's logprobs (they come first)
+                if not leader.prompt_logprobs_pending:
+                    prompt_logprobs = leader.prompt_logprobs
+                req.prompt_logprobs_owed = False
             seqs = []
             for seq in req.seqs:
                 if (d := seq.take_delta()) is not None:
                     seqs.append(d)
-            if seqs or finished:
+            if seqs or finished or prompt_logprobs is not None:
                 changed.append(
                     (
                         req,
                         RequestDelta(
-                            req.request_id, seqs, finished, req.error, len(req.prompt_token_ids), req.seqs[0].num_cached_tokens or 0
+                            req.request_id,
+                            seqs,
+                            finished,
+                            req.error,
+                            len(req.prompt_token_ids),
+                            req.seqs[0].num_cached_tokens or 0,
+                            prompt_logprobs,
                         ),
                     )
                 )

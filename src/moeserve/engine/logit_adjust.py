@@ -1,5 +1,7 @@
 """What a request's sampling settings do to its logits before a token is drawn: OpenAI's presence
-and frequency penalties over the completion's output so far, and ``logit_bias``.
+and frequency penalties over the completion's output so far, ``logit_bias``, and vLLM's
+``allowed_token_ids`` (every other token masked) and ``bad_words`` (a word's last token masked
+wherever the output ends with the rest of it).
 
 Stateless: each step's penalties are counted from the output ids the host sent with the step
 (``StepInput.sample_output_ids``), plus, for a row scheduled before its last token came back
@@ -43,7 +45,56 @@ def adjusted_logits(
         rows_, cols, values = zip(*biased)
         index = to_device([rows_, cols], dev)
         out.index_put_((index[0], index[1]), to_device(values, dev, logits.dtype), accumulate=True)
+    allowed = [(i, t) for i, p in enumerate(params) if p.allowed_token_ids for t in p.allowed_token_ids]
+    if allowed:
+        rows = sorted({i for i, _ in allowed})
+        where = {i: r for r, i in enumerate(rows)}
+        keep = torch.zeros(len(rows), V, dtype=torch.bool, device=dev)
+        index = to_device([[where[i] for i, _ in allowed], [t for _, t in allowed]], dev)
+        keep.index_put_((index[0], index[1]), torch.ones((), dtype=torch.bool, device=dev))
+        rows_t = to_device(rows, dev)
+        out[rows_t] = out[rows_t].masked_fill(~keep, float("-inf"))
+    _ban_bad_words(out, params, output_ids, pending_rows, pending_tokens)
     return out
+
+
+def _ends_with(tokens: list[int], tail: list[int]) -> bool:
+    return not tail or (len(tokens) >= len(tail) and tokens[-len(tail) :] == tail)
+
+
+def _ban_bad_words(
+    out: torch.Tensor,
+    params: list[SamplingParams],
+    output_ids: list[list[int] | None],
+    pending_rows: list[int],
+    pending_tokens: torch.Tensor | None,
+) -> None:
+    """Mask each bad word's last token in the rows whose output ends with the rest of the word
+    (vLLM's rule). A pending row's last output token is on the device: a word whose next-to-last
+    token would be that one is masked where it is (on the device, no sync)."""
+    pending = {i: j for j, i in enumerate(pending_rows)}
+    bans: list[tuple[int, int]] = []
+    maybe: list[tuple[int, int, int, int]] = []  # (row, token to ban, pending index, the token it needs there)
+    for i, p in enumerate(params):
+        for word in p.bad_words_token_ids or ():
+            known = output_ids[i] or []
+            if len(word) == 1:
+                bans.append((i, word[0]))
+            elif i in pending:
+                if _ends_with(known, word[:-2]):
+                    maybe.append((i, word[-1], pending[i], word[-2]))
+            elif _ends_with(known, word[:-1]):
+                bans.append((i, word[-1]))
+    dev = out.device
+    if bans:
+        index = to_device([[i for i, _ in bans], [t for _, t in bans]], dev)
+        out.index_put_((index[0], index[1]), torch.full((), float("-inf"), device=dev, dtype=out.dtype))
+    if maybe:
+        rows, cols, js, needs = zip(*maybe)
+        index = to_device([rows, cols, js, needs], dev)
+        hit = pending_tokens[index[2]] == index[3]
+        values = torch.where(hit, float("-inf"), 0.0).to(out.dtype)
+        out.index_put_((index[0], index[1]), values, accumulate=True)
 
 
 def output_counts(

@@ -21,7 +21,7 @@ from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.device_copy import to_device
 from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
-from moeserve.engine.sampler import DeviceSample, SampleResult, sample_on_device
+from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
 from moeserve.models import model_class
@@ -39,6 +39,8 @@ class PendingStep:
     sample: DeviceSample | None
     host: torch.Tensor | None
     done: torch.cuda.Event | None
+    prompt: PromptLogprobs | None = None  # the step's prompt logprobs, and their host copy
+    prompt_host: torch.Tensor | None = None
 
 
 @contextlib.contextmanager
@@ -129,6 +131,7 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's samples
         self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
+        self._prompt_logprobs: PromptLogprobs | None = None  # the last forward's, for sample_async
         self.graphs = None  # DecodeGraphs
         self.prefill_graphs = None  # PrefillGraphs
         self.piecewise_graphs = None  # PiecewiseGraphs: the other steps, cut at attention
@@ -446,6 +449,8 @@ class ModelRunner:
         )
         if len(step.query_lens) - ctx.num_decode_rows > 1:
             ctx.prefix_groups = shared_prefix_runs(ctx, step.page_tables)
+        if step.prompt_logprobs and self.is_last:
+            ctx.prompt_logprobs = PromptLogprobs.for_step(step.prompt_logprobs, self.device)
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[ids_at : ids_at + T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
@@ -460,13 +465,21 @@ class ModelRunner:
     def forward(
         self, input_ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor | None = None, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This stage's layers. On the last stage returns the logits of ``ctx.logits_indices``."""
-        for graphs in (self.graphs, self.prefill_graphs, self.piecewise_graphs):  # None on pipeline stages and eager runners
-            if graphs is not None and graphs.can_run(ctx):
-                return graphs.run(input_ids, ctx), None
+        """This stage's layers. On the last stage returns the logits of ``ctx.logits_indices``, and
+        computes the step's prompt logprobs (``ctx.prompt_logprobs``, for ``sample_async``): such a
+        step runs eagerly, since the graphs keep no hidden state but the sampled rows'."""
+        self._prompt_logprobs = None
+        if ctx.prompt_logprobs is None:
+            for graphs in (self.graphs, self.prefill_graphs, self.piecewise_graphs):  # None on pipeline stages and eager runners
+                if graphs is not None and graphs.can_run(ctx):
+                    return graphs.run(input_ids, ctx), None
         with step_context(ctx):
             out, residual = self.model(input_ids, ctx.positions, hidden, residual)
             if self.is_last:
+                if ctx.prompt_logprobs is not None:  # every TP rank: the lm_head gathers the vocabulary
+                    self._prompt_logprobs = prompt_logprobs_on_device(
+                        self.model.compute_logits, out, ctx.prompt_logprobs, self.model_config.vocab_size
+                    )
                 return self.model.compute_logits(out[ctx.logits_indices]), None
             return out, residual
 
@@ -490,18 +503,26 @@ class ModelRunner:
                 else:
                     self._generators[seq_id] = g
             gens.append(g)
-        if logits.shape[0] == 0:
+        prompt, self._prompt_logprobs = self._prompt_logprobs, None
+        drawn = None
+        if logits.shape[0]:
+            adjusted = self._adjusted_logits(step, logits)
+            drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
+            self.keep_samples(step, drawn.tokens)
+        if drawn is None and prompt is None:
             return PendingStep(None, None, None)
-        adjusted = self._adjusted_logits(step, logits)
-        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
-        self.keep_samples(step, drawn.tokens)
         if self.device.type != "cuda":
-            return PendingStep(drawn, drawn.packed.cpu(), None)
-        host = torch.empty(drawn.packed.shape, dtype=drawn.packed.dtype, pin_memory=True)
-        host.copy_(drawn.packed, non_blocking=True)
+            return PendingStep(drawn, drawn.packed.cpu() if drawn else None, None, prompt, prompt.packed.cpu() if prompt else None)
+        hosts = []
+        for packed in (drawn.packed if drawn else None, prompt.packed if prompt else None):
+            host = None
+            if packed is not None:
+                host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+                host.copy_(packed, non_blocking=True)
+            hosts.append(host)
         done = torch.cuda.Event()
         done.record()
-        return PendingStep(drawn, host, done)
+        return PendingStep(drawn, hosts[0], done, prompt, hosts[1])
 
     def _adjusted_logits(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
         """The step's logits with its rows' penalties and bias (None: no row has any); a deferred
@@ -510,7 +531,9 @@ class ModelRunner:
             return None
         output_ids = step.sample_output_ids or [None] * len(step.sample_params)
         deferred = {seq_id for _, seq_id in step.deferred}
-        pending = [j for j, (seq_id, p) in enumerate(zip(step.sample_seq_ids, step.sample_params)) if p.penalizes and seq_id in deferred]
+        pending = [
+            j for j, (seq_id, p) in enumerate(zip(step.sample_seq_ids, step.sample_params)) if p.needs_output_ids and seq_id in deferred
+        ]
         tokens = None
         if pending:
             rows = to_device([self._last_rows[step.sample_seq_ids[j]] for j in pending], self.device)
@@ -531,9 +554,10 @@ class ModelRunner:
 
     @staticmethod
     def collect(pending: PendingStep) -> SampleResult:
-        """Wait for a launched step and read its sampled tokens."""
-        if pending.sample is None:
-            return SampleResult([], [], [])
+        """Wait for a launched step and read its sampled tokens (and prompt logprobs)."""
         if pending.done is not None:
             pending.done.synchronize()
-        return pending.sample.result(pending.host)
+        result = pending.sample.result(pending.host) if pending.sample is not None else SampleResult([], [], [])
+        if pending.prompt is not None:
+            result.prompt_logprobs = pending.prompt.result(pending.prompt_host)
+        return result

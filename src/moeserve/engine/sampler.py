@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs; and
+prompt logprobs.
 
 Logprobs are those of the model's raw distribution (before penalties, bias, temperature and
 filtering), as vLLM reports them by default.
@@ -29,6 +30,78 @@ class SampleResult:
     # row -> why that sequence could not be sampled: its request fails alone, as data, so that
     # the error crosses from a sampling rank's process like any result
     errors: dict[int, str] = field(default_factory=dict)
+    # seq id -> (the first prompt position covered, a row per position: {token: logprob} of the
+    # prompt's token and the top-N), for the rows whose prompt logprobs the step computed
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+
+
+# Logits of this many floats at most are alive at once while a step's prompt logprobs are computed
+# (256 MiB in float32, times two with their log-softmax): a 8,192-token chunk of a 160k vocabulary
+# would otherwise take 5 GB.
+PROMPT_LOGITS_PIECE = 1 << 26
+
+
+@dataclass
+class PromptLogprobs:
+    """A step's prompt logprobs: which hidden rows, which tokens, on the device; then the result.
+
+    ``rows``: per sequence, (seq id, first position, count, top-N), in the order of ``indices``."""
+
+    indices: torch.Tensor  # [N] flat token index whose logits predict each position
+    targets: torch.Tensor  # [N] the prompt's token at each position
+    top_n: int  # the most any row asks for
+    rows: list[tuple[int, int, int, int]]
+    target_list: list[int] = field(default_factory=list)  # ``targets`` on the host
+    packed: torch.Tensor | None = None  # [N, 1 + 2 * top_n] float64: the token's logprob, top ids, top logprobs
+
+    @classmethod
+    def for_step(cls, spec: list[tuple[int, int, int, list[int], int]], device: torch.device) -> "PromptLogprobs":
+        """From ``StepInput.prompt_logprobs``."""
+        indices: list[int] = []
+        targets: list[int] = []
+        rows = []
+        for seq_id, first, at, tokens, n in spec:
+            indices.extend(range(at, at + len(tokens)))
+            targets.extend(tokens)
+            rows.append((seq_id, first, len(tokens), n))
+        top_n = max(n for *_, n in rows)
+        return cls(to_device(indices, device), to_device(targets, device), top_n, rows, targets)
+
+    def result(self, packed: torch.Tensor) -> dict[int, tuple[int, list[dict[int, float]]]]:
+        """``packed``: this one's ``packed`` on the host."""
+        k = self.top_n
+        values = packed.tolist()
+        targets = self.target_list
+        out = {}
+        at = 0
+        for seq_id, first, count, n in self.rows:
+            lines = []
+            for i in range(at, at + count):
+                line = values[i]
+                row = {targets[i]: line[0]}
+                for t, v in zip(line[1 : 1 + n], line[1 + k : 1 + k + n]):
+                    row.setdefault(int(t), v)
+                lines.append(row)
+            out[seq_id] = (first, lines)
+            at += count
+        return out
+
+
+def prompt_logprobs_on_device(compute_logits, hidden: torch.Tensor, spec: PromptLogprobs, vocab_size: int) -> PromptLogprobs:
+    """The prompt logprobs of ``spec`` from a stage's final hidden states (``compute_logits``: the
+    lm_head), computed in pieces of at most ``PROMPT_LOGITS_PIECE`` logits. No host sync."""
+    k = spec.top_n = min(spec.top_n, vocab_size)
+    piece = max(1, PROMPT_LOGITS_PIECE // vocab_size)
+    packed = []
+    for a in range(0, spec.indices.numel(), piece):
+        logp = torch.log_softmax(compute_logits(hidden[spec.indices[a : a + piece]]), dim=-1)
+        cols = [logp.gather(1, spec.targets[a : a + piece, None])]
+        if k:
+            top_vals, top_ids = logp.topk(k, dim=-1)
+            cols += [top_ids.to(logp.dtype), top_vals]  # ids below 2**24: exact in float32
+        packed.append(torch.cat(cols, dim=1).double())
+    spec.packed = torch.cat(packed)
+    return spec
 
 
 def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

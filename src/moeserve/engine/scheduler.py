@@ -37,11 +37,18 @@ never have indexed KV it did not write. The price is that a page becomes shareab
 later than at launch. A page in a sequence's table keeps a reference, so eviction never takes
 a page in use; a finished or preempted sequence drops its references and its cached pages
 stay until memory is needed. The later samples of a request (``n > 1``) wait at the head of
-the queue while its first sample computes the prompt pages, then map them.
+the queue while its first sample computes the prompt pages, then map them. A sequence that
+computes its prompt's logprobs maps no cached page under a position whose logits it needs.
+
+**Priority** (vLLM's request ``priority``, lower first): the waiting queue is one queue per
+priority, taken lowest first (first come, first served within one), and the running sequence
+preempted to make room is the newest of the highest priority value. A running request is not
+preempted to admit a waiting one of a better priority.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
@@ -148,12 +155,84 @@ class SequenceQueue:
         return reversed(self._seqs)
 
 
+class PriorityQueue:
+    """A ``SequenceQueue`` per priority (``Sequence.priority``, lower first), with its interface:
+    iterates lowest priority value first, in order within one. Every operation costs O(1) plus
+    a search among the priorities in use (one, almost always)."""
+
+    def __init__(self) -> None:
+        self._levels: dict[int, SequenceQueue] = {}
+        self._order: list[int] = []  # the priorities in use, sorted
+        self._len = 0
+
+    def _level(self, priority: int) -> SequenceQueue:
+        q = self._levels.get(priority)
+        if q is None:
+            q = self._levels[priority] = SequenceQueue()
+            bisect.insort(self._order, priority)
+        return q
+
+    def _drop_if_empty(self, priority: int) -> None:
+        if not self._levels[priority]:
+            del self._levels[priority]
+            self._order.pop(bisect.bisect_left(self._order, priority))
+
+    def append(self, seq: Sequence) -> None:
+        if seq not in self:
+            self._len += 1
+        self._level(seq.priority).append(seq)
+
+    def appendleft(self, seq: Sequence) -> None:
+        if seq not in self:
+            self._len += 1
+        self._level(seq.priority).appendleft(seq)
+
+    def popleft(self) -> Sequence:
+        priority = self._order[0]
+        seq = self._levels[priority].popleft()
+        self._len -= 1
+        self._drop_if_empty(priority)
+        return seq
+
+    def remove(self, seq: Sequence) -> bool:
+        q = self._levels.get(seq.priority)
+        if q is None or q._seqs.pop(seq, False) is not None:  # (SequenceQueue.remove, inlined: aborts of 100,000)
+            return False
+        self._len -= 1
+        if not q._seqs:
+            self._drop_if_empty(seq.priority)
+        return True
+
+    @property
+    def first(self) -> Sequence:
+        return self._levels[self._order[0]].first
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __bool__(self) -> bool:
+        return self._len > 0
+
+    def __contains__(self, seq: object) -> bool:
+        q = self._levels.get(getattr(seq, "priority", 0))
+        return q is not None and seq in q
+
+    def __iter__(self) -> Iterator[Sequence]:
+        for priority in list(self._order):
+            yield from self._levels[priority]
+
+    def __reversed__(self) -> Iterator[Sequence]:
+        for priority in reversed(list(self._order)):
+            yield from reversed(self._levels[priority])
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, allocator: PagedAllocator):
         self.config = config
         self.allocator = allocator
-        self.waiting = SequenceQueue()
+        self.waiting = PriorityQueue()
         self.running = SequenceQueue()  # in admission order: the newest is preempted first
+        self._running_priorities: dict[int, int] = {}  # running sequences per priority
         # Sequences waiting and running per request id, and the requests with some sequence
         # waiting and none running, kept as they change (a server asks every step).
         self._waiting_of: dict[str, int] = {}
@@ -227,6 +306,7 @@ class Scheduler:
             self._map_prefix(seq, hits)
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            self._running_changed(seq, 1)
             self._count(seq.request_id, waiting=-1, running=1)
             self._add_to(batch, seq, n)
             budget -= n
@@ -238,6 +318,8 @@ class Scheduler:
         if not self.config.enable_prefix_caching:
             return []
         max_pages = (seq.num_tokens - 1) // self.allocator.page_size
+        if seq.prompt_logprobs_pending:  # the logits of positions from len - 1 on are needed
+            max_pages = min(max_pages, (len(seq.prompt_logprobs) - 1) // self.allocator.page_size)
         return self.allocator.lookup(seq.token_ids, max_pages, seq.page_hashes, seq.root_hash)
 
     def _map_prefix(self, seq: Sequence, hits: list[int]) -> None:
@@ -304,7 +386,7 @@ class Scheduler:
         """Free pages by preempting the newest other running sequences; False if ``seq`` itself
         had to be preempted."""
         while self._pages_needed(seq, n) > self.allocator.num_free:
-            victim = next((s for s in reversed(self.running) if not s.in_flight), None)
+            victim = self._victim()
             if victim is None:
                 return False
             self._preempt(victim)
@@ -312,8 +394,24 @@ class Scheduler:
                 return False
         return True
 
+    def _victim(self) -> Sequence | None:
+        """The running sequence to preempt: the newest of the highest priority value, among those
+        no step in flight holds (with one priority running, the newest: no scan)."""
+        candidates = (s for s in reversed(self.running) if not s.in_flight)
+        if len(self._running_priorities) <= 1:
+            return next(candidates, None)
+        return max(candidates, key=lambda s: s.priority, default=None)
+
+    def _running_changed(self, seq: Sequence, delta: int) -> None:
+        n = self._running_priorities.get(seq.priority, 0) + delta
+        if n:
+            self._running_priorities[seq.priority] = n
+        else:
+            self._running_priorities.pop(seq.priority, None)
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._running_changed(seq, -1)
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_computed = seq.num_scheduled = seq.num_cached_pages = 0
@@ -336,6 +434,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         seq.status = SeqStatus.FINISHED
         if self.running.remove(seq):
+            self._running_changed(seq, -1)
             self._count(seq.request_id, running=-1)
         elif self.waiting.remove(seq):
             self._count(seq.request_id, waiting=-1)

@@ -42,6 +42,10 @@ class Sequence:
     num_cached_tokens: int | None = None
     leader: "Sequence | None" = None
     num_preemptions: int = 0
+    priority: int = 0  # its request's (vLLM's): lower is scheduled first, and preempted last
+    # The prompt's logprobs, one row per position from the first (None), while it computes them
+    # (its request asked for them and it is its first sample); None otherwise.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -63,6 +67,11 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_logprobs_pending(self) -> bool:
+        """Whether it still has prompt logprobs to compute."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -27,6 +27,10 @@ class StepInput:
     finished_seq_ids: list[int] = field(default_factory=list)  # drop their sampler state
     # (flat token index, seq id): input tokens sampled by the step before, still on the device
     deferred: list[tuple[int, int]] = field(default_factory=list)
+    # Rows whose prompt logprobs this step computes: (seq id, the first prompt position they
+    # cover, the flat index of the token whose logits predict it, the prompt's token ids at that
+    # position and after, top-N). The last stage computes them (``ModelRunner.forward``).
+    prompt_logprobs: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -44,8 +48,15 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
     offsets: list[int] = []
     output_ids: list[list[int] | None] = []
     deferred: list[tuple[int, int]] = []
+    prompt_logprobs: list[tuple[int, int, int, list[int], int]] = []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = batch.starts[i]
+        if seq.prompt_logprobs_pending:
+            # position t's logprob comes from the logits at t - 1; those it has are not redone
+            first, last = max(start + 1, len(seq.prompt_logprobs)), min(start + n, seq.num_prompt_tokens - 1)
+            if first <= last:
+                at = len(ids) + first - 1 - start
+                prompt_logprobs.append((seq.seq_id, first, at, seq.token_ids[first : last + 1], seq.params.prompt_logprobs))
         if batch.deferred[i]:
             deferred.append((len(ids), seq.seq_id))
             ids.append(0)  # placeholder: the runner copies the token in on the device
@@ -60,7 +71,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
             sample_ids.append(seq.seq_id)
             sample_params.append(seq.params)
             offsets.append(seq.index)
-            output_ids.append(seq.output_token_ids if seq.params.penalizes else None)
+            output_ids.append(_output_ids(seq))
     return StepInput(
         ids,
         positions,
@@ -75,4 +86,17 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
         output_ids,
         list(finished_seq_ids),
         deferred,
+        prompt_logprobs,
     )
+
+
+def _output_ids(seq) -> list[int] | None:
+    """The output ids a sampling row's logit adjustments read: all of them for penalties, the
+    last few for bad words (as many as the longest one has tokens, less one)."""
+    p = seq.params
+    if p.penalizes:
+        return seq.output_token_ids
+    if p.needs_output_ids:
+        tail = max(len(w) for w in p.bad_words_token_ids) - 1
+        return seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - tail) :]
+    return None

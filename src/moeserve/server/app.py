@@ -25,6 +25,7 @@ from moeserve.server.engine_client import AsyncEngineClient
 from moeserve.server.errors import APIError, install_error_handlers
 from moeserve.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics, watch_event_loop
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from moeserve.server.tokenize import DetokenizeRequest, TokenizeRequest, detokenize_route, tokenize_route
 from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, DEFAULT_STALL_TIMEOUT_S
 from moeserve.server.openai_shared import ServerContext
 
@@ -151,7 +152,7 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
     app.state.ctx = ctx
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=config.max_request_bytes)
-    _install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+    _install_openapi(app, [CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest])
 
     async def check_api_key(request: Request) -> None:
         if config.api_key is None:
@@ -165,23 +166,27 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "moeserve",
+            "root": ctx.model_path,
+            "max_model_len": client.info.get("max_model_len"),
+        }
+
     @v1.get("/models")
     async def models() -> dict:
-        max_len = client.info.get("max_model_len")
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "moeserve",
-                    "root": ctx.model_path,
-                    "max_model_len": max_len,
-                }
-                for name in ctx.model_names
-            ],
-        }
+        return {"object": "list", "data": [model_card(name) for name in ctx.model_names]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id not in ctx.model_names:  # (the message does not list the served names: see check_model)
+            raise APIError(
+                404, f"the model {model_id[:200]!r} does not exist (GET /v1/models lists this server's)", "model", "model_not_found"
+            )
+        return model_card(model_id)
 
     @v1.post("/completions", openapi_extra=_request_body(CompletionRequest))
     async def completions(raw: Request) -> Any:
@@ -192,6 +197,15 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
         return await create_chat_completion(raw, ctx)
 
     app.include_router(v1)
+
+    # vLLM's, beside /v1 as there; behind the API key as /v1 is
+    @app.post("/tokenize", dependencies=[Depends(check_api_key)], openapi_extra=_request_body(TokenizeRequest))
+    async def tokenize(raw: Request) -> Any:
+        return await tokenize_route(raw, ctx)
+
+    @app.post("/detokenize", dependencies=[Depends(check_api_key)], openapi_extra=_request_body(DetokenizeRequest))
+    async def detokenize(raw: Request) -> Any:
+        return await detokenize_route(raw, ctx)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -16,6 +16,7 @@ from moeserve.parsers import ChoiceStream, history_tool_calls
 from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
     JSON_PIECE_ITEMS,
     SSEResponse,
@@ -61,6 +62,30 @@ def _template_tools(req: ChatCompletionRequest) -> list[dict] | None:
     return [t.model_dump(exclude_unset=True) for t in req.tools]
 
 
+def _template_kwargs(req: ChatCompletionRequest) -> dict | None:
+    """``chat_template_kwargs`` with vLLM's ``reasoning_effort`` (which it passes to the template)."""
+    if req.reasoning_effort is None:
+        return req.chat_template_kwargs
+    return {"reasoning_effort": req.reasoning_effort, **(req.chat_template_kwargs or {})}
+
+
+def _shown(req: ChatCompletionRequest, out: dict) -> dict:
+    """A delta or message as the request asks to see it: without ``reasoning_content`` when
+    ``include_reasoning`` is false, with the first tool call only when ``parallel_tool_calls`` is."""
+    if not req.include_reasoning and "reasoning_content" in out:
+        if "role" in out:  # a message keeps the key (null), as when the choice did not reason
+            out["reasoning_content"] = None
+        else:
+            del out["reasoning_content"]
+    if not req.parallel_tool_calls and out.get("tool_calls"):
+        calls = out["tool_calls"][:1] if "role" in out else [c for c in out["tool_calls"] if c["index"] == 0]
+        if calls:
+            out["tool_calls"] = calls
+        else:
+            del out["tool_calls"]
+    return out
+
+
 def _template_error_param(message: str) -> str:
     for param in ("chat_template_kwargs", "continue_final_message"):
         if message.startswith(param):
@@ -94,13 +119,14 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPrompt:
             tools=_template_tools(req),
             add_generation_prompt=req.add_generation_prompt,
             continue_final_message=req.continue_final_message,
-            chat_template_kwargs=req.chat_template_kwargs,
+            chat_template_kwargs=_template_kwargs(req),
+            documents=req.documents,
         )
     except ValueError as e:
         raise bad_request(str(e), _template_error_param(str(e))) from None
     except Exception as e:  # noqa: BLE001 - a template error is the request's problem
         raise bad_request(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
-    ids = ctx.encode(text, "messages", add_special_tokens=False)
+    ids = truncate(req, ctx.encode(text, "messages", add_special_tokens=req.add_special_tokens), ctx.max_model_len)
     ctx.check_prompt_length(ids, "messages")
     return ChatPrompt(text, ids, history)
 
@@ -119,8 +145,6 @@ def _reject_unsupported_chat(req: ChatCompletionRequest, settings: ChatSettings)
             "(or send tool_choice 'none')",
             "tool_choice" if req.tool_choice else "tools",
         )
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not supported by this server", "response_format")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs to be true", "top_logprobs")
     if req.chat_template_kwargs and "chat_template" in req.chat_template_kwargs:
@@ -177,8 +201,8 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
     prompt = await ctx.prompts(raw, chat_prompt, req, inline=await ctx.is_small(raw))
     new_stream = _streams(req, ctx.chat, prompt)
     as_ids = req.return_tokens_as_token_ids
-    cid = new_id("chatcmpl")
-    group = await submit(ctx, raw, cid, [(prompt.text, prompt.ids)], kwargs, {"prompt": "messages"}, req.cache_salt)
+    cid = response_id(req, "chatcmpl") or new_id("chatcmpl")
+    group = await submit(ctx, raw, cid, [(prompt.text, prompt.ids)], kwargs, {"prompt": "messages"}, req.cache_salt, req.priority)
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
 
     if req.stream:
@@ -202,11 +226,11 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
                 for seq in update.seqs:
                     completion_tokens += len(seq.token_ids)
                     stream = streams.get(seq.index) or streams.setdefault(seq.index, new_stream())
-                    step = stream.step(seq.text, seq.finish_reason)
+                    step = _shown(req, stream.step(seq.text, seq.finish_reason).to_openai())
                     finish_reason = stream.finish_reason if seq.finish_reason else None
-                    delta = step.to_openai() or ({} if finish_reason else {"content": ""})
                     lp = {"content": _logprobs_content(ctx, seq.token_ids, seq.logprobs or [], n_top, as_ids)} if req.logprobs else None
                     if step or lp or finish_reason:
+                        delta = step or ({} if finish_reason else {"content": ""})
                         choices.append({"index": seq.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
                 if choices:
                     yield {**head, "choices": choices, **extra}
@@ -227,7 +251,7 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
             parsed = stream.result()
             yield {
                 "index": i,
-                "message": parsed.message(),
+                "message": _shown(req, parsed.message()),
                 "logprobs": lp,
                 "finish_reason": parsed.finish_reason,
                 "stop_reason": r.stop_reason,
@@ -235,4 +259,7 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
 
     cached = results[(0, 0)].cached_tokens if results else 0
     tail = {"usage": usage(len(prompt.ids), completion_tokens, cached)}
+    if req.prompt_logprobs is not None:  # vLLM's, beside usage
+        rows = results[(0, 0)].prompt_logprobs or []
+        tail["prompt_logprobs"] = prompt_logprobs_json(rows, prompt.ids, req.prompt_logprobs, ctx.token_str)
     return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, n_top if req.logprobs else None))

@@ -9,6 +9,7 @@ from fastapi import Request
 
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import CompletionRequest
+from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
     SSEResponse,
     ServerContext,
@@ -47,10 +48,11 @@ def _prompts(req: CompletionRequest, ctx: ServerContext) -> list[tuple[str | Non
         if isinstance(item, str):
             if not item:
                 raise bad_request("prompt is empty", "prompt")
-            ids = ctx.encode(item, "prompt")
-            out.append((item, ids))
+            text, ids = item, ctx.encode(item, "prompt", add_special_tokens=req.add_special_tokens)
         else:
-            out.append((None, list(item)))
+            text, ids = None, list(item)
+        kept = truncate(req, ids, ctx.max_model_len)
+        out.append((text if len(kept) == len(ids) else None, kept))  # (a truncated prompt echoes what is left)
         ctx.check_prompt_length(out[-1][1], "prompt")
     return out
 
@@ -76,18 +78,24 @@ class _Logprobs:
     def __init__(self, ctx: ServerContext, n: int, offset: int = 0, as_ids: bool = False):
         self.ctx, self.n, self.offset, self.as_ids = ctx, n, offset, as_ids
 
-    def block(self, token_ids: list[int], rows: list[dict[int, float]]) -> dict:
-        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    def block(self, token_ids: list[int], rows: list[dict[int, float] | None], into: dict | None = None) -> dict:
+        """The tokens' entries (``into`` a block started before: echo's prompt, then the output).
+        A row that is None (a prompt's first token) has no logprob and no top logprobs."""
+        out: dict = into or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for tid, row in zip(token_ids, rows):
             s = self.ctx.token_str(tid, self.as_ids)
             out["tokens"].append(s)
+            out["text_offset"].append(self.offset)
+            self.offset += len(self.ctx.token_str(tid))
+            if row is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(row.get(tid))
             top: dict[str, float] = {}
             for t, v in top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]:
                 top.setdefault(self.ctx.token_str(t, self.as_ids), v)
             out["top_logprobs"].append(top)
-            out["text_offset"].append(self.offset)
-            self.offset += len(self.ctx.token_str(tid))
         return out
 
 
@@ -100,15 +108,17 @@ async def create_completion(raw: Request, ctx: ServerContext):
         raise bad_request("suffix is not supported by this server", "suffix")
     if req.best_of is not None and req.best_of != req.n:
         raise bad_request("best_of is not supported by this server (leave it unset or equal to n)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo together with logprobs is not supported (prompt logprobs are not computed)", "echo")
     kwargs = sampling_kwargs(req, req.max_tokens, req.logprobs, {}, ctx.max_n)
+    # echo with logprobs: the prompt's tokens' logprobs first (vLLM's prompt_logprobs, unless given)
+    echo_logprobs = req.echo and req.logprobs is not None
+    if echo_logprobs and kwargs["prompt_logprobs"] is None:
+        kwargs["prompt_logprobs"] = req.logprobs
     ctx.client.check_available()
     small = await ctx.is_small(raw)
     # Off the event loop when there is text to tokenize in a large body; token ids are only copied.
     prompts = await ctx.prompts(raw, _prompts, req, inline=small or not _has_text(req))
-    cid = new_id("cmpl")
-    group = await submit(ctx, raw, cid, prompts, kwargs, {"prompt": "prompt"}, req.cache_salt)
+    cid = response_id(req, "cmpl") or new_id("cmpl")
+    group = await submit(ctx, raw, cid, prompts, kwargs, {"prompt": "prompt"}, req.cache_salt, req.priority)
     try:  # decoded only once the engine has checked the token ids
         echo = await ctx.blocking(_echo, req, ctx, prompts, inline=small) if req.echo else [""] * len(prompts)
     except BaseException:
@@ -125,18 +135,24 @@ async def create_completion(raw: Request, ctx: ServerContext):
             logprobs = {}
             completion_tokens = 0
             cached: dict[str, int] = {}
+            prompt_rows: dict[int, list] = {}  # the prompts' logprobs (echo), before their first tokens
             async for rid, delta in group.updates():
                 cached_tokens(cached, delta, rid)
                 p = prompt_index(rid)
+                if delta.prompt_logprobs is not None:
+                    prompt_rows[p] = delta.prompt_logprobs
                 choices = []
                 for seq in delta.seqs:
                     key = (p, seq.index)
                     text = seq.text
+                    into = None
                     if key not in logprobs:
-                        logprobs[key] = _Logprobs(ctx, req.logprobs or 0, len(echo[p]), as_ids)
+                        logprobs[key] = _Logprobs(ctx, req.logprobs or 0, 0 if echo_logprobs else len(echo[p]), as_ids)
                         text = echo[p] + text
+                        if echo_logprobs:
+                            into = logprobs[key].block(prompts[p][1], prompt_rows.get(p) or [None])
                     completion_tokens += len(seq.token_ids)
-                    lp = logprobs[key].block(seq.token_ids, seq.logprobs or []) if req.logprobs is not None else None
+                    lp = logprobs[key].block(seq.token_ids, seq.logprobs or [], into) if req.logprobs is not None else None
                     # A chunk per step that made tokens, even while their text is held back
                     # (a partial UTF-8 character, or no tokenizer): clients time tokens by chunks.
                     if text or lp or seq.finish_reason or seq.token_ids:
@@ -153,15 +169,25 @@ async def create_completion(raw: Request, ctx: ServerContext):
 
     def choices() -> Iterator[dict]:
         for (p, i), r in sorted(results.items()):
-            lp = _Logprobs(ctx, req.logprobs or 0, 0, as_ids).block(r.token_ids, r.logprobs) if req.logprobs is not None else None
-            yield {
+            lp = None
+            if req.logprobs is not None:
+                lps = _Logprobs(ctx, req.logprobs, 0, as_ids)
+                into = lps.block(prompts[p][1], r.prompt_logprobs or [None]) if echo_logprobs else None
+                lp = lps.block(r.token_ids, r.logprobs, into)
+            choice = {
                 "index": p * req.n + i,
                 "text": echo[p] + r.text,
                 "logprobs": lp,
                 "finish_reason": r.finish_reason,
                 "stop_reason": r.stop_reason,
             }
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(r.prompt_logprobs or [], prompts[p][1], req.prompt_logprobs, ctx.token_str)
+            yield choice
 
     cached = sum(r.cached_tokens for (_, i), r in results.items() if i == 0)
     tail = {"usage": usage(n_prompt, completion_tokens, cached)}
-    return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, req.logprobs))
+    weight = answer_weight(completion_tokens, req.logprobs)
+    if kwargs["prompt_logprobs"] is not None:
+        weight += answer_weight(n_prompt * req.n, kwargs["prompt_logprobs"])
+    return await json_answer(ctx, head, choices(), tail, weight)

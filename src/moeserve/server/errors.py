@@ -39,6 +39,12 @@ PARAM_NAMES = {
     "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty",
     "logit_bias": "logit_bias",
+    "prompt_logprobs": "prompt_logprobs",
+    "bad_words": "bad_words",
+    "allowed_token_ids": "allowed_token_ids",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "truncation_side": "truncation_side",
+    "priority": "priority",
 }
 
 

@@ -27,6 +27,7 @@ from moeserve.server.engine_client import AsyncEngineClient, RequestGroup
 from moeserve.server.errors import APIError, bad_request, error_body, from_value_error
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.protocol import _SamplingFields
+from moeserve.server.request_fields import echoes, engine_kwargs, refuse_unhonoured
 from moeserve.server.request_trace import RequestTrace
 
 if TYPE_CHECKING:  # a type only: body_process imports this module
@@ -279,6 +280,7 @@ def reject_unsupported(req: _SamplingFields) -> None:
             "repetition_penalty is not supported by this server (leave it unset or 1; presence_penalty and frequency_penalty are)",
             "repetition_penalty",
         )
+    refuse_unhonoured(req)
 
 
 def token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -303,6 +305,9 @@ def sampling_kwargs(
 
     if req.n > max_n:
         raise bad_request(f"n must be at most {max_n} (this server's --max-n), got {req.n}", "n")
+    if max_tokens is not None and max_tokens < 1 and not (max_tokens == 0 and echoes(req)):
+        name = param_map.get("max_tokens", "max_tokens")
+        raise bad_request(f"{name} must be at least 1, got {max_tokens} (0 only with echo: the prompt alone)", name)
     kwargs = dict(
         n=req.n,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -321,6 +326,7 @@ def sampling_kwargs(
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         logit_bias=token_bias(req.logit_bias),
+        **engine_kwargs(req),
     )
     if kwargs["top_k"] == 0:
         kwargs["top_k"] = -1
@@ -328,6 +334,8 @@ def sampling_kwargs(
         raise bad_request(
             f"{param_map.get('logprobs', 'logprobs')} must be at most {MAX_LOGPROBS}, got {logprobs}", param_map.get("logprobs", "logprobs")
         )
+    if req.prompt_logprobs is not None and req.prompt_logprobs > MAX_LOGPROBS:
+        raise bad_request(f"prompt_logprobs must be at most {MAX_LOGPROBS}, got {req.prompt_logprobs}", "prompt_logprobs")
     try:
         SamplingParams(**kwargs)
     except ValueError as e:
@@ -343,11 +351,15 @@ async def submit(
     kwargs: dict,
     param_map: dict[str, str] | None = None,
     cache_salt: str | None = None,
+    priority: int = 0,
 ) -> RequestGroup:
-    """One engine request per prompt (``{request_id}-{i}``); all accepted, or none left running."""
+    """One engine request per prompt (``{request_id}-{i}``); all accepted, or none left running.
+    ``priority``: vLLM's (lower is scheduled first)."""
     ctx.client.check_available()
     group = ctx.client.group()
     salt = {"cache_salt": cache_salt} if cache_salt is not None else {}
+    if priority:
+        salt["priority"] = priority
     items = [(f"{request_id}-{i}", {"prompt": text, "prompt_token_ids": ids, **salt}, kwargs) for i, (text, ids) in enumerate(prompts)]
     if ctx.trace is not None:
         rids = [rid for rid, _, _ in items]
@@ -376,6 +388,7 @@ class SeqResult:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cached_tokens: int = 0  # of its prompt, found in the prefix cache
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # its prompt's, when asked for
 
     def add(self, seq: SeqDelta) -> None:
         self.text += seq.text
@@ -396,6 +409,8 @@ async def collect(group: RequestGroup, n: int) -> dict[tuple[int, int], SeqResul
         for i in range(n):
             r = results[(p, i)]
             r.cached_tokens = max(r.cached_tokens, delta.cached_tokens)
+            if delta.prompt_logprobs is not None:
+                r.prompt_logprobs = delta.prompt_logprobs
     return results
 
 

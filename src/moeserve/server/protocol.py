@@ -1,7 +1,8 @@
 """The OpenAI request bodies we accept (pydantic), with vLLM's extras (top_k, min_p, ignore_eos, ...).
 
-Unknown fields are ignored, as OpenAI clients send a few we have no use for; fields we cannot
-honour (penalties, response formats, ...) are rejected with a 400 when set, never silently dropped."""
+Unknown fields are kept (``model_extra``) and otherwise ignored, as OpenAI clients send a few we
+have no use for; fields we cannot honour (vLLM's structured outputs, beam search, ...) are rejected
+with a 400 when set (``request_fields.REFUSED``), never silently dropped."""
 
 from __future__ import annotations
 
@@ -12,11 +13,12 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's (refused)
 
 
 class _SamplingFields(BaseModel):
     # Every float finite: NaN or Infinity in a JSON body (Python's json writes them) is a 400.
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -50,6 +52,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False  # logprob tokens as "token_id:N"
     cache_salt: StrictStr | None = None  # shares prefix-cache pages only with requests of the same salt
+    # vLLM's, honoured (request_fields.py; it refuses its others)
+    prompt_logprobs: int | None = None
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    priority: int = 0  # lower is scheduled first
 
 
 class CompletionRequest(_SamplingFields):
@@ -59,6 +68,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM's: the tokenizer's BOS and the like around a text prompt
 
 
 class ContentPart(BaseModel):
@@ -130,4 +140,13 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
+    # vLLM's, honoured: documents and reasoning_effort go to the template (as vLLM passes them);
+    # include_reasoning false leaves reasoning_content out; parallel_tool_calls false keeps a
+    # choice's first tool call only; add_special_tokens adds the tokenizer's BOS and the like
+    # around the rendered prompt (the template usually writes them)
+    documents: list[dict[str, StrictStr]] | None = None
+    reasoning_effort: StrictStr | None = None
+    include_reasoning: bool = True
+    parallel_tool_calls: bool = True
+    add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = Field(default=None)
