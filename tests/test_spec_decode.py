@@ -38,3 +38,39 @@ def test_random_model_greedy_equals_plain(random_mtp, k):
     e = llm.engine
     assert e.spec_num_draft_tokens > 0
     assert 0 <= e.spec_num_accepted_tokens <= e.spec_num_draft_tokens
+
+
+def test_random_model_stops_and_lengths_mid_bundle(random_mtp):
+    """max_tokens that end inside a bundle of k + 1 tokens, and a stop string met mid-bundle."""
+    plain, spec = _engine(random_mtp), _engine(random_mtp, {"method": "mtp", "num_speculative_tokens": 3})
+    for n in (1, 2, 3, 5, 6):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        assert _tokens(spec, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
+    full = plain.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
+    stop = full[5:7]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
+    want = plain.generate(PROMPTS[1], params)[0].outputs[0]
+    got = spec.generate(PROMPTS[1], params)[0].outputs[0]
+    assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
+
+
+def test_random_model_prefix_cache_and_preemption(random_mtp):
+    """A prompt found in the prefix cache, and a KV cache so small that sequences are preempted."""
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    prompts = [PROMPTS[1] + [7, 8], PROMPTS[1] + [9], PROMPTS[2]]
+    want = _tokens(_engine(random_mtp), prompts, params)
+    spec = _engine(random_mtp, SPEC2)
+    assert _tokens(spec, prompts[:1], params) == want[:1]
+    assert _tokens(spec, prompts, params) == want
+    assert spec.engine.prefix_cache_hits > 0
+    small = _engine(random_mtp, SPEC2, num_kv_pages=6, max_model_len=64)
+    assert _tokens(small, prompts, params) == want
+    assert small.engine.num_preemptions > 0
+
+
+def test_random_model_sampling_runs_and_seeds_repeat(random_mtp):
+    spec = _engine(random_mtp, SPEC2)
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=3, ignore_eos=True, logprobs=2)
+    a, b = (spec.generate(PROMPTS[:2], params) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert all(len(o.outputs[0].token_ids) == 10 and len(o.outputs[0].logprobs) == 10 for o in a)
