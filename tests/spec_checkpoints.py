@@ -4,6 +4,7 @@ random weights, byte tokenizer), for speculative-decoding tests."""
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import torch
@@ -24,7 +25,7 @@ def make_mtp_checkpoint(path: Path, seed: int = 0, std: float = 0.1) -> tuple[Pa
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 1:
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(hash(name) % 1000)))
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
     model.eval()
     path.mkdir(parents=True, exist_ok=True)
     save_file(model.hf_state_dict(), str(path / "model.safetensors"), metadata={"format": "pt"})

@@ -29,20 +29,24 @@ def _engine(path, spec=None, **kw) -> LLM:
     return LLM(path, device="cpu", backend="reference", speculative_config=spec, **kw)
 
 
+@pytest.fixture(scope="module")
+def plain(random_mtp):
+    return _engine(random_mtp)
+
+
 @pytest.mark.parametrize("k", [1, 3])
-def test_random_model_greedy_equals_plain(random_mtp, k):
+def test_random_model_greedy_equals_plain(random_mtp, plain, k):
     params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
-    want = _tokens(_engine(random_mtp), PROMPTS, params)
     llm = _engine(random_mtp, {"method": "mtp", "num_speculative_tokens": k})
-    assert _tokens(llm, PROMPTS, params) == want
+    assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
     e = llm.engine
     assert e.spec_num_draft_tokens > 0
     assert 0 <= e.spec_num_accepted_tokens <= e.spec_num_draft_tokens
 
 
-def test_random_model_stops_and_lengths_mid_bundle(random_mtp):
+def test_random_model_stops_and_lengths_mid_bundle(random_mtp, plain):
     """max_tokens that end inside a bundle of k + 1 tokens, and a stop string met mid-bundle."""
-    plain, spec = _engine(random_mtp), _engine(random_mtp, {"method": "mtp", "num_speculative_tokens": 3})
+    spec = _engine(random_mtp, {"method": "mtp", "num_speculative_tokens": 3})
     for n in (1, 2, 3, 5, 6):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         assert _tokens(spec, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
@@ -51,14 +55,15 @@ def test_random_model_stops_and_lengths_mid_bundle(random_mtp):
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop])
     want = plain.generate(PROMPTS[1], params)[0].outputs[0]
     got = spec.generate(PROMPTS[1], params)[0].outputs[0]
-    assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), "stop")
+    assert want.finish_reason == "stop", (full, stop, want.text)
+    assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), want.finish_reason)
 
 
-def test_random_model_prefix_cache_and_preemption(random_mtp):
+def test_random_model_prefix_cache_and_preemption(random_mtp, plain):
     """A prompt found in the prefix cache, and a KV cache so small that sequences are preempted."""
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     prompts = [PROMPTS[1] + [7, 8], PROMPTS[1] + [9], PROMPTS[2]]
-    want = _tokens(_engine(random_mtp), prompts, params)
+    want = _tokens(plain, prompts, params)
     spec = _engine(random_mtp, SPEC2)
     assert _tokens(spec, prompts[:1], params) == want[:1]
     assert _tokens(spec, prompts, params) == want
