@@ -79,3 +79,18 @@ def test_random_model_sampling_runs_and_seeds_repeat(random_mtp):
     a, b = (spec.generate(PROMPTS[:2], params) for _ in range(2))
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
     assert all(len(o.outputs[0].token_ids) == 10 and len(o.outputs[0].logprobs) == 10 for o in a)
+
+
+def test_demo_model_greedy_equal_and_accepts_most_drafts():
+    """The trained demo model (its MTP layer predicts the next-next token ~99 % of the time when
+    teacher-forced): same greedy text with k = 2, and a mean accepted length above 1.5."""
+    from moeserve.demo import chat_format as cf
+
+    prompts = [cf.render_chat([{"role": "user", "content": m}], None, True) for m in ("Hi there!", "What is 17 plus 25?")]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = _tokens(LLM(None, device="cpu"), prompts, params)
+    spec = LLM(None, device="cpu", speculative_config=SPEC2)
+    assert _tokens(spec, prompts, params) == want
+    mean = spec.engine.spec_mean_accepted_length
+    print(f"demo model, k=2: mean accepted length {mean:.2f} tokens a step")
+    assert mean > 1.5
