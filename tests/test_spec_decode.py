@@ -94,3 +94,17 @@ def test_demo_model_greedy_equal_and_accepts_most_drafts():
     mean = spec.engine.spec_mean_accepted_length
     print(f"demo model, k=2: mean accepted length {mean:.2f} tokens a step")
     assert mean > 1.5
+
+
+def test_metrics_count_drafts():
+    from moeserve.server.metrics import ServerMetrics
+
+    m = ServerMetrics("demo")
+    m.update_engine_stats({"spec_decode_num_drafts": 4, "spec_decode_num_draft_tokens": 8, "spec_decode_num_accepted_tokens": 5})
+    text = m.render().decode()
+    for line in (
+        'moeserve:spec_decode_num_drafts_total{model_name="demo"} 4.0',
+        'moeserve:spec_decode_num_draft_tokens_total{model_name="demo"} 8.0',
+        'moeserve:spec_decode_num_accepted_tokens_total{model_name="demo"} 5.0',
+    ):
+        assert line in text
