@@ -108,3 +108,15 @@ def test_metrics_count_drafts():
         'moeserve:spec_decode_num_accepted_tokens_total{model_name="demo"} 5.0',
     ):
         assert line in text
+
+
+def test_offline_bench_reports_acceptance(tmp_path):
+    import json
+
+    from moeserve.cli import main
+
+    args = ["bench", "--offline", "--device", "cpu", "--batch-sizes", "1", "--input-len", "8", "--output-len", "6"]
+    assert main([*args, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 2}', "--result-dir", str(tmp_path)]) == 0
+    spec = json.loads((tmp_path / "offline.json").read_text())["speculative"]
+    assert spec["num_speculative_tokens"] == 2 and spec["num_draft_tokens"] > 0
+    assert spec["mean_accepted_length"] >= 1
