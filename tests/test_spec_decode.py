@@ -59,6 +59,23 @@ def test_random_model_stops_and_lengths_mid_bundle(random_mtp, plain):
     assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), want.finish_reason)
 
 
+def test_random_model_penalties_and_masks_see_the_drafts(random_mtp, plain):
+    """Greedy with penalties, bias and bad words: each scored position counts the drafts before
+    it as output, so the tokens are those of one step at a time."""
+    spec = _engine(random_mtp, {"method": "mtp", "num_speculative_tokens": 3})
+    want = _tokens(plain, PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0]
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=16,
+        ignore_eos=True,
+        frequency_penalty=1.5,
+        presence_penalty=0.5,
+        logit_bias={want[3]: -5.0},
+        bad_words=[plain.tokenizer.decode(want[1:3])],
+    )
+    assert _tokens(spec, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
+
+
 def test_random_model_prefix_cache_and_preemption(random_mtp, plain):
     """A prompt found in the prefix cache, and a KV cache so small that sequences are preempted."""
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)

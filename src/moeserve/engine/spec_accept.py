@@ -76,7 +76,8 @@ def accept_drafts(
         idx = to_device(pos, dev)
         expanded = [params[r] for r in random_rows for _ in range(offsets[r], offsets[r + 1])]
         probs = _filter(logits[idx], expanded).softmax(-1)
-        is_last = to_device([i + 1 in offsets for i in pos], dev, torch.bool)
+        ends = set(offsets)
+        is_last = to_device([i + 1 in ends for i in pos], dev, torch.bool)
         sub_nxt = nxt[idx]
         p_draft = probs.gather(1, sub_nxt[:, None]).squeeze(1)
         # p with the draft taken out (the residual max(p - q, 0) of a one-hot q), except at a
