@@ -137,3 +137,17 @@ def test_offline_bench_reports_acceptance(tmp_path):
     spec = json.loads((tmp_path / "offline.json").read_text())["speculative"]
     assert spec["num_speculative_tokens"] == 2 and spec["num_draft_tokens"] > 0
     assert spec["mean_accepted_length"] >= 1
+
+
+def test_demo_model_through_the_triton_backend():
+    """Rows of a token and its drafts through the Triton backend's extend path (the interpreter on
+    CPU), with drafts accepted: the same greedy tokens as the reference backend without them."""
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=7)
+    want = _tokens(LLM(None, device="cpu"), [prompt], params)
+    kw = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=32, page_size=4, max_num_seqs=2, max_model_len=48)
+    with LLM(None, speculative_config=SPEC2, **kw) as llm:
+        assert _tokens(llm, [prompt], params) == want
+        assert llm.engine.spec_num_accepted_tokens > 0
