@@ -151,3 +151,23 @@ def test_demo_model_through_the_triton_backend():
     with LLM(None, speculative_config=SPEC2, **kw) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
+
+
+def test_random_model_tensor_parallel_equals_one_process(random_mtp, plain):
+    """TP 2 (gloo on CPU): TP rank 0 accepts and shares the accepted tokens, every rank runs the
+    MTP layer's share; the same greedy tokens as one process without speculation."""
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    with LLM(random_mtp, device="cpu", backend="reference", tensor_parallel_size=2, speculative_config=SPEC2) as llm:
+        assert _tokens(llm, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
+        assert llm.engine.spec_num_draft_tokens > 0
+
+
+def test_demo_model_tensor_and_expert_parallel_accepts_drafts():
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    want = _tokens(LLM(None, device="cpu"), [prompt], params)
+    with LLM(None, device="cpu", tensor_parallel_size=2, expert_parallel_size=2, speculative_config=SPEC2) as llm:
+        assert _tokens(llm, [prompt], params) == want
+        assert llm.engine.spec_num_accepted_tokens > 0

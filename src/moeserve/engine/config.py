@@ -119,10 +119,8 @@ class EngineConfig:
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative is not None and (
-            self.tensor_parallel_size * self.pipeline_parallel_size * self.expert_parallel_size > 1 or self.nnodes > 1
-        ):
-            raise ValueError("speculative decoding runs in one process only for now (no --tp, --pp, --ep or several nodes)")
+        if self.speculative is not None and (self.pipeline_parallel_size > 1 or self.nnodes > 1):
+            raise ValueError("speculative decoding runs on one pipeline stage and one node for now (--tp and --ep work; --pp does not)")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {self.generation_config!r}: no generation_config.json there (auto | vllm | a directory)")
 

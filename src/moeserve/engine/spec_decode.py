@@ -22,6 +22,7 @@ import torch
 
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.device_copy import to_device
+from moeserve.distributed.tp_collectives import TPGroup, tp_group
 from moeserve.engine.context import StepContext, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
@@ -71,11 +72,31 @@ def run_speculative_step(runner: ModelRunner, step: StepInput) -> SampleResult:
         logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
     result = SampleResult([], [], [], counts=[], drafts=[])
     if logits is not None:
-        result = _accept(runner, step, logits)
+        tp = tp_group()
+        if tp.rank == 0:
+            result = _accept(runner, step, logits)
+        if tp.size > 1:  # the MTP forward runs on every TP rank: each needs the accepted tokens
+            result = _share_acceptance(result, len(step.sample_seq_ids), runner.device, tp)
         result.drafts = _propose(runner, step, ids, ctx, hidden, result)
     if prompt is not None:
         result.prompt_logprobs = prompt.result(prompt.packed.cpu())
     return result
+
+
+def _share_acceptance(result: SampleResult, rows: int, device: torch.device, tp: TPGroup) -> SampleResult:
+    """TP rank 0 (which accepted) sends each row's count and tokens to its peers, which keep only
+    those (TP rank 0 alone reports the step's result)."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(tp.group, 0)
+    counts = torch.tensor(result.counts if tp.rank == 0 else [0] * rows, dtype=torch.long, device=device)
+    dist.broadcast(counts, src=src, group=tp.group)
+    count_list = counts.tolist()
+    tokens = torch.tensor(result.token_ids if tp.rank == 0 else [0] * sum(count_list), dtype=torch.long, device=device)
+    dist.broadcast(tokens, src=src, group=tp.group)
+    if tp.rank == 0:
+        return result
+    return SampleResult(tokens.tolist(), [], [], counts=count_list, drafts=[])
 
 
 def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> SampleResult:

@@ -90,7 +90,8 @@ class DeepseekMTP(DeepseekForCausalLM):
         for name, shape in mtp_tensor_shapes(self.config, self.own_embedding):
             if name.endswith(".weight_scale_inv") and name.removesuffix(".weight_scale_inv") in self.plain_modules:
                 continue
-            yield name, shape
+            if self.wants(name):  # (expert parallelism: this rank's experts only)
+                yield name, shape
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``input_ids`` [T]: the token after each position; ``prev_hidden`` [T, H]: the target's

@@ -227,6 +227,11 @@ def _serve_pipeline(
     next_rank = rank + layout.tp if not is_last else None
     pending_sends: list = []
     for step in _steps(conn, rank):
+        if runner.drafter is not None:  # speculative decoding (one stage): scored, accepted and drafted at once
+            result = runner.collect(runner.launch(step))
+            if tp_rank == 0:
+                conn.send(("result", result))
+            continue
         ids, ctx = runner.prepare(step)
         hidden = residual = None
         if prev_rank is not None:
