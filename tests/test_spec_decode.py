@@ -171,3 +171,16 @@ def test_demo_model_tensor_and_expert_parallel_accepts_drafts():
     with LLM(None, device="cpu", tensor_parallel_size=2, expert_parallel_size=2, speculative_config=SPEC2) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, tensor_parallel_size=2)])
+def test_demo_model_pipeline_parallel_accepts_drafts(layout):
+    """The MTP layer on the last stage with its own copies of the embedding and lm_head."""
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    want = _tokens(LLM(None, device="cpu"), [prompt], params)
+    with LLM(None, device="cpu", speculative_config=SPEC2, **layout) as llm:
+        assert _tokens(llm, [prompt], params) == want
+        assert llm.engine.spec_num_accepted_tokens > 0

@@ -89,7 +89,7 @@ class EngineConfig:
     speculative_config: dict | None = setting(
         None,
         'JSON object: speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s '
-        "MTP layer drafts; one process only; CUDA graphs and async scheduling off)",
+        "MTP layer drafts on the last pipeline stage; CUDA graphs and async scheduling off)",
     )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))
@@ -119,8 +119,8 @@ class EngineConfig:
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
-        if self.speculative is not None and (self.pipeline_parallel_size > 1 or self.nnodes > 1):
-            raise ValueError("speculative decoding runs on one pipeline stage and one node for now (--tp and --ep work; --pp does not)")
+        if self.speculative is not None and self.nnodes > 1:
+            raise ValueError("speculative decoding runs on one node for now")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {self.generation_config!r}: no generation_config.json there (auto | vllm | a directory)")
 

@@ -114,7 +114,7 @@ class ModelRunner:
             self._use_kernels()
         self.page_size = config.page_size
         self.drafter = None  # speculative decoding's MTP layer (engine/spec_decode.py), with its KV layer
-        if config.speculative is not None:
+        if config.speculative is not None and is_last:
             from moeserve.engine.spec_decode import MTPDrafter
 
             self.drafter = MTPDrafter(self, config.speculative.num_speculative_tokens)

@@ -45,7 +45,9 @@ class MTPDrafter:
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         self.k = num_speculative_tokens
-        self.model = DeepseekMTP(runner.model_config, runner.model)
+        # A last pipeline stage after the first has no embedding: it reads the MTP layer's own copy
+        # of the embedding and lm_head (DeepSeek-V3 checkpoints hold them).
+        self.model = DeepseekMTP(runner.model_config, runner.model if runner.is_first else None)
         self.model.eval()
         cfg = runner.config
         load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
@@ -60,12 +62,20 @@ class MTPDrafter:
 
 
 @torch.inference_mode()
-def run_speculative_step(runner: ModelRunner, step: StepInput) -> SampleResult:
-    """The target's forward, acceptance of the drafts, and the next drafts: the step's result,
-    ``counts[r]`` tokens for sampling row r (flat in ``token_ids``) and ``drafts[r]``."""
-    ids, ctx = runner.prepare(step)
+def run_speculative_step(
+    runner: ModelRunner,
+    step: StepInput,
+    prepared: tuple[torch.Tensor, StepContext] | None = None,
+    hidden_in: torch.Tensor | None = None,
+    residual_in: torch.Tensor | None = None,
+) -> SampleResult:
+    """The (last) stage's forward, acceptance of the drafts, and the next drafts: the step's
+    result, ``counts[r]`` tokens for sampling row r (flat in ``token_ids``) and ``drafts[r]``.
+    ``prepared``: ``runner.prepare(step)`` if done; ``hidden_in``/``residual_in``: the previous
+    pipeline stage's activations."""
+    ids, ctx = prepared if prepared is not None else runner.prepare(step)
     with step_context(ctx):
-        hidden, _ = runner.model(ids, ctx.positions)
+        hidden, _ = runner.model(ids, ctx.positions, hidden_in, residual_in)
         prompt = None
         if ctx.prompt_logprobs is not None:
             prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
