@@ -184,3 +184,34 @@ def test_demo_model_pipeline_parallel_accepts_drafts(layout):
     with LLM(None, device="cpu", speculative_config=SPEC2, **layout) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
+
+
+def test_server_streams_bundles_and_counts_drafts(tmp_path):
+    """`moeserve serve --speculative-config`: a streamed greedy completion is the text of the
+    offline engine without speculation, and /metrics counts drafts and accepted tokens."""
+    import json
+
+    import httpx
+    from server_utils import ServerProcess, metric, sse_data
+
+    from moeserve.demo import MODEL_DIR
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    want = LLM(None, device="cpu").generate(prompt, SamplingParams(temperature=0.0, max_tokens=20))[0].outputs[0].text
+    from moeserve.server.wait_ready import EXIT_READY
+
+    server = ServerProcess(str(MODEL_DIR), tmp_path / "server.log", "--speculative-config", json.dumps(SPEC2)).start()
+    try:
+        r = server.wait()
+        assert r.code == EXIT_READY, f"{r.message}\n{server.log()}"
+        body = {"model": str(MODEL_DIR), "prompt": prompt, "max_tokens": 20, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(d) for d in sse_data(r.iter_lines()) if d != "[DONE]"]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
+        assert metric(server.url, "moeserve:spec_decode_num_accepted_tokens_total") > 0
+        assert metric(server.url, "moeserve:spec_decode_num_draft_tokens_total") >= metric(
+            server.url, "moeserve:spec_decode_num_accepted_tokens_total"
+        )
+    finally:
+        server.stop()
