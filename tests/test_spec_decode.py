@@ -215,3 +215,18 @@ def test_server_streams_bundles_and_counts_drafts(tmp_path):
         )
     finally:
         server.stop()
+
+
+def test_random_model_logprobs_and_prompt_logprobs_match_plain(random_mtp, plain):
+    spec = _engine(random_mtp, {"method": "mtp", "num_speculative_tokens": 2})
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3, prompt_logprobs=2)
+    want, got = plain.generate(PROMPTS[2], params)[0], spec.generate(PROMPTS[2], params)[0]
+    assert list(got.outputs[0].token_ids) == list(want.outputs[0].token_ids)
+    for a, b in zip(want.outputs[0].logprobs, got.outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys() and all(abs(_value(a[t]) - _value(b[t])) < 1e-4 for t in a)
+    for a, b in zip(want.prompt_logprobs[1:], got.prompt_logprobs[1:], strict=True):
+        assert a.keys() == b.keys() and all(abs(_value(a[t]) - _value(b[t])) < 1e-4 for t in a)
+
+
+def _value(logprob) -> float:
+    return getattr(logprob, "logprob", logprob)
