@@ -205,3 +205,52 @@ def test_llama3_rope_scaling_matches_transformers():
     )
     want, _ = rope_utils.ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
     assert torch.allclose(rope_inv_freq(cfg), want.float(), rtol=1e-6)
+
+
+def test_packaged_demo_draft_proposes_the_demo_models_greedy_tokens():
+    """The EAGLE-3 draft trained for the demo model (scripts/train_demo_eagle3.py), through the
+    inference module: at random positions of held-out conversations' completions, a first pass
+    over the prefix and one chained pass, against the demo model's own greedy tokens there (the
+    second counted where the text took the first draft's token, as the chain then reads what it
+    reads at inference)."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from moeserve.config import load_model_config
+    from moeserve.demo import EAGLE3_DIR, MODEL_DIR, tasks
+    from moeserve.demo.quantize import dequantized_tensors
+    from moeserve.demo.torch_model import DemoModel
+
+    cfg = load_model_config(str(MODEL_DIR))
+    target = DemoModel(cfg)
+    target.load_hf_state_dict(dequantized_tensors(MODEL_DIR))
+    target.eval()
+    draft = Eagle3Draft.load(EAGLE3_DIR, cfg.num_hidden_layers, cfg.hidden_size, target.model.embed_tokens.weight.detach())
+    layers = draft.cfg.aux_layer_ids
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    rng = random.Random(0)
+    first = both = n = 0
+    with torch.no_grad():
+        for s in tasks.held_out_text(8):
+            prompt = tok.encode(s.prompt(), add_special_tokens=False).ids
+            ids = torch.tensor([prompt + tok.encode(s.completion(), add_special_tokens=False).ids])
+            T = ids.shape[1]
+            x = target.model.embed_tokens(ids)
+            cos, sin = target._rope(T, ids.device, x.dtype)
+            aux = []
+            for i, layer in enumerate(target.model.layers[: cfg.num_hidden_layers]):
+                if i in layers:
+                    aux.append(x)
+                x = layer(x, cos, sin, None)
+            greedy = target.logits(target.model.norm(x)).argmax(-1)[0]
+            aux = torch.cat(aux, -1)[0]
+            # where the model writes: the proposals (tokens t + 2, t + 3) are completion tokens
+            for t in rng.sample(range(len(prompt) - 2, T - 3), min(5, T - len(prompt) - 1)):
+                draft.free(0)  # position t pairs hidden t with token t + 1
+                d1, d2 = draft.propose(ids[0, 1 : t + 2], aux[: t + 1], DraftRows([0], [0], [t + 1]), k=2)[0].tolist()
+                first += d1 == greedy[t + 1]
+                both += d1 == greedy[t + 1] and ids[0, t + 2] == d1 and d2 == greedy[t + 2]
+                n += 1
+    print(f"draft: first {first}/{n}, both {both}/{n}")
+    assert first / n >= 0.9 and both / n >= 0.65
