@@ -4,7 +4,7 @@ trained to chat in Kimi K2.6's format: small talk, brief reasoning in ``<think>`
 tools it is given and answers from their results (``docs/demo-model.md``).
 
 Its checkpoint ships in the package (``model/``: bf16 weights, BPE tokenizer, chat template,
-generation config), written by ``scripts/train_demo_model.py``; INT4 (Kimi K2.x) and FP8
+generation config), written by ``scripts/train_demo_model.py``; ``eagle3/`` an EAGLE-3 draft for it; INT4 (Kimi K2.x) and FP8
 (DeepSeek-V3) copies are made from it on first use into ``~/.cache/moeserve`` (or
 ``$MOESERVE_CACHE``). ``random_model`` holds the random-weight checkpoint with a byte tokenizer
 that plumbing tests use.
@@ -17,6 +17,8 @@ import os
 from pathlib import Path
 
 MODEL_DIR = Path(__file__).parent / "model"
+# An EAGLE-3 draft for it, in the published layout (``scripts/train_demo_eagle3.py``, ``eval.json``)
+EAGLE3_DIR = Path(__file__).parent / "eagle3"
 
 
 def cache_root() -> Path:

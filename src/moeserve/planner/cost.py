@@ -119,17 +119,35 @@ def work_terms(hw: Hardware, work: Work, tp: int, eager: bool = False) -> Terms:
 
 
 def layer_terms(
-    cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float, kv_dtype_bytes: int = 2, eager: bool = False
+    cfg: ModelConfig,
+    hw: Hardware,
+    layer_id: int,
+    tp: int,
+    ep: int,
+    batch: int,
+    kv_len: float,
+    kv_dtype_bytes: int = 2,
+    eager: bool = False,
+    tokens_per_seq: int = 1,
 ) -> Terms:
     """One layer's terms (layers of one kind cost the same: computed once per kind)."""
-    return _layer_terms(cfg, hw, representative_layer(cfg, layer_id), tp, ep, batch, kv_len, kv_dtype_bytes, eager)
+    return _layer_terms(cfg, hw, representative_layer(cfg, layer_id), tp, ep, batch, kv_len, kv_dtype_bytes, eager, tokens_per_seq)
 
 
 @lru_cache(maxsize=65536)
 def _layer_terms(
-    cfg: ModelConfig, hw: Hardware, layer_id: int, tp: int, ep: int, batch: int, kv_len: float, kv_dtype_bytes: int, eager: bool
+    cfg: ModelConfig,
+    hw: Hardware,
+    layer_id: int,
+    tp: int,
+    ep: int,
+    batch: int,
+    kv_len: float,
+    kv_dtype_bytes: int,
+    eager: bool,
+    tokens_per_seq: int = 1,
 ) -> Terms:
-    work = layer_work(cfg, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes, hw.routing_skew, hw.engine)
+    work = layer_work(cfg, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes, hw.routing_skew, hw.engine, tokens_per_seq)
     return work_terms(hw, work, tp, eager)
 
 
@@ -200,15 +218,16 @@ def stage_terms(
     last: bool,
     kv_dtype_bytes: int = 2,
     eager: bool = False,
+    tokens_per_seq: int = 1,
 ) -> Terms:
-    """One micro-batch of ``batch`` sequences through layers [start, end) of a stage."""
+    """One micro-batch of ``batch`` tokens (``tokens_per_seq`` a sequence) through layers [start, end) of a stage."""
     terms = extras_terms(cfg, hw, tp, batch, first, last, eager)
     kinds: dict[int, int] = {}
     for layer_id in range(start, end):
         rep = representative_layer(cfg, layer_id)
         kinds[rep] = kinds.get(rep, 0) + 1
     for rep, count in kinds.items():
-        terms = terms + _layer_terms(cfg, hw, rep, tp, ep, batch, kv_len, kv_dtype_bytes, eager).scaled(count)
+        terms = terms + _layer_terms(cfg, hw, rep, tp, ep, batch, kv_len, kv_dtype_bytes, eager, tokens_per_seq).scaled(count)
     return terms
 
 
@@ -228,10 +247,11 @@ class StepTime:
     bubble_fraction: float  # share of the cycle the busiest GPU waits (pipeline bubble, step overhead)
     memory_bound_fraction: float  # share of kernel streaming time that is bandwidth-bound
     terms: Terms = Terms()  # the cycle by cause (seconds); adds up to cycle_ms
+    tokens_per_seq: float = 1.0  # tokens a sequence gains a cycle (speculative decoding: the acceptance length)
 
     @property
     def tok_s(self) -> float:
-        return self.batch / (self.cycle_ms / 1e3) if self.cycle_ms > 0 else 0.0
+        return self.batch * self.tokens_per_seq / (self.cycle_ms / 1e3) if self.cycle_ms > 0 else 0.0
 
     def dominant(self) -> tuple[str, float]:
         parts = self.terms.as_ms()
@@ -252,6 +272,7 @@ class StepTime:
             "bubble_fraction": round(self.bubble_fraction, 3),
             "memory_bound_fraction": round(self.memory_bound_fraction, 3),
             "terms_ms": {k: round(v, 3) for k, v in self.terms.as_ms().items()},
+            "tokens_per_seq": round(self.tokens_per_seq, 3),
         }
 
 
@@ -265,16 +286,29 @@ def decode_step(
     batch: int,
     kv_len: float,
     kv_dtype_bytes: int = 2,
+    tokens_per_seq: int = 1,
+    last_stage_extra: Terms | None = None,
+    gained_per_seq: float = 1.0,
 ) -> StepTime:
-    """Cost of one decode cycle for ``batch`` sequences with ``kv_len`` cached tokens each."""
+    """Cost of one decode cycle for ``batch`` sequences with ``kv_len`` cached tokens each.
+
+    A speculative cycle (``speculative.py``) scores ``tokens_per_seq`` tokens a sequence, adds its
+    draft model's work to each micro-batch on the last stage (``last_stage_extra``) and gains
+    ``gained_per_seq`` tokens a sequence."""
     batch = max(1, batch)
     m = min(pp, batch)
     mb = math.ceil(batch / m)
     ranges = stage_layer_ranges(partition)
     eager = runs_eager(hw, pp)
-    stages = [stage_terms(cfg, hw, tp, ep, a, b, mb, kv_len, s == 0, s == pp - 1, kv_dtype_bytes, eager) for s, (a, b) in enumerate(ranges)]
+    tokens = mb * tokens_per_seq
+    stages = [
+        stage_terms(cfg, hw, tp, ep, a, b, tokens, kv_len, s == 0, s == pp - 1, kv_dtype_bytes, eager, tokens_per_seq)
+        for s, (a, b) in enumerate(ranges)
+    ]
+    if last_stage_extra is not None:
+        stages[-1] = stages[-1] + last_stage_extra
     stage_s = [t.total for t in stages]
-    send = p2p_s(hw, mb * cfg.hidden_size * ACT_BYTES * 2) if pp > 1 else 0.0
+    send = p2p_s(hw, tokens * cfg.hidden_size * ACT_BYTES * 2) if pp > 1 else 0.0
     # Sampled token ids go back from the last stage to stage 0: latency only.
     sends = (pp - 1) * send + (p2p_s(hw, 0) if pp > 1 else 0.0)
     overhead = step_overhead_s(hw, pp, batch)
@@ -301,4 +335,5 @@ def decode_step(
         bubble_fraction=1 - busy / cycle if cycle > 0 else 0.0,
         memory_bound_fraction=(terms.weights + terms.kv) / streaming if streaming > 0 else 1.0,
         terms=terms,
+        tokens_per_seq=gained_per_seq,
     )

@@ -153,7 +153,9 @@ def _gemv(layer: _Layer, name: str, tokens: int, *suffixes: str, fraction: float
     return ([Kernel(f"{name} fp8 quant", KernelKind.ELEMENTWISE)] if fp8 else []) + [kernel]
 
 
-def _attention(cfg: ModelConfig, layer: _Layer, tp: int, batch: int, kv_len: float, kv_dtype_bytes: int) -> list[Kernel]:
+def _attention(
+    cfg: ModelConfig, layer: _Layer, tp: int, batch: int, kv_len: float, kv_dtype_bytes: int, tokens_per_seq: int = 1
+) -> list[Kernel]:
     ks = [Kernel("attn_norm", KernelKind.ELEMENTWISE)]
     if cfg.q_lora_rank:
         ks += _gemv(layer, "q_a+kv_a", batch, "q_a_proj.weight", "kv_a_proj_with_mqa.weight")
@@ -173,7 +175,8 @@ def _attention(cfg: ModelConfig, layer: _Layer, tp: int, batch: int, kv_len: flo
         Kernel(
             "mla_decode",
             KernelKind.ATTENTION,
-            kv_bytes=batch * kv_len * cfg.kv_latent_dim * kv_dtype_bytes,
+            # a sequence's query tokens (a speculative verify row) read its cache once
+            kv_bytes=batch / tokens_per_seq * kv_len * cfg.kv_latent_dim * kv_dtype_bytes,
             flops=2 * batch * heads * kv_len * (cfg.kv_latent_dim + cfg.kv_lora_rank),
         )
     )
@@ -268,14 +271,16 @@ def layer_work(
     kv_dtype_bytes: int = 2,
     skew: float = 0.0,
     engine: str = "moeserve",
+    tokens_per_seq: int = 1,
 ) -> Work:
-    """Kernels and collectives of one decode step of ``batch`` tokens on the busiest rank of a layer.
+    """Kernels and collectives of one decode step of ``batch`` tokens on the busiest rank of a layer,
+    ``tokens_per_seq`` of them per sequence (more than one: a speculative verify step).
 
     Every sequence reads its own ``kv_len`` cached tokens, also when requests share a prompt through the
     prefix cache (one copy in memory, but each sequence's attention streams it: L2 reuse is not modelled)."""
     layer_id = representative_layer(cfg, layer_id)
     layer = _Layer(cfg, layer_id, tp, ep)
-    kernels = _attention(cfg, layer, tp, batch, kv_len, kv_dtype_bytes)
+    kernels = _attention(cfg, layer, tp, batch, kv_len, kv_dtype_bytes, tokens_per_seq)
     kernels.append(Kernel("mlp_norm", KernelKind.ELEMENTWISE))
     if cfg.is_moe_layer(layer_id):
         kernels += _moe(cfg, layer, ep, batch, skew, ENGINES[engine])

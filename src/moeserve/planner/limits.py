@@ -4,15 +4,19 @@ from __future__ import annotations
 
 from moeserve.config import ModelConfig
 from moeserve.planner.hardware import Hardware
+from moeserve.planner.workload import DEFAULT_SETTINGS, EngineSettings
 
 
-def not_modelled(cfg: ModelConfig, hw: Hardware) -> list[str]:
+def not_modelled(cfg: ModelConfig, hw: Hardware, settings: EngineSettings = DEFAULT_SETTINGS) -> list[str]:
     notes = []
-    if cfg.num_nextn_predict_layers:
+    if cfg.num_nextn_predict_layers and settings.speculative is None:
         notes.append(
-            f"multi-token prediction: the checkpoint has {cfg.num_nextn_predict_layers} MTP layer(s); speculative "
-            "decoding (MTP / EAGLE) is not modelled and their weights are not counted: predictions are without it"
+            f"multi-token prediction: the checkpoint has {cfg.num_nextn_predict_layers} MTP layer(s); predictions are "
+            'without speculative decoding (model it with --speculative-config \'{"method": "mtp", '
+            '"num_speculative_tokens": 2}\' and --draft-acceptance-rate)'
         )
+    if cfg.num_nextn_predict_layers or settings.speculative is not None:
+        notes.append("the MTP layer's weights (about one MoE layer, on the last stage) are not counted in memory")
     if cfg.n_routed_experts and hw.gpus > 1:
         notes.append(
             "data-parallel attention (SGLang --enable-dp-attention, vLLM --data-parallel-size with expert "

@@ -24,6 +24,7 @@ from moeserve.planner.memory import (
     structural_problems,
 )
 from moeserve.planner.rank import rank_layouts, recommend
+from moeserve.planner.speculative import speculative_step
 from moeserve.planner.workload import DEFAULT_SETTINGS, EngineSettings, Workload
 
 __all__ = ["EngineSettings", "LayoutPlan", "Plan", "Workload", "evaluate_layout", "plan_layouts"]
@@ -130,8 +131,13 @@ def evaluate_layout(
         if note:
             why += f"; {note}"
     kv_bytes = settings.kv_dtype_bytes
-    single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, kv_bytes)
-    aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, kv_bytes)
+    if settings.speculative is None:
+        single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, kv_bytes)
+        aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, kv_bytes)
+    else:
+        spec = settings.speculative
+        single = speculative_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, spec, kv_bytes)
+        aggregate = speculative_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, spec, kv_bytes)
     return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single, aggregate, settings)
 
 
@@ -172,4 +178,4 @@ def plan_layouts(
     plans = rank_layouts(plans)
     best, reason = recommend(plans, cfg, hw)
     notes = list(hw.notes) + list(settings.notes)
-    return Plan(model_name or "model", cfg, hw, workload, plans, best, reason, notes, settings, not_modelled(cfg, hw))
+    return Plan(model_name or "model", cfg, hw, workload, plans, best, reason, notes, settings, not_modelled(cfg, hw, settings))

@@ -20,6 +20,7 @@ from moeserve.planner.engines import ENGINES
 from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.plan import plan_layouts
 from moeserve.planner.report import plan_json, render_plan
+from moeserve.planner.speculative import DEFAULT_MTP_ACCEPTANCE_RATE, Speculation, check_model
 from moeserve.planner.workload import KV_CACHE_DTYPES, EngineSettings, Workload
 
 
@@ -65,6 +66,16 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     wl.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="share of GPU memory the engine may use (default 0.9)")
     wl.add_argument("--max-num-seqs", type=int, default=256, help="most requests the engine runs at once (default 256)")
+    wl.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='model speculative decoding, vLLM\'s flag: \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+    )
+    wl.add_argument(
+        "--draft-acceptance-rate",
+        type=float,
+        help=f"with --speculative-config: chance a draft token is accepted after an accepted one (default {DEFAULT_MTP_ACCEPTANCE_RATE})",
+    )
     parser.add_argument(
         "--layout", action="append", help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable"
     )
@@ -145,7 +156,13 @@ def run_plan(args: argparse.Namespace) -> int:
             routing_skew=args.routing_skew,
         )
         workload = workload_from_args(args)
-        settings = EngineSettings(args.kv_cache_dtype, args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs)
+        speculative = None
+        if args.speculative_config:
+            speculative = Speculation.from_flags(args.speculative_config, args.draft_acceptance_rate)
+            check_model(cfg, speculative)
+        elif args.draft_acceptance_rate is not None:
+            raise ValueError("--draft-acceptance-rate needs --speculative-config")
+        settings = EngineSettings(args.kv_cache_dtype, args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs, speculative=speculative)
         layouts = _requested_layouts(args, cfg, hw, workload, settings)
         calibration = None
         if args.holdout and not args.calibrate:

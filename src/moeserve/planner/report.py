@@ -70,6 +70,14 @@ def hardware_summary(plan: Plan, calibration: Calibration | None = None) -> dict
             "gpu_memory_utilization": plan.settings.gpu_memory_utilization,
             "max_num_batched_tokens": plan.settings.max_num_batched_tokens,
             "max_num_seqs": plan.settings.max_num_seqs,
+            "speculative": None
+            if plan.settings.speculative is None
+            else {
+                "method": plan.settings.speculative.method,
+                "num_speculative_tokens": plan.settings.speculative.num_speculative_tokens,
+                "acceptance_rate": plan.settings.speculative.acceptance_rate,
+                "acceptance_length": round(plan.settings.speculative.acceptance_length, 4),
+            },
         },
         "notes": plan.notes,
         "not_modelled": plan.not_modelled,

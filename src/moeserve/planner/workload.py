@@ -15,6 +15,10 @@ that start empty (decode reads N/2 on average) and a ``max_model_len`` of N.
 from __future__ import annotations
 
 from dataclasses import InitVar, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from moeserve.planner.speculative import Speculation
 
 KV_CACHE_DTYPES = {"auto": 2, "bf16": 2, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1}
 
@@ -70,6 +74,7 @@ class EngineSettings:
     gpu_memory_utilization: float = 0.9
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    speculative: Speculation | None = None  # --speculative-config (planner/speculative.py)
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -85,14 +90,18 @@ class EngineSettings:
 
     @property
     def notes(self) -> tuple[str, ...]:
+        notes = []
         if self.kv_dtype_bytes == 1:
-            return (
-                (
-                    "FP8 KV cache planned: moeserve allocates a bf16 cache today, so these KV capacities "
-                    "and KV read times are for an engine that stores FP8 latents (vLLM, SGLang)"
-                ),
+            notes.append(
+                "FP8 KV cache planned: moeserve allocates a bf16 cache today, so these KV capacities "
+                "and KV read times are for an engine that stores FP8 latents (vLLM, SGLang)"
             )
-        return ()
+        if self.speculative is not None:
+            notes.append(
+                f"{self.speculative.describe()}: tok/s count the tokens gained; the acceptance rate is an input "
+                "(--draft-acceptance-rate), not a measurement"
+            )
+        return tuple(notes)
 
 
 DEFAULT_SETTINGS = EngineSettings()

@@ -1,0 +1,312 @@
+"""EAGLE-3 draft models as they are published (``LlamaForCausalLMEagle3``): one Llama-style
+decoder layer that reads the target's hidden states fused from three of its layers.
+
+A published draft directory holds ``config.json`` and safetensors with:
+
+- ``fc.weight`` ``[H, 3 * H_target]``: fuses the target's residual stream entering three layers
+  (``eagle_config.eagle_aux_hidden_state_layer_ids``; by default 2, N // 2 and N - 3 of the
+  target's N layers);
+- ``midlayer.*``: the decoder layer. Its attention reads ``[input_layernorm(embedding of the
+  token), hidden_norm(hidden)]`` side by side (``q/k/v_proj`` take ``2 H`` inputs); the residual is
+  the hidden state, not the embedding;
+- ``norm.weight``, ``lm_head.weight`` ``[V_draft, H]``: logits over the draft's own vocabulary;
+- ``d2t`` ``[V_draft]``: draft id ``i`` is target id ``i + d2t[i]`` (``t2d`` is not needed here);
+- ``embed_tokens.weight`` when the draft has its own embedding; otherwise the target's is shared.
+
+Position ``t`` of the draft pairs the target's hidden state at ``t`` with token ``t + 1``; its
+logits propose token ``t + 2``. Later drafts chain: the draft's own pre-norm output takes the
+place of the fused hidden state. The draft keeps its own attention cache per sequence; writing at
+a position drops whatever the cache held from there on (rejected drafts are rolled back so).
+
+Replicated on every rank that runs it (it is small); plain torch, float32 accumulation where the
+weights' dtype is lower.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+from torch.nn import functional as F
+
+DRAFT_PREFIX = "midlayer."
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict, target_num_layers: int, target_hidden_size: int | None = None) -> Eagle3Config:
+        arch = (d.get("architectures") or ["LlamaForCausalLMEagle3"])[0]
+        if "eagle3" not in arch.lower():
+            raise ValueError(f"not an EAGLE-3 draft: architectures is {d.get('architectures')!r}")
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        eagle = d.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids") or (2, target_num_layers // 2, target_num_layers - 3)
+        aux = tuple(int(i) for i in aux)
+        if len(aux) != 3 or not all(0 <= i < target_num_layers for i in aux):
+            raise ValueError(f"EAGLE-3 draft: aux hidden-state layers {aux} must be three of the target's {target_num_layers} layers")
+        scaling = d.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "linear", "llama3"):
+            raise ValueError(f"EAGLE-3 draft: rope_scaling {scaling} is not supported (default, linear, llama3 are)")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads", heads)),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            vocab_size=int(d["vocab_size"]),
+            draft_vocab_size=int(d.get("draft_vocab_size") or d["vocab_size"]),
+            target_hidden_size=int(d.get("target_hidden_size") or target_hidden_size or hidden),
+            aux_layer_ids=aux,
+            rope_scaling=scaling or None,
+        )
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rope_inv_freq(cfg: Eagle3Config) -> torch.Tensor:
+    """Llama's inverse frequencies, with its ``linear`` or ``llama3`` scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = cfg.rope_scaling or {}
+    kind = s.get("rope_type", s.get("type", "default"))
+    if kind == "linear":
+        inv = inv / float(s["factor"])
+    elif kind == "llama3":
+        factor, low, high = float(s["factor"]), float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+        old_len = float(s.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv
+        smooth = ((old_len / wavelen) - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv / factor, inv)
+        middle = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv = torch.where(middle, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama's rotate-half rope on ``[T, heads, head_dim]``."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+@dataclass
+class DraftCache:
+    """Per sequence: the draft layer's keys and values ``[kv_heads, length, head_dim]``."""
+
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def length(self, seq_id: int) -> int:
+        k = self.keys.get(seq_id)
+        return 0 if k is None else k.shape[1]
+
+    def write(self, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep positions ``[0, start)``, put ``k``/``v`` after them; returns the whole cache."""
+        have = self.length(seq_id)
+        if start > have:
+            raise ValueError(f"draft cache of sequence {seq_id}: writing at {start} leaves a hole after {have}")
+        if have:
+            k = torch.cat([self.keys[seq_id][:, :start], k], dim=1)
+            v = torch.cat([self.values[seq_id][:, :start], v], dim=1)
+        self.keys[seq_id], self.values[seq_id] = k, v
+        return k, v
+
+    def free(self, seq_id: int) -> None:
+        self.keys.pop(seq_id, None)
+        self.values.pop(seq_id, None)
+
+
+@dataclass
+class DraftRows:
+    """One draft pass: per sequence, the tokens fed (``counts[i]`` of them, from ``starts[i]``)."""
+
+    seq_ids: list[int]
+    starts: list[int]  # the draft position of each sequence's first token this pass
+    counts: list[int]
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, cfg: Eagle3Config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        h, t = cfg.hidden_size, cfg.target_hidden_size
+        kw = {"dtype": dtype, "device": device}
+        self.fc = nn.Linear(3 * t, h, bias=False, **kw)
+        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * cfg.head_dim, bias=False, **kw)
+        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
+        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, h, bias=False, **kw)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False, **kw)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False, **kw)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, **kw)
+        self.input_layernorm = nn.Parameter(torch.ones(h, **kw))
+        self.hidden_norm = nn.Parameter(torch.ones(h, **kw))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
+        self.norm = nn.Parameter(torch.ones(h, **kw))
+        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False, **kw)
+        self.embed_tokens: torch.Tensor | None = None  # its own, or the target's (``share_embedding``)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device))
+        self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        self.cache = DraftCache()
+
+    # ---- loading ----
+
+    _RENAMES = {
+        "self_attn.q_proj.weight": "q_proj.weight",
+        "self_attn.k_proj.weight": "k_proj.weight",
+        "self_attn.v_proj.weight": "v_proj.weight",
+        "self_attn.o_proj.weight": "o_proj.weight",
+        "mlp.gate_proj.weight": "gate_proj.weight",
+        "mlp.up_proj.weight": "up_proj.weight",
+        "mlp.down_proj.weight": "down_proj.weight",
+        "input_layernorm.weight": "input_layernorm",
+        "hidden_norm.weight": "hidden_norm",
+        "post_attention_layernorm.weight": "post_attention_layernorm",
+    }
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        target_num_layers: int,
+        target_hidden_size: int,
+        target_embedding: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> Eagle3Draft:
+        """A published draft directory; ``target_embedding`` when the draft has none of its own."""
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"EAGLE-3 draft: no config.json in {path}")
+        cfg = Eagle3Config.from_dict(json.loads(cfg_file.read_text()), target_num_layers, target_hidden_size)
+        if cfg.target_hidden_size != target_hidden_size:
+            raise ValueError(f"EAGLE-3 draft fuses hidden states of size {cfg.target_hidden_size}, the target's are {target_hidden_size}")
+        tensors: dict[str, torch.Tensor] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"EAGLE-3 draft: no *.safetensors in {path}")
+        for f in files:
+            tensors.update(load_file(str(f)))
+        draft = cls(cfg, dtype, device)
+        draft.load_tensors(tensors, target_embedding)
+        return draft
+
+    def load_tensors(self, tensors: dict[str, torch.Tensor], target_embedding: torch.Tensor | None) -> None:
+        params = dict(self.named_parameters())
+        names = {"fc.weight": "fc.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight"}
+        for name in tensors:
+            for prefix in (DRAFT_PREFIX, "model.layers.0.", "layers.0."):
+                if name.startswith(prefix) and name[len(prefix) :] in self._RENAMES:
+                    names[name] = self._RENAMES[name[len(prefix) :]]
+        missing = sorted(set(params) - set(names.values()))
+        if missing:
+            raise ValueError(f"EAGLE-3 draft: no tensor for {', '.join(missing)}")
+        with torch.no_grad():
+            for src, dst in names.items():
+                if src not in tensors:
+                    raise ValueError(f"EAGLE-3 draft: missing tensor {src}")
+                if tensors[src].shape != params[dst].shape:
+                    raise ValueError(f"EAGLE-3 draft: {src} has shape {tuple(tensors[src].shape)}, expected {tuple(params[dst].shape)}")
+                params[dst].copy_(tensors[src])
+            if "d2t" in tensors:
+                self.d2t.copy_(tensors["d2t"].to(torch.int64))
+            elif self.cfg.draft_vocab_size != self.cfg.vocab_size:
+                raise ValueError("EAGLE-3 draft: its vocabulary is reduced but it has no d2t map")
+        embed = tensors.get("embed_tokens.weight", tensors.get("model.embed_tokens.weight"))
+        embed = embed if embed is not None else target_embedding
+        if embed is None:
+            raise ValueError("EAGLE-3 draft: it has no embed_tokens and no target embedding was given")
+        if tuple(embed.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
+            raise ValueError(
+                f"EAGLE-3 draft: embedding of shape {tuple(embed.shape)}, expected {(self.cfg.vocab_size, self.cfg.hidden_size)}"
+            )
+        self.embed_tokens = embed.to(self.fc.weight.device, self.fc.weight.dtype)
+
+    # ---- forward ----
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, 3 * H_target]`` (the three layers' residual streams side by side) -> ``[T, H]``."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
+
+    def forward(self, token_ids: torch.Tensor, hidden: torch.Tensor, rows: DraftRows) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass: ``token_ids`` ``[T]`` and ``hidden`` ``[T, H]`` (fused, or the draft's own), the
+        rows' tokens one after another. Returns (draft-vocabulary logits ``[T, V_draft]`` in
+        float32, the pre-norm hidden states ``[T, H]`` the next pass chains on)."""
+        cfg = self.cfg
+        eps = cfg.rms_norm_eps
+        embeds = F.embedding(token_ids, self.embed_tokens)
+        x = torch.cat([_rms_norm(embeds, self.input_layernorm, eps), _rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
+        T = token_ids.shape[0]
+        q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
+        k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(rows.starts, rows.counts)]).to(q.device)
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = angles.cos()[:, None, :].to(q.dtype), angles.sin()[:, None, :].to(q.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = torch.empty(T, cfg.num_attention_heads, cfg.head_dim, dtype=q.dtype, device=q.device)
+        at = 0
+        group = cfg.num_attention_heads // cfg.num_key_value_heads
+        for seq_id, start, n in zip(rows.seq_ids, rows.starts, rows.counts):
+            keys, values = self.cache.write(seq_id, start, k[at : at + n].transpose(0, 1), v[at : at + n].transpose(0, 1))
+            qs = q[at : at + n].transpose(0, 1)  # [heads, n, d]
+            keys = keys.repeat_interleave(group, dim=0)
+            values = values.repeat_interleave(group, dim=0)
+            # query i sits at start + i and sees keys [0, start + i]
+            mask = torch.arange(start + n, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
+            attn = F.scaled_dot_product_attention(qs.float(), keys.float(), values.float(), attn_mask=mask)
+            out[at : at + n] = attn.transpose(0, 1).to(out.dtype)
+            at += n
+        residual = hidden + self.o_proj(out.reshape(T, -1))
+        normed = _rms_norm(residual, self.post_attention_layernorm, eps)
+        residual = residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        logits = self.lm_head(_rms_norm(residual, self.norm, eps)).float()
+        return logits, residual
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def propose(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor, rows: DraftRows, k: int) -> torch.Tensor:
+        """Greedy drafts ``[B, k]`` (target ids). ``token_ids``/``aux_hidden``: per row, the tokens
+        the target accepted since the row's last pass, each with the target's aux hidden states at
+        the position before it; ``rows.starts`` where they go in the draft's positions."""
+        ends = torch.tensor(rows.counts, device=token_ids.device).cumsum(0) - 1
+        logits, hidden = self(token_ids, self.fuse(aux_hidden), rows)
+        drafts = [self.to_target_ids(logits[ends].argmax(-1))]
+        last = hidden[ends]
+        ones = [1] * len(rows.seq_ids)
+        for j in range(1, k):
+            step = DraftRows(rows.seq_ids, [s + n - 1 + j for s, n in zip(rows.starts, rows.counts)], ones)
+            logits, last = self(drafts[-1], last, step)
+            drafts.append(self.to_target_ids(logits.argmax(-1)))
+        return torch.stack(drafts, dim=1)
+
+    def free(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
