@@ -8,6 +8,7 @@ ranks are up (device, pipeline stages, KV cache capacity), resolved once by ``re
 
 from __future__ import annotations
 
+import json
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,8 @@ class EngineConfig:
     speculative_config: dict | None = setting(
         None,
         'JSON object: speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s '
-        "MTP layer drafts on the last pipeline stage; CUDA graphs and async scheduling off)",
+        'MTP layer drafts on the last pipeline stage), or \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 2}\' '
+        "(an EAGLE-3 draft; one pipeline stage); CUDA graphs and async scheduling off",
     )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))
@@ -121,19 +123,23 @@ class EngineConfig:
         self.speculative = SpeculativeConfig.parse(self.speculative_config)
         if self.speculative is not None and self.nnodes > 1:
             raise ValueError("speculative decoding runs on one node for now")
+        if self.speculative is not None and self.speculative.method == "eagle3" and self.pipeline_parallel_size > 1:
+            raise ValueError("EAGLE-3 speculative decoding runs with one pipeline stage (--pp 1) for now")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {self.generation_config!r}: no generation_config.json there (auto | vllm | a directory)")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's ``speculative_config`` as far as moeserve runs it: the checkpoint's MTP layer drafts
+    """vLLM's ``speculative_config`` as far as moeserve runs it: the checkpoint's MTP layer
+    (``mtp``) or an EAGLE-3 draft directory (``eagle3``, ``model``) drafts
     ``num_speculative_tokens`` tokens a step (chained on itself beyond the first)."""
 
-    method: str
+    method: str  # "mtp" or "eagle3"
     num_speculative_tokens: int
+    model: str | None = None  # the EAGLE-3 draft's directory
 
-    METHODS = ("mtp", "deepseek_mtp")
+    METHODS = ("mtp", "deepseek_mtp", "eagle3")
 
     @classmethod
     def parse(cls, value: dict | None) -> SpeculativeConfig | None:
@@ -143,14 +149,28 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
         unknown = set(value) - {"method", "num_speculative_tokens", "model"}
         if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))} (method, num_speculative_tokens)")
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))} (method, num_speculative_tokens, model)")
         method = value.get("method", "mtp")
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
         k = value.get("num_speculative_tokens", 1)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in [1, 16], got {k!r}")
-        return cls("mtp", k)
+        if method != "eagle3":
+            return cls("mtp", k)
+        model = value.get("model")
+        if not model:
+            raise ValueError('speculative_config method "eagle3" needs "model": the EAGLE-3 draft\'s directory')
+        cfg = Path(model) / "config.json"
+        if not cfg.is_file():
+            raise ValueError(f"speculative_config model {model!r}: no config.json there (an EAGLE-3 draft directory)")
+        try:
+            archs = json.loads(cfg.read_text()).get("architectures") or []
+        except (OSError, ValueError) as e:
+            raise ValueError(f"speculative_config model {model!r}: unreadable config.json ({e})") from e
+        if not any("eagle3" in str(a).lower() for a in archs):
+            raise ValueError(f"speculative_config model {model!r} is not an EAGLE-3 draft (architectures {archs!r})")
+        return cls("eagle3", k, str(model))
 
 
 @dataclass(frozen=True)

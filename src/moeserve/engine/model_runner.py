@@ -113,12 +113,13 @@ class ModelRunner:
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
             self._use_kernels()
         self.page_size = config.page_size
-        self.drafter = None  # speculative decoding's MTP layer (engine/spec_decode.py), with its KV layer
+        self.drafter = None  # speculative decoding's MTP layer or EAGLE-3 draft (engine/spec_decode.py)
         if config.speculative is not None and is_last:
-            from moeserve.engine.spec_decode import MTPDrafter
+            from moeserve.engine.spec_decode import make_drafter
 
-            self.drafter = MTPDrafter(self, config.speculative.num_speculative_tokens)
-        self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers + int(self.drafter is not None), self.dtype)
+            self.drafter = make_drafter(self, config.speculative)
+        drafter_layers = self.drafter.kv_layers if self.drafter is not None else 0
+        self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers + drafter_layers, self.dtype)
         # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
         self.emulate_graphs = self.device.type != "cuda" and os.environ.get("MOESERVE_EMULATE_CUDA_GRAPHS") == "1"
         self.use_graphs = (

@@ -33,6 +33,8 @@ from moeserve.models.deepseek_mtp import DeepseekMTP
 from moeserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from moeserve.engine.config import SpeculativeConfig
+    from moeserve.engine.eagle3_drafter import Eagle3Drafter
     from moeserve.engine.model_runner import ModelRunner
 
 log = logging.getLogger("moeserve")
@@ -42,6 +44,8 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)  # a row whose sample
 
 class MTPDrafter:
     """The MTP layer of the checkpoint beside the target, with its own one-layer KV pool."""
+
+    kv_layers = 1  # its layer in the paged KV cache
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         self.k = num_speculative_tokens
@@ -59,6 +63,20 @@ class MTPDrafter:
         self.pool = None
         self.pool = StageKVPool(runner.model_config, self.model.stage, num_pages, runner.page_size, runner.dtype, runner.device)
         self.model.bind(self.pool, runner.backend)
+
+    def propose(
+        self, runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
+    ) -> list[list[int]]:
+        return _propose(runner, step, ids, ctx, hidden, result) if step.sample_seq_ids else []
+
+
+def make_drafter(runner: ModelRunner, spec: SpeculativeConfig) -> MTPDrafter | Eagle3Drafter:
+    """The drafter of ``spec.method`` (both: ``kv_layers``, ``make_pool``, ``propose``)."""
+    if spec.method == "eagle3":
+        from moeserve.engine.eagle3_drafter import Eagle3Drafter
+
+        return Eagle3Drafter(runner, spec)
+    return MTPDrafter(runner, spec.num_speculative_tokens)
 
 
 @torch.inference_mode()
@@ -87,7 +105,8 @@ def run_speculative_step(
             result = _accept(runner, step, logits)
         if tp.size > 1:  # the MTP forward runs on every TP rank: each needs the accepted tokens
             result = _share_acceptance(result, len(step.sample_seq_ids), runner.device, tp)
-        result.drafts = _propose(runner, step, ids, ctx, hidden, result)
+    # (EAGLE-3's draft also reads the steps that only prefill)
+    result.drafts = runner.drafter.propose(runner, step, ids, ctx, hidden, result)
     if prompt is not None:
         result.prompt_logprobs = prompt.result(prompt.packed.cpu())
     return result
@@ -237,4 +256,4 @@ def _propose(
     return proposals
 
 
-__all__ = ["MTPDrafter", "run_speculative_step"]
+__all__ = ["MTPDrafter", "make_drafter", "run_speculative_step"]

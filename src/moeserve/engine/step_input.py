@@ -37,6 +37,7 @@ class StepInput:
     # every position).
     draft_tokens: list[list[int]] | None = None
     next_token_ids: list[int] | None = None
+    seq_ids: list[int] = field(default_factory=list)  # per row: its sequence (EAGLE-3's draft cache)
 
     @property
     def num_tokens(self) -> int:
@@ -106,6 +107,7 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
         prompt_logprobs,
         drafts if speculative else None,
         next_ids if speculative else None,
+        seq_ids=[s.seq_id for s in batch.seqs],
     )
 
 

@@ -58,6 +58,10 @@ class DeepseekModel(nn.Module):
         # ModuleDict keyed by the global layer id keeps checkpoint names (model.layers.<id>.*).
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, rotary) for i in stage.layers()})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
+        # Opt-in (EAGLE-3 drafts): the residual stream entering these layers, kept per forward in
+        # ``captured`` (layer id -> [T, H]); empty, nothing is kept.
+        self.capture_layers: frozenset[int] = frozenset()
+        self.captured: dict[int, torch.Tensor] = {}
 
     def forward(
         self,
@@ -69,7 +73,9 @@ class DeepseekModel(nn.Module):
         self.rotary.new_forward()
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers.values():
+        for layer_id, layer in self.layers.items():
+            if self.capture_layers and int(layer_id) in self.capture_layers:
+                self.captured[int(layer_id)] = hidden if residual is None else hidden + residual
             hidden, residual = layer(positions, hidden, residual)
         if self.norm is not None:
             return self.norm.add_and_norm(hidden, residual)[0], None

@@ -1,0 +1,142 @@
+"""EAGLE-3 speculative decoding: a published EAGLE-3 draft (``models/eagle3.py``) proposes the
+next drafts from the target's residual stream entering three of its layers.
+
+The target keeps the inputs of the draft's aux layers for every position of a step
+(``DeepseekModel.capture_layers``). After acceptance, each row feeds the draft the positions whose
+next token is now known: position ``t`` pairs the aux states at ``t`` with token ``t + 1`` (a
+prompt chunk's positions; a decode row's last token and its accepted drafts). The row writes the
+draft's cache from its first position, which drops what the previous step's chained drafts left
+there; the draft then chains ``k - 1`` more passes on its own outputs.
+
+The draft keeps its own per-sequence cache (not the paged KV cache). A sequence whose first
+fed position is not 0 (its prompt prefix found in the prefix cache) starts its draft cache there:
+draft positions are shifted by that offset, which rope's relative positions do not see; the draft
+just attends to less context. One pipeline stage only; under TP, TP rank 0 alone holds and runs
+the draft (the drafts travel to every rank in the next step's input, so nothing is broadcast).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.device_copy import to_device
+from moeserve.distributed.tp_collectives import tp_group
+from moeserve.engine.config import SpeculativeConfig
+from moeserve.engine.context import StepContext
+from moeserve.engine.sampler import SampleResult
+from moeserve.engine.step_input import StepInput
+from moeserve.models.eagle3 import DraftRows, Eagle3Draft
+
+if TYPE_CHECKING:
+    from moeserve.engine.model_runner import ModelRunner
+
+log = logging.getLogger("moeserve")
+
+
+def draft_feed(step: StepInput, result: SampleResult) -> list[tuple[int, int, list[int], list[int]]]:
+    """Per row of the step: (seq id, its first target position, the flat indices of the positions
+    whose next token is known, those next tokens)."""
+    drafts = step.draft_tokens or [[] for _ in step.sample_seq_ids]
+    out = []
+    at, r, emitted = 0, 0, 0
+    for i, n in enumerate(step.query_lens):
+        if step.next_token_ids[i] >= 0:  # a prompt chunk whose next token is a known prompt token
+            valid, tail = n, step.next_token_ids[i]
+        else:
+            count = result.counts[r]
+            valid = n - len(drafts[r]) + count - 1  # positions after the accepted drafts are dropped
+            tail = result.token_ids[emitted + count - 1]
+            emitted += count
+            r += 1
+        out.append((step.seq_ids[i], step.positions[at], list(range(at, at + valid)), [*step.input_ids[at + 1 : at + valid], tail]))
+        at += n
+    return out
+
+
+class Eagle3Drafter:
+    """The EAGLE-3 draft beside the target (same interface as ``MTPDrafter``)."""
+
+    kv_layers = 0  # its cache is its own, per sequence: no layer in the paged KV pool
+
+    def __init__(self, runner: ModelRunner, spec: SpeculativeConfig):
+        self.k = spec.num_speculative_tokens
+        cfg = runner.model_config
+        tp = tp_group()
+        self.runs = tp.rank == 0
+        self.draft: Eagle3Draft | None = None
+        self.offsets: dict[int, int] = {}  # seq id -> the target position of its draft position 0
+        if not self.runs:
+            return
+        embed = runner.model.model.embed_tokens
+        # Under TP the target's embedding is sharded: the draft reads the checkpoint's full one.
+        weight = embed.weight if tp.size == 1 else _checkpoint_embedding(runner.config.model)
+        self.draft = Eagle3Draft.load(spec.model, cfg.num_hidden_layers, cfg.hidden_size, weight, runner.dtype, runner.device)
+        self.draft.eval()
+        self.aux = self.draft.cfg.aux_layer_ids
+        runner.model.model.capture_layers = frozenset(self.aux)
+        log.info(
+            "speculative decoding: EAGLE-3 draft %s (aux layers %s) drafts %d token(s) a step (CUDA graphs and async scheduling off)",
+            spec.model,
+            list(self.aux),
+            self.k,
+        )
+
+    def make_pool(self, runner: ModelRunner, num_pages: int) -> None:
+        pass  # no paged KV
+
+    def free(self, seq_id: int) -> None:
+        self.offsets.pop(seq_id, None)
+        if self.draft is not None:
+            self.draft.free(seq_id)
+
+    def propose(
+        self, runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
+    ) -> list[list[int]]:
+        """Feeds the step's known positions to the draft (every row, prompt chunks too) and
+        returns ``k`` drafts per sampling row (none on TP ranks other than 0)."""
+        if not self.runs:
+            return []
+        for seq_id in step.finished_seq_ids:
+            self.free(seq_id)
+        captured = runner.model.model.captured
+        aux = torch.cat([captured[i] for i in self.aux], dim=-1)
+        captured.clear()
+        draft = self.draft
+        keep: list[int] = []
+        next_ids: list[int] = []
+        rows = DraftRows([], [], [])
+        for seq_id, start, flat, nxt in draft_feed(step, result):
+            offset = self.offsets.get(seq_id)
+            have = draft.cache.length(seq_id)
+            if offset is None or have == 0 or not 0 <= start - offset <= have:
+                self.free(seq_id)  # a new sequence, or one recomputed after preemption
+                offset = self.offsets[seq_id] = start
+            keep.extend(flat)
+            next_ids.extend(nxt)
+            rows.seq_ids.append(seq_id)
+            rows.starts.append(start - offset)
+            rows.counts.append(len(flat))
+        if not keep:
+            return []
+        dev = runner.device
+        drafts = draft.propose(to_device(next_ids, dev), aux[to_device(keep, dev)], rows, self.k)
+        sampling = [i for i, nxt in enumerate(step.next_token_ids) if nxt < 0]
+        return drafts[to_device(sampling, dev)].tolist() if sampling else []
+
+
+def _checkpoint_embedding(model_dir: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    from moeserve.loader import checkpoint_files
+
+    for f in checkpoint_files(model_dir):
+        with safe_open(str(f), "pt") as st:
+            if "model.embed_tokens.weight" in st.keys():
+                return st.get_tensor("model.embed_tokens.weight")
+    raise ValueError(f"EAGLE-3 draft: no model.embed_tokens.weight in {model_dir} to share with the draft")
+
+
+__all__ = ["Eagle3Drafter", "draft_feed"]
