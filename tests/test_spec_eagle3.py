@@ -162,3 +162,17 @@ def test_demo_model_greedy_equal_and_accepts_drafts():
     mean = spec.engine.spec_mean_accepted_length
     print(f"demo model, EAGLE-3 k=2: mean accepted length {mean:.2f} tokens a step")
     assert mean > 1.5
+
+
+def test_demo_model_tensor_parallel_accepts_drafts():
+    """TP 2 (gloo on CPU): TP rank 0 alone holds the draft (the target's embedding read whole from
+    the checkpoint) and drafts; the same greedy tokens as one process without speculation."""
+    from moeserve.demo import EAGLE3_DIR
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    want = _tokens(LLM(None, device="cpu"), [prompt], params)
+    with LLM(None, device="cpu", tensor_parallel_size=2, speculative_config=_spec(str(EAGLE3_DIR))) as llm:
+        assert _tokens(llm, [prompt], params) == want
+        assert llm.engine.spec_num_accepted_tokens > 0
