@@ -128,6 +128,14 @@ def test_random_draft_stops_lengths_prefix_cache_preemption(random_target, rando
     assert small.engine.num_preemptions > 0
 
 
+def test_random_draft_sampling_runs_and_seeds_repeat(random_target, random_draft):
+    spec = _engine(random_target, _spec(random_draft))
+    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, seed=3, ignore_eos=True, logprobs=2)
+    a, b = (spec.generate(PROMPTS[:2], params) for _ in range(2))
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    assert all(len(o.outputs[0].token_ids) == 10 and len(o.outputs[0].logprobs) == 10 for o in a)
+
+
 def test_config_errors(tmp_path, random_target, random_draft):
     with pytest.raises(ValueError, match='needs "model"'):
         SpeculativeConfig.parse({"method": "eagle3", "num_speculative_tokens": 2})
@@ -136,6 +144,7 @@ def test_config_errors(tmp_path, random_target, random_draft):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
     with pytest.raises(ValueError, match="not an EAGLE-3 draft"):
         SpeculativeConfig.parse(_spec(str(tmp_path)))
+    assert SpeculativeConfig.parse({"model": random_draft}).method == "eagle3"  # vLLM guesses it from the name
     with pytest.raises(ValueError, match="is not supported"):
         SpeculativeConfig.parse({"method": "eagle-3", "model": random_draft})
     with pytest.raises(ValueError, match="one pipeline stage"):

@@ -150,7 +150,9 @@ class SpeculativeConfig:
         unknown = set(value) - {"method", "num_speculative_tokens", "model"}
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))} (method, num_speculative_tokens, model)")
-        method = value.get("method", "mtp")
+        method = value.get("method")
+        if method is None:  # as vLLM: a draft model whose name says eagle3 is one
+            method = "eagle3" if "eagle3" in str(value.get("model") or "").lower() else "mtp"
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
         k = value.get("num_speculative_tokens", 1)
