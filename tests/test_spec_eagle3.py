@@ -102,9 +102,8 @@ def test_random_draft_greedy_equals_plain(random_target, random_draft, plain, k)
     e = llm.engine
     assert e.spec_num_draft_tokens > 0
     assert 0 <= e.spec_num_accepted_tokens <= e.spec_num_draft_tokens
-    drafter = e.executor.runner.drafter if hasattr(e.executor, "runner") else None
-    if drafter is not None:  # finished sequences let go of their draft cache (in the step after)
-        assert len(drafter.draft.cache.keys) < len(PROMPTS) and set(drafter.offsets) == set(drafter.draft.cache.keys)
+    drafter = e.executor.runner.drafter  # finished sequences let go of their draft cache (in the step after)
+    assert len(drafter.draft.cache.keys) < len(PROMPTS) and set(drafter.offsets) == set(drafter.draft.cache.keys)
 
 
 def test_random_draft_stops_lengths_prefix_cache_preemption(random_target, random_draft, plain):
@@ -126,6 +125,8 @@ def test_random_draft_stops_lengths_prefix_cache_preemption(random_target, rando
     small = _engine(random_target, _spec(random_draft), num_kv_pages=6, max_model_len=64)
     assert _tokens(small, prompts, params) == want
     assert small.engine.num_preemptions > 0
+    drafter = small.engine.executor.runner.drafter  # preempted and finished sequences let go of their caches
+    assert len(drafter.draft.cache.keys) < len(prompts) and set(drafter.offsets) == set(drafter.draft.cache.keys)
 
 
 def test_random_draft_sampling_runs_and_seeds_repeat(random_target, random_draft):

@@ -99,7 +99,7 @@ class Eagle3Drafter:
         returns ``k`` drafts per sampling row (none on TP ranks other than 0)."""
         if not self.runs:
             return []
-        for seq_id in step.finished_seq_ids:
+        for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
             self.free(seq_id)
         captured = runner.model.model.captured
         aux = torch.cat([captured[i] for i in self.aux], dim=-1)

@@ -346,6 +346,7 @@ class LLMEngine:
                 self.request_trace.mark(first, "scheduled")
             step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids, self.speculative is not None)
             self._finished_seq_ids = []
+            step.preempted_seq_ids, self.scheduler.preempted_seq_ids = self.scheduler.preempted_seq_ids, []
             try:
                 handle = self.executor.submit(step)
             except BaseException:

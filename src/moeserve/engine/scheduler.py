@@ -245,6 +245,7 @@ class Scheduler:
         self._running_of: dict[str, int] = {}
         self.num_waiting_requests = 0
         self.num_preemptions = 0
+        self.preempted_seq_ids: list[int] = []  # since the engine last took them (drafters' caches)
         # vLLM's prefix cache counters, in tokens: those of admitted sequences, and of them those
         # found cached
         self.prefix_cache_queries = 0
@@ -430,6 +431,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted_seq_ids.append(seq.seq_id)
         self.waiting.appendleft(seq)
         self._count(seq.request_id, waiting=1, running=-1)
 

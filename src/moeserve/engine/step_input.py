@@ -38,6 +38,7 @@ class StepInput:
     draft_tokens: list[list[int]] | None = None
     next_token_ids: list[int] | None = None
     seq_ids: list[int] = field(default_factory=list)  # per row: its sequence (EAGLE-3's draft cache)
+    preempted_seq_ids: list[int] = field(default_factory=list)  # since the last step: drop their draft caches
 
     @property
     def num_tokens(self) -> int:
