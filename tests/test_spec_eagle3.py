@@ -186,3 +186,17 @@ def test_demo_model_tensor_parallel_accepts_drafts():
     with LLM(None, device="cpu", tensor_parallel_size=2, speculative_config=_spec(str(EAGLE3_DIR))) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
+
+
+def test_generate_cli_takes_eagle3(capsys):
+    """`moeserve generate --speculative-config` with the demo's EAGLE-3 draft (vLLM's JSON): the
+    text of the run without it."""
+    from moeserve import cli
+    from moeserve.demo import EAGLE3_DIR
+
+    args = ["generate", "--chat", "--prompt", "Hello!", "--max-tokens", "8", "--device", "cpu"]
+    texts = []
+    for extra in ([], ["--speculative-config", json.dumps(_spec(str(EAGLE3_DIR)))]):
+        assert cli.main(args + extra) == 0
+        texts.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("text:")])
+    assert texts[0] and texts[1] == texts[0]
