@@ -200,3 +200,18 @@ def test_generate_cli_takes_eagle3(capsys):
         assert cli.main(args + extra) == 0
         texts.append([line for line in capsys.readouterr().out.splitlines() if line.startswith("text:")])
     assert texts[0] and texts[1] == texts[0]
+
+
+def test_demo_model_through_the_triton_backend():
+    """The captured aux states with the Triton backend's kernels (the interpreter on CPU), prompt
+    chunks of 32 tokens: drafts accepted, the same greedy tokens as the reference backend."""
+    from moeserve.demo import EAGLE3_DIR
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=7)
+    want = _tokens(LLM(None, device="cpu"), [prompt], params)
+    kw = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=32, page_size=4, max_num_seqs=2, max_model_len=48)
+    with LLM(None, speculative_config=_spec(str(EAGLE3_DIR)), **kw) as llm:
+        assert _tokens(llm, [prompt], params) == want
+        assert llm.engine.spec_num_accepted_tokens > 0
