@@ -215,3 +215,13 @@ def test_demo_model_through_the_triton_backend():
     with LLM(None, speculative_config=_spec(str(EAGLE3_DIR)), **kw) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
+
+
+def test_offline_bench_reports_eagle3(tmp_path):
+    from moeserve.cli import main
+    from moeserve.demo import EAGLE3_DIR
+
+    args = ["bench", "--offline", "--device", "cpu", "--batch-sizes", "1", "--input-len", "8", "--output-len", "6"]
+    assert main([*args, "--speculative-config", json.dumps(_spec(str(EAGLE3_DIR))), "--result-dir", str(tmp_path)]) == 0
+    spec = json.loads((tmp_path / "offline.json").read_text())["speculative"]
+    assert spec["method"] == "eagle3" and spec["num_draft_tokens"] > 0 and spec["mean_accepted_length"] >= 1

@@ -139,7 +139,7 @@ def run_offline(
     spec = _speculation(llm)
     if spec:
         wide_console().print(
-            f"speculative decoding (MTP, k={spec['num_speculative_tokens']}): {spec['num_accepted_tokens']:,} of "
+            f"speculative decoding ({spec['method'].upper()}, k={spec['num_speculative_tokens']}): {spec['num_accepted_tokens']:,} of "
             f"{spec['num_draft_tokens']:,} drafts accepted ({100 * spec['acceptance_rate']:.1f} %), mean accepted length "
             f"{spec['mean_accepted_length']:.2f} tokens a step (warm-ups included)"
         )
@@ -178,6 +178,7 @@ def _speculation(llm: LLM) -> dict | None:
     if e.speculative is None:
         return None
     return {
+        "method": e.speculative.method,
         "num_speculative_tokens": e.speculative.num_speculative_tokens,
         "num_drafts": e.spec_num_drafts,
         "num_draft_tokens": e.spec_num_draft_tokens,
