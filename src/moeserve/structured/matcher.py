@@ -1,0 +1,83 @@
+"""The engine's side of constrained decoding: grammars compiled against the tokenizer (cached),
+one matcher per sequence, and each step's token bitmask for the rows that sample under one.
+
+A matcher holds exactly the sequence's output tokens: it is advanced as the engine keeps each
+sampled token (``LLMEngine._append_token``). Preemption recomputes a sequence's KV but keeps its
+tokens, so the matcher needs no rollback; a dropped step never appended its tokens."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from moeserve.structured.spec import StructuredOutputs, grammar
+
+MAX_COMPILED = 128  # compiled grammars kept (a schema used again is not compiled again)
+
+
+class GrammarCompilers:
+    """Compiles specs against one tokenizer and vocabulary (the lm_head's, which may be larger
+    than the tokenizer's: the extra ids are never allowed)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """Its compiled grammar (a ValueError naming the spec's field if it does not compile)."""
+        key = spec.key()
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit
+        try:
+            compiled = self._compiler.compile_grammar(grammar(spec))
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{spec.field}: cannot compile the {spec.kind} for this tokenizer: {e}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: Any) -> "SequenceGrammar":
+        import xgrammar as xgr
+
+        return SequenceGrammar(xgr.GrammarMatcher(compiled))
+
+
+@dataclass
+class SequenceGrammar:
+    """One sequence's matcher."""
+
+    matcher: Any
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise ValueError(f"token {token} does not follow the request's grammar")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def step_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
+    """The rows (of a step's sampling rows) under a grammar and their bitmask [rows, ceil(V/32)]
+    int32 (bit t of a row: token t allowed), or None when no row has one."""
+    rows = [j for j, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
+    for r, j in enumerate(rows):
+        grammars[j].fill(mask, r)
+    return rows, mask
