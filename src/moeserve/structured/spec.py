@@ -12,6 +12,7 @@ from typing import Any
 # Bounds on what a request may ask the engine to compile (the compile runs in the engine loop).
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tagged_json")
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
+    # one of these: (text before, a JSON schema as JSON text, text after) - a forced tool call
+    tagged_json: tuple[tuple[str, str, str], ...] | None = None
     field: str = "structured_outputs"
     strict: bool = True
 
@@ -45,21 +48,28 @@ class StructuredOutputs:
             if not isinstance(choice, list) or any(not isinstance(c, str) for c in choice):
                 raise ValueError(f"{field}: choice must be a list of strings")
             choice = tuple(choice)
-        spec = cls(schema, bool(values.get("json_object")), values.get("regex"), choice, values.get("grammar"), field)
+        spec = cls(
+            json=schema,
+            json_object=bool(values.get("json_object")),
+            regex=values.get("regex"),
+            choice=choice,
+            grammar=values.get("grammar"),
+            field=field,
+        )
         spec.validate()
         return spec
 
     @property
     def kind(self) -> str:
-        return next(k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False))
+        return next(k for k in KINDS if getattr(self, k) not in (None, False))
 
     def key(self) -> tuple:
         """What identifies its compiled grammar (the cache's key)."""
-        return (self.json, self.json_object, self.regex, self.choice, self.grammar, self.strict)
+        return (self.json, self.json_object, self.regex, self.choice, self.grammar, self.tagged_json, self.strict)
 
     def validate(self) -> None:
         """A ValueError naming ``field`` unless exactly one constraint is set and it compiles."""
-        set_ = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)]
+        set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(f"{self.field} must set exactly one of json, json_object, regex, choice, grammar; got {set_ or 'none'}")
         for text in (self.json, self.regex, self.grammar):
@@ -105,9 +115,11 @@ def grammar(spec: StructuredOutputs):
 def _grammar(key: tuple):
     import xgrammar as xgr
 
-    schema, json_object, regex, choice, ebnf, strict = key
+    schema, json_object, regex, choice, ebnf, tagged, strict = key
+    if tagged is not None:
+        return xgr.Grammar.union(*(xgr.Grammar.concat(_literal(a), _json(s, strict), _literal(b)) for a, s, b in tagged))
     if schema is not None:
-        return xgr.Grammar.from_json_schema(schema, strict_mode=strict, any_whitespace=False)
+        return _json(schema, strict)
     if json_object:
         return xgr.Grammar.builtin_json_grammar()
     if regex is not None:
@@ -115,3 +127,16 @@ def _grammar(key: tuple):
     if choice is not None:
         return xgr.Grammar.from_regex(choice_regex(choice))
     return xgr.Grammar.from_ebnf(ebnf)
+
+
+def _json(schema: str, strict: bool):
+    import xgrammar as xgr
+
+    # compact JSON: a model that may add whitespace anywhere can also add it forever
+    return xgr.Grammar.from_json_schema(schema, strict_mode=strict, any_whitespace=False)
+
+
+def _literal(text: str):
+    import xgrammar as xgr
+
+    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
