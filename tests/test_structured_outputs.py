@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import re
 
+import httpx
 import jsonschema
 import pytest
 
 from moeserve import LLM, SamplingParams
+from moeserve.demo import MODEL_DIR
 from moeserve.demo.random_model import ensure_random_model
 from moeserve.structured import StructuredOutputs
+from server_utils import ServerProcess, assert_openai_error, sse_data
 
 S = {"type": "string", "maxLength": 4}
 SCHEMAS = [
@@ -153,3 +156,145 @@ def test_preemption_and_async_scheduling_keep_the_matcher(model_dir):
     assert preemptions > 0 and tight == base
     overlapped, _ = run(async_scheduling=True)
     assert overlapped == base
+
+
+# ---- over HTTP ----
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    proc = ServerProcess(model_dir, tmp_path_factory.mktemp("structured") / "server.log", "--max-model-len", "256").start()
+    try:
+        r = proc.wait(timeout=180)
+        assert r.code == 0, f"{r.message}\n{proc.log()}"
+        yield proc
+    finally:
+        proc.stop()
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json=body, timeout=120)
+
+
+def streamed(server, path: str, body: dict) -> dict[int, tuple[str, str | None]]:
+    """Each choice's text and finish reason, from the SSE chunks."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str | None] = {}
+    with httpx.stream("POST", f"{server.url}{path}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for data in sse_data(r.iter_lines()):
+            if data == "[DONE]":
+                break
+            for c in json.loads(data)["choices"]:
+                piece = c["text"] if "text" in c else c["delta"].get("content") or ""
+                texts[c["index"]] = texts.get(c["index"], "") + piece
+                reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+    return {i: (texts[i], reasons.get(i)) for i in texts}
+
+
+def test_json_schemas_over_http_streamed_and_not(server):
+    """response_format json_schema on chat, json_object on completions, n=2, streamed and not:
+    every choice that stops is valid JSON of its schema."""
+    schema = SCHEMAS[1]
+    fmt = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema, "strict": True}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "response_format": fmt, "n": 2, "temperature": 1.0, "seed": 3}
+    chat["max_tokens"] = 40
+    r = post(server, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    finished = [c for c in r.json()["choices"] if c["finish_reason"] == "stop"]
+    assert len(r.json()["choices"]) == 2 and finished
+    for c in finished:
+        jsonschema.validate(json.loads(c["message"]["content"]), schema)
+    for text, reason in streamed(server, "/v1/chat/completions", chat).values():
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), schema)
+    body = {"prompt": "x", "response_format": {"type": "json_object"}, "temperature": 1.0, "seed": 1, "max_tokens": 40, "n": 2}
+    answer = post(server, "/v1/completions", body).json()["choices"]
+    for choices in (streamed(server, "/v1/completions", body), {c["index"]: (c["text"], c["finish_reason"]) for c in answer}):
+        assert len(choices) == 2
+        for text, reason in choices.values():
+            if reason == "stop":
+                assert isinstance(json.loads(text), dict)
+
+
+def test_every_field_spelling_reaches_the_engine(server):
+    """vLLM's structured_outputs and guided_* (and response_format on completions) constrain the
+    output; a plain request between them is unaffected."""
+    base = {"prompt": "x", "temperature": 0, "max_tokens": 24}
+    plain = post(server, "/v1/completions", base).json()["choices"][0]["text"]
+    cases = {
+        "guided_json": (
+            {"type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"], "additionalProperties": False},
+            lambda t: json.loads(t)["a"] in (1, 2),
+        ),
+        "structured_outputs": ({"json": {"type": "boolean"}}, lambda t: isinstance(json.loads(t), bool)),
+        "guided_regex": ("[xy]{3}", lambda t: re.fullmatch("[xy]{3}", t)),
+        "guided_choice": (["left", "right"], lambda t: t in ("left", "right")),
+        "guided_grammar": ('root ::= "<" [0-9] ">"', lambda t: re.fullmatch("<[0-9]>", t)),
+    }
+    for field, (value, check) in cases.items():
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            body = {**base, field: value}
+            if path == "/v1/chat/completions":
+                body["messages"] = [{"role": "user", "content": body.pop("prompt")}]
+            r = post(server, path, body)
+            assert r.status_code == 200, (field, r.text)
+            c = r.json()["choices"][0]
+            text = c["text"] if "text" in c else c["message"]["content"]
+            assert c["finish_reason"] == "stop" and check(text), (field, path, c)
+    assert post(server, "/v1/completions", base).json()["choices"][0]["text"] == plain
+
+
+def test_bad_constraints_are_a_400_naming_the_field(server):
+    chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 4}
+    bad = [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "objectx"}}}}, "response_format"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "s"}}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"guided_regex": "a(b"}, "guided_regex"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_choice": []}, "guided_choice"),
+        ({"guided_grammar": "root ::= undefined_rule"}, "guided_grammar"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+        ({"tool_choice": "required"}, "tool_choice"),  # no tools
+    ]
+    for extra, param in bad:
+        assert_openai_error(post(server, "/v1/chat/completions", {**chat, **extra}), 400, param)
+    assert_openai_error(post(server, "/v1/completions", {"prompt": "x", "guided_json": {"type": "objectx"}}), 400, "guided_json")
+
+
+def test_tool_choice_required_and_named_yield_tool_calls_on_the_demo_model(tmp_path):
+    """On the demo model with the K2 parsers: a forced call in K2's format, read back as
+    tool_calls whose arguments follow the tool's schema; with the reply starting in its reasoning
+    (thinking on), a 400."""
+    from moeserve.demo.tasks import TOOLS
+
+    flags = ("--max-model-len", "1024", "--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2")
+    proc = ServerProcess(str(MODEL_DIR), tmp_path / "demo.log", *flags).start()
+    try:
+        r = proc.wait(timeout=180)
+        assert r.code == 0, f"{r.message}\n{proc.log()}"
+        tools = [TOOLS["get_time"], TOOLS["get_weather"]]
+        schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+        off = {"chat_template_kwargs": {"thinking": False}}
+        msgs = [{"role": "user", "content": "What's the weather in Paris?"}]
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        for choice, names in (("required", set(schemas)), (named, {"get_weather"})):
+            body = {"messages": msgs, "tools": tools, "tool_choice": choice, "max_tokens": 96, "temperature": 0, **off}
+            r = post(proc, "/v1/chat/completions", body)
+            assert r.status_code == 200, r.text
+            c = r.json()["choices"][0]
+            [call] = c["message"]["tool_calls"]
+            assert c["finish_reason"] == "tool_calls" and call["function"]["name"] in names, c
+            jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
+            with httpx.stream("POST", f"{proc.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120) as s:
+                chunks = [json.loads(d) for d in sse_data(s.iter_lines()) if d != "[DONE]"]
+            calls = [tc for ch in chunks for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []]
+            assert calls and calls[0]["function"]["name"] == call["function"]["name"]
+            assert "".join(tc["function"].get("arguments") or "" for tc in calls) == call["function"]["arguments"]
+        body = {"messages": msgs, "tools": tools, "tool_choice": "required", "max_tokens": 8}
+        assert_openai_error(post(proc, "/v1/chat/completions", body), 400, "tool_choice")
+        body = {**body, **off, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+        assert_openai_error(post(proc, "/v1/chat/completions", body), 400, "tool_choice")
+    finally:
+        proc.stop()
