@@ -265,8 +265,7 @@ def test_bad_constraints_are_a_400_naming_the_field(server):
 
 def test_tool_choice_required_and_named_yield_tool_calls_on_the_demo_model(tmp_path):
     """On the demo model with the K2 parsers: a forced call in K2's format, read back as
-    tool_calls whose arguments follow the tool's schema; with the reply starting in its reasoning
-    (thinking on), a 400."""
+    tool_calls whose arguments follow the tool's schema; with thinking on, after the reasoning."""
     from moeserve.demo.tasks import TOOLS
 
     flags = ("--max-model-len", "1024", "--reasoning-parser", "kimi_k2", "--tool-call-parser", "kimi_k2")
@@ -292,9 +291,28 @@ def test_tool_choice_required_and_named_yield_tool_calls_on_the_demo_model(tmp_p
             calls = [tc for ch in chunks for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []]
             assert calls and calls[0]["function"]["name"] == call["function"]["name"]
             assert "".join(tc["function"].get("arguments") or "" for tc in calls) == call["function"]["arguments"]
-        body = {"messages": msgs, "tools": tools, "tool_choice": "required", "max_tokens": 8}
-        assert_openai_error(post(proc, "/v1/chat/completions", body), 400, "tool_choice")
+        # thinking on: the reply reasons freely, the grammar starts after </think>
+        body = {"messages": msgs, "tools": tools, "tool_choice": "required", "max_tokens": 160, "temperature": 0}
+        r = post(proc, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        c = r.json()["choices"][0]
+        assert c["message"]["reasoning_content"] and c["finish_reason"] == "tool_calls", c
+        [call] = c["message"]["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schemas[call["function"]["name"]])
         body = {**body, **off, "tool_choice": {"type": "function", "function": {"name": "nope"}}}
         assert_openai_error(post(proc, "/v1/chat/completions", body), 400, "tool_choice")
     finally:
         proc.stop()
+
+
+def test_a_constraint_after_the_reasoning_starts_at_its_close_tag(model_dir):
+    """``after`` (the server sets the reasoning's close tag): the output is free up to it, then
+    follows the grammar. The random model's own greedy text supplies the tag here."""
+    with LLM(model_dir, device="cpu", dtype="float32") as llm:
+        [plain] = llm.generate(["x"], [SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)])
+        free = plain.outputs[0].text
+        tag = free[2:4]
+        spec = StructuredOutputs(choice=("yes", "no"), after=tag)
+        [out] = llm.generate(["x"], [SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec)])
+    head, _, tail = out.outputs[0].text.partition(tag)
+    assert free.startswith(head + tag) and tail in ("yes", "no") and out.outputs[0].finish_reason == "stop", (free, out.outputs[0].text)

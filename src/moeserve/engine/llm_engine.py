@@ -250,7 +250,7 @@ class LLMEngine:
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             if compiled is not None:
-                seq.grammar = self._grammars.matcher(compiled)
+                seq.grammar = self._grammars.matcher(compiled, params.structured_outputs.after)
                 self._constrained += 1
             seqs.append(seq)
             self.scheduler.add(seq)
@@ -506,12 +506,15 @@ class LLMEngine:
                 stop_token = token
             elif not p.ignore_eos and token in self.eos_token_ids:
                 stop_token = token
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
-            if seq.grammar.terminated:  # only a stop token completes a grammar: it ends the sequence
+        grammar = seq.grammar
+        if grammar is not None and grammar.active:
+            grammar.accept(token)
+            if grammar.terminated:  # only a stop token completes a grammar: it ends the sequence
                 stop_token = token
         if seq.detok is not None:
             text = seq.detok.add(token) if stop_token is None or p.include_stop_str_in_output else ""
+            if grammar is not None and not grammar.active:
+                grammar.see(text)
             stop = seq.text.add(text, check_stops=n_out > p.min_tokens)
             if stop is not None:
                 self._finish(seq, "stop", stop, flush=False)

@@ -1,10 +1,11 @@
 """What constrains a chat reply's tokens: ``tool_choice`` "required" or a named function (a
 grammar that forces one call in the tool-call parser's format, its arguments following the
-tool's parameters schema), or the request's structured outputs; and the one combination refused,
-a constraint on a reply that starts inside its reasoning."""
+tool's parameters schema), or the request's structured outputs. A reply that starts in its
+reasoning is free until the reasoning's close tag and constrained after it."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -42,8 +43,8 @@ def chat_constraint(
     req: ChatCompletionRequest, settings: ChatSettings, prompt_text: str, history_calls: int, requested: StructuredOutputs | None
 ) -> StructuredOutputs | None:
     """The reply's constraint: the forced tool call, else ``requested`` (the request's structured
-    outputs); a 400 for both at once, or for a constraint where the reply starts in its reasoning
-    (the grammar would forbid the reasoning: turn thinking off, or serve without --reasoning-parser)."""
+    outputs); a 400 for both at once. Where the reply starts in its reasoning, the constraint
+    starts after the reasoning's close tag."""
     spec = requested
     if forces_tool_call(req):
         if requested is not None:
@@ -51,13 +52,10 @@ def chat_constraint(
         spec = _tool_call_spec(req, settings, history_calls)
     if spec is None or settings.parsers.reasoning is None:
         return spec
-    start, _ = settings.parsers.reasoning.start_state(prompt_text, thinking_switch(req.chat_template_kwargs))
-    if start == "reasoning":
-        raise bad_request(
-            f"{spec.field}: a constrained reply cannot start in its reasoning (the grammar applies from the first token); "
-            'send chat_template_kwargs {"thinking": false}, or serve without --reasoning-parser',
-            spec.field,
-        )
+    reasoning = settings.parsers.reasoning
+    start, _ = reasoning.start_state(prompt_text, thinking_switch(req.chat_template_kwargs))
+    if start == "reasoning":  # (a reply that may open its reasoning cannot under a grammar: content)
+        return dataclasses.replace(spec, after=reasoning.close_tag)
     return spec
 
 

@@ -47,21 +47,41 @@ class GrammarCompilers:
             self._compiled.popitem(last=False)
         return compiled
 
-    def matcher(self, compiled: Any) -> "SequenceGrammar":
+    def matcher(self, compiled: Any, after: str | None = None) -> "SequenceGrammar":
         import xgrammar as xgr
 
-        return SequenceGrammar(xgr.GrammarMatcher(compiled))
+        return SequenceGrammar(xgr.GrammarMatcher(compiled), after)
 
 
 @dataclass
 class SequenceGrammar:
-    """One sequence's matcher."""
+    """One sequence's matcher; with ``after``, dormant (no mask, no tokens taken) until the
+    output's text holds ``after``, then constraining what follows it."""
 
     matcher: Any
+    after: str | None = None
+    _tail: str = ""  # the output's last ``len(after) - 1`` characters while dormant
+
+    @property
+    def active(self) -> bool:
+        return self.after is None
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):
             raise ValueError(f"token {token} does not follow the request's grammar")
+
+    def see(self, text: str) -> None:
+        """A dormant matcher's view of the output's new text: it wakes at ``after``, and the text
+        after it in the same piece is the grammar's first."""
+        seen = self._tail + text
+        at = seen.find(self.after)
+        if at < 0:
+            self._tail = seen[len(seen) - len(self.after) + 1 :]
+            return
+        rest = seen[at + len(self.after) :]
+        self.after, self._tail = None, ""
+        if rest and not self.matcher.accept_string(rest):
+            raise ValueError(f"the text after the reasoning, {rest[:40]!r}, does not follow the request's grammar")
 
     @property
     def terminated(self) -> bool:
@@ -74,7 +94,7 @@ class SequenceGrammar:
 def step_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
     """The rows (of a step's sampling rows) under a grammar and their bitmask [rows, ceil(V/32)]
     int32 (bit t of a row: token t allowed), or None when no row has one."""
-    rows = [j for j, g in enumerate(grammars) if g is not None]
+    rows = [j for j, g in enumerate(grammars) if g is not None and g.active]
     if not rows:
         return None
     mask = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)

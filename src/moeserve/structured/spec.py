@@ -32,6 +32,9 @@ class StructuredOutputs:
     tagged_json: tuple[tuple[str, str, str], ...] | None = None
     field: str = "structured_outputs"
     strict: bool = True
+    # The constraint starts once the output holds this text (the reasoning's end, ``</think>``):
+    # the reasoning before it is free. None: from the first token. Not part of the compiled grammar.
+    after: str | None = None
 
     @classmethod
     def from_fields(cls, values: dict[str, Any], field: str = "structured_outputs") -> "StructuredOutputs":
