@@ -316,3 +316,17 @@ def test_a_constraint_after_the_reasoning_starts_at_its_close_tag(model_dir):
         [out] = llm.generate(["x"], [SamplingParams(temperature=0, max_tokens=24, structured_outputs=spec)])
     head, _, tail = out.outputs[0].text.partition(tag)
     assert free.startswith(head + tag) and tail in ("yes", "no") and out.outputs[0].finish_reason == "stop", (free, out.outputs[0].text)
+
+
+@pytest.mark.parametrize("layout", [dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2)])
+def test_layouts_give_the_same_constrained_tokens(model_dir, layout):
+    """The step's bitmask crosses to the sampling rank's process (gloo, CPU) and masks there."""
+    params = [
+        SamplingParams(temperature=0, max_tokens=16, structured_outputs={"regex": REGEX}),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    outs = []
+    for kw in ({}, layout):
+        with LLM(model_dir, device="cpu", dtype="float32", **kw) as llm:
+            outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(["a", "b"], params)])
+    assert outs[0] == outs[1] and outs[0][0][1] == "stop"

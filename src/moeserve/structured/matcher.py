@@ -11,6 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from moeserve.structured.spec import StructuredOutputs, grammar
@@ -91,13 +92,14 @@ class SequenceGrammar:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def step_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[list[int], torch.Tensor] | None:
+def step_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[list[int], np.ndarray] | None:
     """The rows (of a step's sampling rows) under a grammar and their bitmask [rows, ceil(V/32)]
-    int32 (bit t of a row: token t allowed), or None when no row has one."""
+    int32 (bit t of a row: token t allowed), or None when no row has one. A numpy array: it
+    pickles as its bytes to every rank (a torch tensor would go through shared memory)."""
     rows = [j for j, g in enumerate(grammars) if g is not None and g.active]
     if not rows:
         return None
     mask = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
     for r, j in enumerate(rows):
         grammars[j].fill(mask, r)
-    return rows, mask
+    return rows, mask.numpy()
