@@ -8,7 +8,7 @@ each against this: honoured, or a 400 naming it."""
 
 from __future__ import annotations
 
-import json
+import dataclasses
 from typing import Any
 
 from moeserve.sampling_params import truncate_prompt
@@ -156,9 +156,9 @@ def _response_format(value: Any) -> StructuredOutputs | None:
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise ValueError("response_format: json_schema needs json_schema.schema, a JSON schema object")
-        out = StructuredOutputs(json.dumps(spec["schema"]), field="response_format", strict=spec.get("strict") is not False)
-        out.validate()
-        return out
+        fields = {"json": spec["schema"]}
+        out = StructuredOutputs.from_fields(fields, field="response_format")
+        return dataclasses.replace(out, strict=spec.get("strict") is not False)
     raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 

@@ -45,7 +45,10 @@ class StructuredOutputs:
             raise ValueError(f"{field}: {', '.join(unknown)} not supported (this server takes json, json_object, regex, choice, grammar)")
         schema = values.get("json")
         if schema is not None and not isinstance(schema, str):
-            schema = json.dumps(schema)
+            try:
+                schema = json.dumps(schema, allow_nan=False)
+            except (TypeError, ValueError, RecursionError) as e:
+                raise ValueError(f"{field}: the JSON schema cannot be written as JSON: {e}") from None
         choice = values.get("choice")
         if choice is not None:
             if not isinstance(choice, list) or any(not isinstance(c, str) for c in choice):
@@ -61,6 +64,10 @@ class StructuredOutputs:
         )
         spec.validate()
         return spec
+
+    def __post_init__(self) -> None:
+        if isinstance(self.choice, list):  # (hashable: it keys the compiled grammars)
+            object.__setattr__(self, "choice", tuple(self.choice))
 
     @property
     def kind(self) -> str:
