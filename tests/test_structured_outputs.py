@@ -330,3 +330,19 @@ def test_layouts_give_the_same_constrained_tokens(model_dir, layout):
         with LLM(model_dir, device="cpu", dtype="float32", **kw) as llm:
             outs.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in llm.generate(["a", "b"], params)])
     assert outs[0] == outs[1] and outs[0][0][1] == "stop"
+
+
+def test_matchers_are_released_on_abort_and_a_bad_schema_fails_at_add(model_dir):
+    with LLM(model_dir, device="cpu", dtype="float32") as llm:
+        eng = llm.engine
+        params = SamplingParams(temperature=0, max_tokens=32, n=2, structured_outputs={"json_object": True})
+        rid = eng.add_request("x", params)
+        seqs = eng.requests[rid].seqs
+        assert eng._constrained == 2 and all(s.grammar is not None for s in seqs)
+        eng.step()
+        eng.abort_request(rid)
+        while eng.has_unfinished_requests():
+            eng.step()
+        assert eng._constrained == 0 and all(s.grammar is None for s in seqs)
+        with pytest.raises(ValueError, match="structured_outputs"):
+            eng.add_request("x", SamplingParams(structured_outputs=StructuredOutputs(regex="[a-")))
