@@ -346,3 +346,17 @@ def test_matchers_are_released_on_abort_and_a_bad_schema_fails_at_add(model_dir)
         assert eng._constrained == 0 and all(s.grammar is None for s in seqs)
         with pytest.raises(ValueError, match="structured_outputs"):
             eng.add_request("x", SamplingParams(structured_outputs=StructuredOutputs(regex="[a-")))
+
+
+@pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "deepseek_v31"])
+def test_each_tool_parser_reads_the_call_its_grammar_forces(name):
+    from moeserve.parsers import ToolCallDelta, tool_parser
+
+    parser = tool_parser(name)()
+    begin, end = parser.forced_call("get_weather", 3)
+    pieces = parser.feed(begin + '{"city": "Oslo"}' + end) + parser.finish()
+    deltas = [p for p in pieces if isinstance(p, ToolCallDelta)]
+    assert not [p for p in pieces if isinstance(p, str) and p.strip()], pieces
+    assert deltas[0].name == "get_weather" and json.loads("".join(d.arguments for d in deltas)) == {"city": "Oslo"}
+    if name == "kimi_k2":
+        assert deltas[0].id == "functions.get_weather:3"
