@@ -143,12 +143,12 @@ def test_preemption_and_async_scheduling_keep_the_matcher(model_dir):
     """Greedy constrained outputs are the same with KV pages so few that sequences are preempted
     (recomputed: the matcher keeps its tokens), and with asynchronous scheduling (no overlap while a
     constrained sequence runs)."""
-    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": s}) for s in SCHEMAS[:4]]
-    params.append(SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs={"json": s}) for s in SCHEMAS[:3]]
+    params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 
     def run(**kw):
         with LLM(model_dir, device="cpu", dtype="float32", **kw) as llm:
-            outs = llm.generate(["ab", "cd", "ef", "gh", "ij"], params)
+            outs = llm.generate(["ab", "cd", "ef", "gh"], params)
             return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], llm.engine.scheduler.num_preemptions
 
     base, _ = run()
