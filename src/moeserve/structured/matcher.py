@@ -28,7 +28,10 @@ class GrammarCompilers:
 
         self.vocab_size = vocab_size
         stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+        except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the request's 400, not a crash
+            raise ValueError(f"structured outputs are not available with this tokenizer: {type(e).__name__}: {e}") from None
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
 
