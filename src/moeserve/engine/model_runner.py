@@ -21,6 +21,7 @@ from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.device_copy import to_device
 from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
+from moeserve.structured.mask import masked_logits
 from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
@@ -506,7 +507,7 @@ class ModelRunner:
         prompt, self._prompt_logprobs = self._prompt_logprobs, None
         drawn = None
         if logits.shape[0]:
-            adjusted = self._adjusted_logits(step, logits)
+            adjusted = masked_logits(logits, self._adjusted_logits(step, logits), step.grammar_mask)
             drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
             self.keep_samples(step, drawn.tokens)
         if drawn is None and prompt is None:
