@@ -145,9 +145,9 @@ def test_demo_model_through_the_triton_backend():
     from moeserve.demo import chat_format as cf
 
     prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
-    params = SamplingParams(temperature=0.0, max_tokens=7)
+    params = SamplingParams(temperature=0.0, max_tokens=5)
     want = _tokens(LLM(None, device="cpu"), [prompt], params)
-    kw = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=32, page_size=4, max_num_seqs=2, max_model_len=48)
+    kw = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=32, page_size=4, max_num_seqs=2, max_model_len=40)
     with LLM(None, speculative_config=SPEC2, **kw) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0

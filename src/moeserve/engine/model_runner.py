@@ -108,16 +108,16 @@ class ModelRunner:
         load_model_weights(self.model, config.model, config.load_format, config.seed, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
-        self.backend = get_backend(choose_backend(config.backend, self.device))
-        self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
-        if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
-            self._use_kernels()
-        self.page_size = config.page_size
         self.drafter = None  # speculative decoding's MTP layer (engine/spec_decode.py), with its KV layer
         if config.speculative is not None and is_last:
             from moeserve.engine.spec_decode import MTPDrafter
 
             self.drafter = MTPDrafter(self, config.speculative.num_speculative_tokens)
+        self.backend = get_backend(choose_backend(config.backend, self.device))
+        self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
+        if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
+            self._use_kernels()
+        self.page_size = config.page_size
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers + int(self.drafter is not None), self.dtype)
         # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
         self.emulate_graphs = self.device.type != "cuda" and os.environ.get("MOESERVE_EMULATE_CUDA_GRAPHS") == "1"
@@ -283,12 +283,13 @@ class ModelRunner:
 
         linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
         needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
-        for m in self.model.modules():
+        modules = list(self.model.modules()) + (list(self.drafter.model.modules()) if self.drafter is not None else [])
+        for m in modules:
             if isinstance(m, (RoutedExperts,) + linears):
                 needed.update(m.method.kernels)
         ok = working_kernels(self.device, needed)
         use = {RMSNorm: "rmsnorm" in ok, Router: "router" in ok, MLAAttention: "rope_cache" in ok}
-        for m in self.model.modules():
+        for m in modules:
             if isinstance(m, RoutedExperts):
                 m.method.use_kernels(ok)
             elif type(m) in use:
