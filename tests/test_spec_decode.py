@@ -230,3 +230,26 @@ def test_random_model_logprobs_and_prompt_logprobs_match_plain(random_mtp, plain
 
 def _value(logprob) -> float:
     return getattr(logprob, "logprob", logprob)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+        ({"method": "mtp", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "draft_tp": 1}, "unknown field"),
+        ({"method": "mtp", "model": "/elsewhere"}, "only the target checkpoint's own MTP layer"),
+    ],
+)
+def test_bad_speculative_configs_are_clear_errors(value, match):
+    from moeserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model=None, device="cpu", speculative_config=value)
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused():
+    from moeserve.demo.random_model import ensure_random_model
+
+    with pytest.raises(ValueError, match="no MTP layer"):
+        _engine(str(ensure_random_model()), SPEC2)

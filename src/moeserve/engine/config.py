@@ -118,7 +118,7 @@ class EngineConfig:
             raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
-        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative = SpeculativeConfig.parse(self.speculative_config, self.model)
         if self.speculative is not None and self.nnodes > 1:
             raise ValueError("speculative decoding runs on one node for now")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
@@ -136,14 +136,17 @@ class SpeculativeConfig:
     METHODS = ("mtp", "deepseek_mtp")
 
     @classmethod
-    def parse(cls, value: dict | None) -> SpeculativeConfig | None:
+    def parse(cls, value: dict | None, target_model: str | None = None) -> SpeculativeConfig | None:
         if value is None:
             return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = set(value) - {"method", "num_speculative_tokens", "model"}
+        unknown = set(value) - {"method", "num_speculative_tokens", "model"}  # model: the target's own (its MTP layer)
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))} (method, num_speculative_tokens)")
+        draft = value.get("model")
+        if draft is not None and draft != target_model:
+            raise ValueError(f"speculative_config model {draft!r}: only the target checkpoint's own MTP layer drafts (leave 'model' out)")
         method = value.get("method", "mtp")
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
