@@ -253,3 +253,27 @@ def test_a_checkpoint_without_an_mtp_layer_is_refused():
 
     with pytest.raises(ValueError, match="no MTP layer"):
         _engine(str(ensure_random_model()), SPEC2)
+
+
+def test_demo_model_sampled_tokens_keep_the_target_distribution():
+    """Sampled (temperature 1.5, top-k 4) through the engine, 200 completions of one prompt with
+    and without speculation: each output position's tokens are alike (two-sample chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, n=200, seed=11)
+    runs = []
+    for spec in (None, SPEC2):
+        llm = LLM(None, device="cpu", speculative_config=spec)
+        runs.append([list(c.token_ids) for c in llm.generate(prompt, params)[0].outputs])
+    assert llm.engine.spec_num_accepted_tokens > 0
+    for pos in range(3):
+        table: dict[int, list[int]] = {}
+        for r, outs in enumerate(runs):
+            for o in outs:
+                if len(o) > pos:
+                    table.setdefault(o[pos], [0, 0])[r] += 1
+        if len(table) > 1:
+            assert chi2_contingency(list(table.values())).pvalue > 1e-4, (pos, table)
