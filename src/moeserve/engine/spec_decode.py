@@ -87,7 +87,7 @@ def run_speculative_step(
             result = _accept(runner, step, logits)
         if tp.size > 1:  # the MTP forward runs on every TP rank: each needs the accepted tokens
             result = _share_acceptance(result, len(step.sample_seq_ids), runner.device, tp)
-        result.drafts = _propose(runner, step, ids, ctx, hidden, result)
+        result.drafts = _propose(runner, step, ctx, hidden, result)
     if prompt is not None:
         result.prompt_logprobs = prompt.result(prompt.packed.cpu())
     return result
@@ -146,9 +146,7 @@ def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> Sampl
     return out
 
 
-def _propose(
-    runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
-) -> list[list[int]]:
+def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, result: SampleResult) -> list[list[int]]:
     """The MTP layer over the step's positions whose next token is known, then chained: up to
     ``k`` drafts per sampling row."""
     drafter: MTPDrafter = runner.drafter
