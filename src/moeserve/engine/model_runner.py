@@ -113,6 +113,7 @@ class ModelRunner:
             from moeserve.engine.spec_decode import MTPDrafter
 
             self.drafter = MTPDrafter(self, config.speculative.num_speculative_tokens)
+            self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
