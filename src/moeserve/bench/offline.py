@@ -136,6 +136,13 @@ def run_offline(
             f"{r.step_ms:.2f}",
         )
     wide_console().print(table)
+    spec = _speculation(llm)
+    if spec:
+        wide_console().print(
+            f"speculative decoding (MTP, k={spec['num_speculative_tokens']}): {spec['num_accepted_tokens']:,} of "
+            f"{spec['num_draft_tokens']:,} drafts accepted ({100 * spec['acceptance_rate']:.1f} %), mean accepted length "
+            f"{spec['mean_accepted_length']:.2f} tokens a step (warm-ups included)"
+        )
     if result_dir:
         out = Path(result_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -146,6 +153,7 @@ def run_offline(
             "layout": layout,
             "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
             "temperature": temperature,
+            "speculative": spec,
             # Each row also carries the keys `moeserve plan --calibrate` reads.
             "results": [
                 {
@@ -162,3 +170,18 @@ def run_offline(
         }
         (out / "offline.json").write_text(json.dumps(doc, indent=2))
     return results
+
+
+def _speculation(llm: LLM) -> dict | None:
+    """The engine's speculative-decoding counts (None without speculation)."""
+    e = llm.engine
+    if e.speculative is None:
+        return None
+    return {
+        "num_speculative_tokens": e.speculative.num_speculative_tokens,
+        "num_drafts": e.spec_num_drafts,
+        "num_draft_tokens": e.spec_num_draft_tokens,
+        "num_accepted_tokens": e.spec_num_accepted_tokens,
+        "acceptance_rate": e.spec_num_accepted_tokens / max(1, e.spec_num_draft_tokens),
+        "mean_accepted_length": e.spec_mean_accepted_length,
+    }

@@ -85,6 +85,12 @@ class EngineConfig:
         "where there is one), e.g. '{\"num_hidden_layers\": 8}' for a "
         "short model of real shapes",
     )
+    # vLLM's flag; see docs/speculative.md. Turns CUDA graphs and asynchronous scheduling off.
+    speculative_config: dict | None = setting(
+        None,
+        'JSON object: speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s '
+        "MTP layer drafts on the last pipeline stage; CUDA graphs and async scheduling off)",
+    )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))
     expert_parallel_size: int = setting(
@@ -112,8 +118,42 @@ class EngineConfig:
             raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
+        self.speculative = SpeculativeConfig.parse(self.speculative_config, self.model)
+        if self.speculative is not None and self.nnodes > 1:
+            raise ValueError("speculative decoding runs on one node for now")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {self.generation_config!r}: no generation_config.json there (auto | vllm | a directory)")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's ``speculative_config`` as far as moeserve runs it: the checkpoint's MTP layer drafts
+    ``num_speculative_tokens`` tokens a step (chained on itself beyond the first)."""
+
+    method: str
+    num_speculative_tokens: int
+
+    METHODS = ("mtp", "deepseek_mtp")
+
+    @classmethod
+    def parse(cls, value: dict | None, target_model: str | None = None) -> SpeculativeConfig | None:
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        unknown = set(value) - {"method", "num_speculative_tokens", "model"}  # model: the target's own (its MTP layer)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))} (method, num_speculative_tokens)")
+        draft = value.get("model")
+        if draft is not None and draft != target_model:
+            raise ValueError(f"speculative_config model {draft!r}: only the target checkpoint's own MTP layer drafts (leave 'model' out)")
+        method = value.get("method", "mtp")
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
+        k = value.get("num_speculative_tokens", 1)
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        return cls("mtp", k)
 
 
 @dataclass(frozen=True)
@@ -131,7 +171,11 @@ def resolve_settings(config: EngineConfig, max_position_embeddings: int, pp: int
     """Asynchronous scheduling is on as asked (auto: on CUDA) with one pipeline stage only: with
     several, one micro-batch per stage in flight already keeps every stage busy. Two steps are in
     flight with it; without it, one per stage."""
-    async_scheduling = pp == 1 and (config.async_scheduling if config.async_scheduling is not None else config.device.startswith("cuda"))
+    async_scheduling = (
+        pp == 1
+        and config.speculative_config is None
+        and (config.async_scheduling if config.async_scheduling is not None else config.device.startswith("cuda"))
+    )
     return ResolvedSettings(
         max_model_len=resolve_max_model_len(config.max_model_len, max_position_embeddings, kv_capacity_tokens),
         async_scheduling=async_scheduling,

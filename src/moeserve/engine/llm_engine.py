@@ -93,6 +93,9 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self._in_flight: deque[tuple[ScheduledBatch, StepInput, object]] = deque()
+        self.speculative = config.speculative  # SpeculativeConfig or None
+        # vLLM's spec-decode counters: rows scored with drafts, drafts scored, drafts accepted
+        self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
         # MOESERVE_STEP_TRACE=FILE: one JSON line per completed step (when, its rows and tokens),
         # to see how a serving workload's steps are composed and how long each takes.
         trace = os.environ.get("MOESERVE_STEP_TRACE")
@@ -165,6 +168,9 @@ class LLMEngine:
         spec = params.structured_outputs
         if self.tokenizer is None:
             raise ValueError(f"{spec.field} needs a tokenizer; this model directory has none")
+        if self.speculative is not None:
+            # the drafts would be scored without the grammar's mask
+            raise ValueError(f"{spec.field} is not supported with speculative decoding yet (this engine runs --speculative-config)")
         if self._grammars is None:
             from moeserve.structured.matcher import GrammarCompilers
 
@@ -363,7 +369,7 @@ class LLMEngine:
             first = self._first_chunks(batch) if self.request_trace is not None else None
             if first:
                 self.request_trace.mark(first, "scheduled")
-            step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids)
+            step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids, self.speculative is not None)
             self._finished_seq_ids = []
             if self._constrained:
                 self._mask_grammar_rows(batch, step)
@@ -426,8 +432,11 @@ class LLMEngine:
             seq = by_id[seq_id]
             if seq.prompt_logprobs is not None and not seq.finished:
                 seq.prompt_logprobs.extend(rows[len(seq.prompt_logprobs) - first :])  # (none it has twice)
+        at = 0  # (speculative decoding: a row's tokens are flat in the result)
         for j, seq_id in enumerate(step.sample_seq_ids):
             seq = by_id[seq_id]
+            count = result.counts[j] if result.counts is not None else 1
+            first, at = at, at + count
             if seq.finished:  # e.g. a stop token in the step before (asynchronous scheduling)
                 continue
             req = self.requests[seq.request_id]
@@ -444,10 +453,15 @@ class LLMEngine:
                 self._finish(seq, "length")
                 continue
             try:
-                self._append_token(seq, result.token_ids[j], result.logprobs[j], result.sampled_logprobs[j])
+                for i in range(first, first + count):  # stop tokens and strings, lengths: mid-bundle too
+                    self._append_token(seq, result.token_ids[i], result.logprobs[i], result.sampled_logprobs[i])
+                    if seq.finished:
+                        break
             except Exception as e:  # noqa: BLE001 - its detokenizer, stop strings or logprobs: its problem alone
-                log.exception("request %s: processing token %d failed", req.request_id, result.token_ids[j])
+                log.exception("request %s: processing token %d failed", req.request_id, result.token_ids[i])
                 self._fail_request(req, f"processing its output failed: {type(e).__name__}: {e}")
+            if result.drafts is not None:
+                self._take_drafts(seq, step.draft_tokens[j], count, result.drafts[j])
         for seq in batch.seqs:  # aborted or failed while in flight
             if seq.finished:
                 continue
@@ -523,6 +537,28 @@ class LLMEngine:
             self._finish(seq, "stop", stop_token if token in p.stop_token_set else None)
         elif seq.at_length_limit(self.max_model_len):
             self._finish(seq, "length")
+
+    def _take_drafts(self, seq: Sequence, scored: list[int], count: int, proposed: list[int]) -> None:
+        """Speculative decoding, after a sampling row's tokens are appended: count what its drafts
+        came to, roll its cache back past the rejected ones, and keep the next drafts, as many as
+        its ``max_tokens`` and ``max_model_len`` leave room for (its next step emits at most one
+        token more than it has drafts)."""
+        if scored:
+            self.spec_num_drafts += 1
+            self.spec_num_draft_tokens += len(scored)
+            self.spec_num_accepted_tokens += count - 1
+        if seq.finished:
+            return
+        self.scheduler.settle_drafts(seq)
+        room = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        seq.draft_tokens = proposed[: max(0, room)]
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a row with drafts emitted per step, on average (its accepted drafts and one more)."""
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
     def _fail_request(self, req: Request, message: str) -> None:
         """One request's step failed: it finishes with ``error``, its pages freed; sequences of it

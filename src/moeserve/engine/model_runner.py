@@ -42,6 +42,7 @@ class PendingStep:
     done: torch.cuda.Event | None
     prompt: PromptLogprobs | None = None  # the step's prompt logprobs, and their host copy
     prompt_host: torch.Tensor | None = None
+    result: SampleResult | None = None  # a step already read back (speculative decoding)
 
 
 @contextlib.contextmanager
@@ -108,16 +109,25 @@ class ModelRunner:
         load_model_weights(self.model, config.model, config.load_format, config.seed, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
+        self.drafter = None  # speculative decoding's MTP layer (engine/spec_decode.py), with its KV layer
+        if config.speculative is not None and is_last:
+            from moeserve.engine.spec_decode import MTPDrafter
+
+            self.drafter = MTPDrafter(self, config.speculative.num_speculative_tokens)
+            self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
             self._use_kernels()
         self.page_size = config.page_size
-        self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers, self.dtype)
+        self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers + int(self.drafter is not None), self.dtype)
         # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
         self.emulate_graphs = self.device.type != "cuda" and os.environ.get("MOESERVE_EMULATE_CUDA_GRAPHS") == "1"
         self.use_graphs = (
-            (self.device.type == "cuda" or self.emulate_graphs) and not config.enforce_eager and self.backend.name != "reference"
+            (self.device.type == "cuda" or self.emulate_graphs)
+            and not config.enforce_eager
+            and self.backend.name != "reference"
+            and self.drafter is None
         )
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
@@ -142,6 +152,8 @@ class ModelRunner:
         self.pool = StageKVPool(self.model_config, self.stage, num_pages + int(self.use_graphs), self.page_size, self.dtype, self.device)
         self.num_pages = num_pages
         self.model.bind(self.pool, self.backend)
+        if self.drafter is not None:
+            self.drafter.make_pool(self, num_pages)
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Before serving: compile the kernel variants that steps choose by their size, then
@@ -273,12 +285,13 @@ class ModelRunner:
 
         linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
         needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
-        for m in self.model.modules():
+        modules = list(self.model.modules()) + (list(self.drafter.model.modules()) if self.drafter is not None else [])
+        for m in modules:
             if isinstance(m, (RoutedExperts,) + linears):
                 needed.update(m.method.kernels)
         ok = working_kernels(self.device, needed)
         use = {RMSNorm: "rmsnorm" in ok, Router: "router" in ok, MLAAttention: "rope_cache" in ok}
-        for m in self.model.modules():
+        for m in modules:
             if isinstance(m, RoutedExperts):
                 m.method.use_kernels(ok)
             elif type(m) in use:
@@ -489,21 +502,7 @@ class ModelRunner:
         return self.collect(self.sample_async(step, logits))
 
     def sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
-        for seq_id in step.finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        gens: list[torch.Generator | None] = []
-        errors: dict[int, str] = {}  # a row whose own sampler state fails fails its request alone
-        rows = zip(step.sample_seq_ids, step.sample_params, step.sample_seed_offsets)
-        for j, (seq_id, params, offset) in enumerate(rows):
-            g = self._generators.get(seq_id)
-            if g is None and params.seed is not None:
-                try:
-                    g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
-                except Exception as e:  # noqa: BLE001
-                    errors[j] = f"cannot seed its sampler with seed {params.seed}: {type(e).__name__}: {e}"
-                else:
-                    self._generators[seq_id] = g
-            gens.append(g)
+        gens, errors = self.row_generators(step)
         prompt, self._prompt_logprobs = self._prompt_logprobs, None
         drawn = None
         if logits.shape[0]:
@@ -524,6 +523,26 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return PendingStep(drawn, hosts[0], done, prompt, hosts[1])
+
+    def row_generators(self, step: StepInput) -> tuple[list[torch.Generator | None], dict[int, str]]:
+        """Each sampling row's generator (seeded requests; made on first use) and the rows whose
+        seeding failed; drops those of the sequences that finished."""
+        for seq_id in step.finished_seq_ids:
+            self._generators.pop(seq_id, None)
+        gens: list[torch.Generator | None] = []
+        errors: dict[int, str] = {}  # a row whose own sampler state fails fails its request alone
+        rows = zip(step.sample_seq_ids, step.sample_params, step.sample_seed_offsets)
+        for j, (seq_id, params, offset) in enumerate(rows):
+            g = self._generators.get(seq_id)
+            if g is None and params.seed is not None:
+                try:
+                    g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
+                except Exception as e:  # noqa: BLE001
+                    errors[j] = f"cannot seed its sampler with seed {params.seed}: {type(e).__name__}: {e}"
+                else:
+                    self._generators[seq_id] = g
+            gens.append(g)
+        return gens, errors
 
     def _adjusted_logits(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
         """The step's logits with its rows' penalties and bias (None: no row has any); a deferred
@@ -549,6 +568,10 @@ class ModelRunner:
 
     def launch(self, step: StepInput) -> PendingStep:
         """Single-stage step: enqueue the forward and the sampling; returns before they finish."""
+        if self.drafter is not None:  # speculative decoding: run and read back at once
+            from moeserve.engine.spec_decode import run_speculative_step
+
+            return PendingStep(None, None, None, result=run_speculative_step(self, step))
         ids, ctx = self.prepare(step)
         logits, _ = self.forward(ids, ctx)
         return self.sample_async(step, logits)
@@ -556,6 +579,8 @@ class ModelRunner:
     @staticmethod
     def collect(pending: PendingStep) -> SampleResult:
         """Wait for a launched step and read its sampled tokens (and prompt logprobs)."""
+        if pending.result is not None:
+            return pending.result
         if pending.done is not None:
             pending.done.synchronize()
         result = pending.sample.result(pending.host) if pending.sample is not None else SampleResult([], [], [])

@@ -33,6 +33,11 @@ class SampleResult:
     # seq id -> (the first prompt position covered, a row per position: {token: logprob} of the
     # prompt's token and the top-N), for the rows whose prompt logprobs the step computed
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # Speculative decoding (``engine/spec_decode.py``): row r emitted ``counts[r]`` tokens (its
+    # accepted drafts and one more; the lists above are flat over them) and proposes ``drafts[r]``
+    # for its next step. None: one token per row.
+    counts: list[int] | None = None
+    drafts: list[list[int]] | None = None
 
 
 # Logits of this many floats at most are alive at once while a step's prompt logprobs are computed

@@ -40,6 +40,13 @@ stay until memory is needed. The later samples of a request (``n > 1``) wait at 
 the queue while its first sample computes the prompt pages, then map them. A sequence that
 computes its prompt's logprobs maps no cached page under a position whose logits it needs.
 
+**Speculative decoding** (``lookahead_slots`` > 0; docs/speculative.md): a decoding sequence
+joins with its token and its draft tokens (``Sequence.draft_tokens``, as many as the budget
+leaves room for), a row of ``1 + k`` tokens; its pages cover ``lookahead_slots`` positions more,
+where the draft model writes its chained drafts. When the step comes back the engine appends the
+accepted tokens and ``settle_drafts`` rolls ``num_computed`` back past the rejected ones (their
+slots are written again later; only pages of accepted tokens are ever cached).
+
 **Priority** (vLLM's request ``priority``, lower first): the waiting queue is one queue per
 priority, taken lowest first (first come, first served within one), and the running sequence
 preempted to make room is the newest of the highest priority value. A running request is not
@@ -70,6 +77,9 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     # Reuse the KV pages of cached prompt prefixes (see the module doc); the engine's default is on.
     enable_prefix_caching: bool = False
+    # Speculative decoding: KV slots held past a sampling row's tokens, where the draft model
+    # writes the positions of the drafts it chains (``engine/spec_decode.py``); 0 without it.
+    lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         if self.long_prefill_token_threshold < 0:
@@ -84,6 +94,7 @@ class SchedulerConfig:
             max_model_len,
             config.long_prefill_token_threshold,
             config.enable_prefix_caching,
+            config.speculative.num_speculative_tokens if config.speculative is not None else 0,
         )
 
     def chunk(self, remaining: int, budget: int) -> int:
@@ -100,6 +111,8 @@ class ScheduledBatch:
     starts: list[int] = field(default_factory=list)  # first position each sequence computes
     sampling: list[bool] = field(default_factory=list)  # whether it samples a new token this step
     deferred: list[bool] = field(default_factory=list)  # its input token comes from the step in flight
+    # speculative decoding: the draft tokens each row carries after its last known token
+    drafts: list[list[int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.seqs)
@@ -288,10 +301,12 @@ class Scheduler:
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted below to make room for an earlier one
             n = 1 if deferred else self.config.chunk(remaining, budget)
-            if not self._make_room(seq, n):
+            # a decode's drafts ride with its token, as many as the budget has room for
+            drafts = seq.draft_tokens[: budget - 1] if remaining == 1 and seq.draft_tokens else []
+            if not self._make_room(seq, n + len(drafts) + self.config.lookahead_slots):
                 return batch  # nothing left to preempt: admit no one either
-            self._add_to(batch, seq, n, deferred)
-            budget -= n
+            self._add_to(batch, seq, n, deferred, drafts)
+            budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(batch) < cap and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting.first  # nothing scheduled, no pages (new or preempted)
             if self._waits_for_leader(seq):
@@ -299,7 +314,7 @@ class Scheduler:
             hits = self._lookup(seq)
             start = len(hits) * self.allocator.page_size
             n = self.config.chunk(seq.num_tokens - start, budget)
-            new_pages = self.allocator.pages_for(start + n) - len(hits)
+            new_pages = self.allocator.pages_for(start + n + self.config.lookahead_slots) - len(hits)
             if new_pages + self.allocator.num_evictable(hits) > self.allocator.num_free:
                 break
             self.waiting.popleft()
@@ -365,16 +380,19 @@ class Scheduler:
         n = seq.num_tokens - seq.num_scheduled
         return (n, False) if n > 0 else None
 
-    def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int, deferred: bool = False) -> None:
-        self._grow(seq, n)
+    def _add_to(self, batch: ScheduledBatch, seq: Sequence, n: int, deferred: bool = False, drafts: list[int] | None = None) -> None:
+        drafts = drafts or []
+        self._grow(seq, n + len(drafts) + self.config.lookahead_slots)
         seq.in_flight += 1  # also keeps it from being picked as a preemption victim
         batch.seqs.append(seq)
-        batch.num_new_tokens.append(n)
+        batch.num_new_tokens.append(n + len(drafts))
         batch.starts.append(seq.num_scheduled)
         batch.deferred.append(deferred)
+        batch.drafts.append(drafts)
         seq.num_scheduled += n
         # Known tokens: those in token_ids, plus the one the step in flight samples if deferred.
         batch.sampling.append(seq.num_scheduled == seq.num_tokens + int(deferred))
+        seq.num_scheduled += len(drafts)
 
     def _pages_needed(self, seq: Sequence, n: int) -> int:
         return max(0, self.allocator.pages_for(seq.num_scheduled + n) - len(seq.pages))
@@ -415,6 +433,7 @@ class Scheduler:
         self.allocator.free(seq.pages)
         seq.pages = []
         seq.num_computed = seq.num_scheduled = seq.num_cached_pages = 0
+        seq.draft_tokens = []
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -428,6 +447,12 @@ class Scheduler:
             seq.num_computed += n
             if self.config.enable_prefix_caching and seq.pages:  # (none if it stopped meanwhile)
                 self._cache_pages(seq)
+
+    def settle_drafts(self, seq: Sequence) -> None:
+        """Its step with drafts came back and its accepted tokens are appended: the KV of the
+        rejected drafts' positions is dropped (their slots are written again by later steps).
+        What is in the cache is every token but the newest, which the next step computes."""
+        seq.num_computed = seq.num_scheduled = min(seq.num_computed, seq.num_tokens - 1)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         seq.finish_reason = reason

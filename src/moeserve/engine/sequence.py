@@ -47,6 +47,9 @@ class Sequence:
     # (its request asked for them and it is its first sample); None otherwise.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     cumulative_logprob: float = 0.0
+    # Speculative decoding: tokens the draft model proposes after its last one; its next step
+    # scores them with the target (``engine/spec_accept.py``).
+    draft_tokens: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     detok: Any = None  # IncrementalDetokenizer when the engine has a tokenizer

@@ -35,13 +35,19 @@ class StepInput:
     # (sampling rows under a grammar, their token bitmask [rows, ceil(V/32)] int32), set by the
     # engine (``structured.matcher.step_bitmask``); applied before sampling (``structured.mask``)
     grammar_mask: tuple[list[int], Any] | None = None
+    # Speculative decoding (None without it): per sampling row, the draft tokens at the end of its
+    # tokens (``logits_indices`` then holds all 1 + k of its positions); per row, the known token
+    # after its last one, or -1 where the step samples it (the draft model reads the next token of
+    # every position).
+    draft_tokens: list[list[int]] | None = None
+    next_token_ids: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.input_ids)
 
 
-def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: list[int]) -> StepInput:
+def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: list[int], speculative: bool = False) -> StepInput:
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -53,6 +59,8 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
     output_ids: list[list[int] | None] = []
     deferred: list[tuple[int, int]] = []
     prompt_logprobs: list[tuple[int, int, int, list[int], int]] = []
+    drafts: list[list[int]] = []
+    next_ids: list[int] = []
     for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
         start = batch.starts[i]
         if seq.prompt_logprobs_pending:
@@ -65,13 +73,22 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
             deferred.append((len(ids), seq.seq_id))
             ids.append(0)  # placeholder: the runner copies the token in on the device
         else:
-            ids.extend(seq.token_ids[start : start + n])
+            row_drafts = batch.drafts[i] if batch.drafts else []
+            ids.extend(seq.token_ids[start : start + n - len(row_drafts)])
+            ids.extend(row_drafts)
         for pos in range(start, start + n):
             positions.append(pos)
             slots.append(seq.pages[pos // page_size] * page_size + pos % page_size)
         context_lens.append(start + n)
+        if speculative:
+            next_ids.append(-1 if batch.samples(i) else seq.token_ids[start + n])
         if batch.samples(i):
-            logits_idx.append(len(ids) - 1)
+            if speculative:
+                row_drafts = batch.drafts[i]
+                drafts.append(row_drafts)
+                logits_idx.extend(range(len(ids) - 1 - len(row_drafts), len(ids)))
+            else:
+                logits_idx.append(len(ids) - 1)
             sample_ids.append(seq.seq_id)
             sample_params.append(seq.params)
             offsets.append(seq.index)
@@ -91,6 +108,8 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
         list(finished_seq_ids),
         deferred,
         prompt_logprobs,
+        draft_tokens=drafts if speculative else None,
+        next_token_ids=next_ids if speculative else None,
     )
 
 

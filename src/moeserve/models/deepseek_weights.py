@@ -9,8 +9,9 @@ counts, per-GPU bytes and per-step bytes read. ``checkpoint_tensor_shapes`` writ
 in its checkpoint format, as the weight-format methods say (``quant.linear``, ``quant.experts``:
 e.g. INT4 packed words, scales and shapes; FP8 ``weight`` + ``weight_scale_inv``).
 
-Multi-token-prediction layers (``num_nextn_predict_layers``) and the vision tower of
-Kimi K2.5/K2.6 are not part of the served text model and are left out.
+The vision tower of Kimi K2.5/K2.6 is not part of the served text model and is left out; the
+multi-token-prediction layer (``num_nextn_predict_layers``: layer ``num_hidden_layers``) is listed
+apart (``mtp_tensors``), for the speculative-decoding draft (``models/deepseek_mtp.py``).
 """
 
 from __future__ import annotations
@@ -168,8 +169,34 @@ def checkpoint_tensor_shapes(cfg: ModelConfig) -> Iterator[tuple[str, tuple[int,
     checkpoint format its weight-format method gives (``quant.experts``, ``quant.linear``).
     The embedding, norms, router and lm_head are never quantized."""
     check_quantized_modules(cfg)
+    yield from _in_checkpoint_format(cfg, model_tensors(cfg))
+
+
+def mtp_tensors(cfg: ModelConfig, own_embedding: bool = True) -> list[TensorSpec]:
+    """The weights of the checkpoint's (first) multi-token-prediction layer, ``model.layers.{N}``
+    with N = ``num_hidden_layers``: a decoder layer, ``enorm``/``hnorm`` (of the token's embedding
+    and of the target's hidden state), ``eh_proj`` [H, 2H], ``shared_head.norm``; with
+    ``own_embedding`` also its copies of the embedding and the lm_head (DeepSeek-V3 stores them;
+    a draft beside the target may share the target's instead)."""
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    p = f"model.layers.{n}"
+    specs = list(layer_tensors(cfg, n))
+    specs += [_norm(f"{p}.enorm", h), _norm(f"{p}.hnorm", h), _norm(f"{p}.shared_head.norm", h)]
+    specs.append(_linear(f"{p}.eh_proj", ATTENTION, h, 2 * h, Split.REPLICATED))
+    if own_embedding:
+        specs.append(TensorSpec(f"{p}.embed_tokens.weight", EMBEDDING, (cfg.vocab_size, h), Split.VOCAB, Kind.EMBEDDING))
+        specs.append(_linear(f"{p}.shared_head.head", LM_HEAD, cfg.vocab_size, h, Split.VOCAB))
+    return specs
+
+
+def mtp_tensor_shapes(cfg: ModelConfig, own_embedding: bool = True) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``mtp_tensors`` as ``checkpoint_tensor_shapes`` writes them (in the checkpoint's format)."""
+    yield from _in_checkpoint_format(cfg, mtp_tensors(cfg, own_embedding))
+
+
+def _in_checkpoint_format(cfg: ModelConfig, specs: list[TensorSpec]) -> Iterator[tuple[str, tuple[int, ...]]]:
     experts = experts_method(cfg)
-    for spec in model_tensors(cfg):
+    for spec in specs:
         module = spec.name.removesuffix(".weight")
         if spec.component == ROUTED_EXPERTS:
             for e in range(spec.copies):

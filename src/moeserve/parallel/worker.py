@@ -234,6 +234,13 @@ def _serve_pipeline(
             residual = torch.empty_like(hidden)
             dist.recv(hidden, src=prev_rank)
             dist.recv(residual, src=prev_rank)
+        if runner.drafter is not None:  # speculative decoding, last stage: scored, accepted and drafted at once
+            from moeserve.engine.spec_decode import run_speculative_step
+
+            result = run_speculative_step(runner, step, (ids, ctx), hidden, residual)
+            if tp_rank == 0:
+                conn.send(("result", result))
+            continue
         out, res = runner.forward(ids, ctx, hidden, residual)
         if next_rank is not None:
             for work, _ in pending_sends:  # the previous micro-batch's activations have left

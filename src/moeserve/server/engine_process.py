@@ -314,6 +314,9 @@ class EngineLoop:
             "preemptions": e.num_preemptions,
             "prefix_cache_queries": e.prefix_cache_queries,
             "prefix_cache_hits": e.prefix_cache_hits,
+            "spec_decode_num_drafts": e.spec_num_drafts,
+            "spec_decode_num_draft_tokens": e.spec_num_draft_tokens,
+            "spec_decode_num_accepted_tokens": e.spec_num_accepted_tokens,
         }
 
     def _drain(self, block: bool) -> list | None:

@@ -108,6 +108,17 @@ class ServerMetrics:
         self.prefix_hits = Counter("moeserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", labels, registry=r).labels(
             model_name
         )
+        # speculative decoding, as vLLM names them (acceptance rate: accepted / draft tokens; mean
+        # accepted length: 1 + accepted / drafts)
+        self.spec_drafts = Counter(
+            "moeserve:spec_decode_num_drafts", "Decode rows scored with draft tokens (speculative decoding)", labels, registry=r
+        ).labels(model_name)
+        self.spec_draft_tokens = Counter(
+            "moeserve:spec_decode_num_draft_tokens", "Draft tokens scored by the target model", labels, registry=r
+        ).labels(model_name)
+        self.spec_accepted_tokens = Counter(
+            "moeserve:spec_decode_num_accepted_tokens", "Draft tokens the target model accepted", labels, registry=r
+        ).labels(model_name)
         self.loop_lag = Histogram(
             "moeserve:event_loop_lag_seconds",
             "How late the HTTP process's event loop woke for a timer (sampled every 50 ms): what any request waited then",
@@ -115,7 +126,14 @@ class ServerMetrics:
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         ).labels(model_name)
-        self._seen = {"preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._seen = {
+            "preemptions": 0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "spec_decode_num_drafts": 0,
+            "spec_decode_num_draft_tokens": 0,
+            "spec_decode_num_accepted_tokens": 0,
+        }
         self.model_name = model_name
 
     def update_engine_stats(self, stats: dict) -> None:
@@ -126,6 +144,9 @@ class ServerMetrics:
             ("preemptions", self.preemptions),
             ("prefix_cache_queries", self.prefix_queries),
             ("prefix_cache_hits", self.prefix_hits),
+            ("spec_decode_num_drafts", self.spec_drafts),
+            ("spec_decode_num_draft_tokens", self.spec_draft_tokens),
+            ("spec_decode_num_accepted_tokens", self.spec_accepted_tokens),
         ):
             total = stats.get(key, self._seen[key])  # the engine's running totals
             counter.inc(max(0, total - self._seen[key]))

@@ -1,0 +1,238 @@
+"""Speculative decoding on the last (only) stage: score a step's drafts with the target, accept
+them (``spec_accept``), then let the MTP layer propose the next drafts.
+
+One step of a decoding sequence with drafts ``d1 .. dk`` is a row of ``k + 1`` tokens (its last
+accepted token and the drafts) through the ordinary extend path of attention; the target's logits
+at all ``k + 1`` positions decide how many are accepted. The MTP layer then runs over every
+position of the step whose next token is now known (a prompt chunk's positions, and a decode
+row's positions up to its last accepted one), writing its own KV cache at the target's slots, and
+its output at a sampling row's last position gives the first draft of the next step; further
+drafts chain the layer on itself, one token per row at a time, at the positions after (their KV
+is written again, from the target's hidden states, when the target has scored them).
+
+Runs eagerly and reads its results back at once (no CUDA graphs, no asynchronous scheduling).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from moeserve.cache.kv_pool import StageKVPool
+from moeserve.device_copy import to_device
+from moeserve.distributed.tp_collectives import TPGroup, tp_group
+from moeserve.engine.context import StepContext, step_context
+from moeserve.engine.logit_adjust import adjusted_logits
+from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
+from moeserve.engine.spec_accept import accept_drafts
+from moeserve.engine.step_input import StepInput
+from moeserve.loader import load_model_weights
+from moeserve.models.deepseek_mtp import DeepseekMTP
+from moeserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from moeserve.engine.model_runner import ModelRunner
+
+log = logging.getLogger("moeserve")
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)  # a row whose sampler state failed
+
+
+class MTPDrafter:
+    """The MTP layer of the checkpoint beside the target, with its own one-layer KV pool."""
+
+    def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
+        self.k = num_speculative_tokens
+        # A last pipeline stage after the first has no embedding: it reads the MTP layer's own copy
+        # of the embedding and lm_head (DeepSeek-V3 checkpoints hold them).
+        self.model = DeepseekMTP(runner.model_config, runner.model if runner.is_first else None)
+        self.model.eval()
+        cfg = runner.config
+        load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
+        self.pool: StageKVPool | None = None
+        log.info("speculative decoding: the MTP layer drafts %d token(s) a step (CUDA graphs and async scheduling off)", self.k)
+
+    def make_pool(self, runner: ModelRunner, num_pages: int) -> None:
+        self.model.bind(None, runner.backend)
+        self.pool = None
+        self.pool = StageKVPool(runner.model_config, self.model.stage, num_pages, runner.page_size, runner.dtype, runner.device)
+        self.model.bind(self.pool, runner.backend)
+
+
+@torch.inference_mode()
+def run_speculative_step(
+    runner: ModelRunner,
+    step: StepInput,
+    prepared: tuple[torch.Tensor, StepContext] | None = None,
+    hidden_in: torch.Tensor | None = None,
+    residual_in: torch.Tensor | None = None,
+) -> SampleResult:
+    """The (last) stage's forward, acceptance of the drafts, and the next drafts: the step's
+    result, ``counts[r]`` tokens for sampling row r (flat in ``token_ids``) and ``drafts[r]``.
+    ``prepared``: ``runner.prepare(step)`` if done; ``hidden_in``/``residual_in``: the previous
+    pipeline stage's activations."""
+    ids, ctx = prepared if prepared is not None else runner.prepare(step)
+    with step_context(ctx):
+        hidden, _ = runner.model(ids, ctx.positions, hidden_in, residual_in)
+        prompt = None
+        if ctx.prompt_logprobs is not None:
+            prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
+        logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
+    result = SampleResult([], [], [], counts=[], drafts=[])
+    if logits is not None:
+        tp = tp_group()
+        if tp.rank == 0:
+            result = _accept(runner, step, logits)
+        if tp.size > 1:  # the MTP forward runs on every TP rank: each needs the accepted tokens
+            result = _share_acceptance(result, len(step.sample_seq_ids), runner.device, tp)
+        result.drafts = _propose(runner, step, ctx, hidden, result)
+    if prompt is not None:
+        result.prompt_logprobs = prompt.result(prompt.packed.cpu())
+    return result
+
+
+def _share_acceptance(result: SampleResult, rows: int, device: torch.device, tp: TPGroup) -> SampleResult:
+    """TP rank 0 (which accepted) sends each row's count and tokens to its peers, which keep only
+    those (TP rank 0 alone reports the step's result)."""
+    import torch.distributed as dist
+
+    src = dist.get_global_rank(tp.group, 0)
+    counts = torch.tensor(result.counts if tp.rank == 0 else [0] * rows, dtype=torch.long, device=device)
+    dist.broadcast(counts, src=src, group=tp.group)
+    count_list = counts.tolist()
+    tokens = torch.tensor(result.token_ids if tp.rank == 0 else [0] * sum(count_list), dtype=torch.long, device=device)
+    dist.broadcast(tokens, src=src, group=tp.group)
+    if tp.rank == 0:
+        return result
+    return SampleResult(tokens.tolist(), [], [], counts=count_list, drafts=[])
+
+
+def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> SampleResult:
+    drafts = step.draft_tokens or [[] for _ in step.sample_seq_ids]
+    gens, errors = runner.row_generators(step)
+    params = [_GREEDY if j in errors else p for j, p in enumerate(step.sample_params)]
+    # Each position's penalties count the drafts before it as output (as the sampler would have,
+    # had they been sampled one step at a time).
+    flat_params: list[SamplingParams] = []
+    flat_output: list[list[int] | None] = []
+    output_ids = step.sample_output_ids or [None] * len(params)
+    for p, known, d in zip(params, output_ids, drafts):
+        for j in range(len(d) + 1):
+            flat_params.append(p)
+            flat_output.append(None if known is None else known + d[:j])
+    adjusted = adjusted_logits(logits, flat_params, flat_output, [], None)
+    acc = accept_drafts(logits if adjusted is None else adjusted, drafts, params, gens)
+    # logprobs (of the raw distribution, as the sampler reports them) of every position's token
+    want = [p.logprobs for p in flat_params]
+    top_n = max((n for n in want if n is not None), default=None)
+    if top_n is not None:
+        top_n = min(top_n, logits.shape[-1])
+    logp = torch.log_softmax(logits, dim=-1)
+    tokens = acc.flat_tokens
+    cols = [tokens.double(), logp.gather(1, tokens[:, None]).squeeze(1).double()]
+    if top_n:
+        vals, top_ids = logp.topk(top_n, dim=-1)
+        cols += [top_ids.double().T, vals.double().T]
+    packed = torch.cat([c.reshape(-1, logits.shape[0]) for c in cols])
+    flat = DeviceSample(tokens, packed, want, top_n).result(packed.cpu())
+    out = SampleResult([], [], [], errors=errors, counts=[], drafts=[])
+    for toks, positions in zip(acc.tokens, acc.positions):
+        out.token_ids.extend(toks)
+        out.logprobs.extend(flat.logprobs[i] for i in positions)
+        out.sampled_logprobs.extend(flat.sampled_logprobs[i] for i in positions)
+        out.counts.append(len(toks))
+    return out
+
+
+def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, result: SampleResult) -> list[list[int]]:
+    """The MTP layer over the step's positions whose next token is known, then chained: up to
+    ``k`` drafts per sampling row."""
+    drafter: MTPDrafter = runner.drafter
+    dev = runner.device
+    drafts = step.draft_tokens or [[] for _ in step.sample_seq_ids]
+    input_ids = step.input_ids
+    keep: list[int] = []  # flat target positions the MTP layer runs at
+    next_ids: list[int] = []
+    query_lens: list[int] = []
+    context_lens: list[int] = []
+    last_rows: list[int] = []  # its flat index of each sampling row's last kept position
+    at, r, emitted = 0, 0, 0
+    for i, n in enumerate(step.query_lens):
+        if step.next_token_ids[i] >= 0:  # a chunk whose next token is a known prompt token
+            valid, tail = n, step.next_token_ids[i]
+        else:
+            count = result.counts[r]
+            valid = n - len(drafts[r]) + count - 1  # its drafts' positions after the accepted ones are dropped
+            tail = result.token_ids[emitted + count - 1]
+            emitted += count
+            r += 1
+        keep.extend(range(at, at + valid))
+        next_ids.extend(input_ids[at + 1 : at + valid])
+        next_ids.append(tail)
+        query_lens.append(valid)
+        context_lens.append(step.context_lens[i] - (n - valid))
+        if step.next_token_ids[i] < 0:
+            last_rows.append(len(keep) - 1)
+        at += n
+    keep_t = to_device(keep, dev)
+    cu = [0]
+    for q in query_lens:
+        cu.append(cu[-1] + q)
+    mtp_ctx = StepContext(
+        positions=ctx.positions[keep_t],
+        slot_mapping=ctx.slot_mapping[keep_t],
+        query_lens=query_lens,
+        context_lens=context_lens,
+        page_tables=ctx.page_tables,
+        cu_query_lens=to_device(cu, dev, torch.int32),
+        logits_indices=to_device(last_rows, dev),
+        page_size=ctx.page_size,
+        context_lens_tensor=to_device(context_lens, dev, torch.int32),
+    )
+    mtp_ctx.attn_metadata = runner.backend.prepare(mtp_ctx)
+    model = drafter.model
+    with step_context(mtp_ctx):
+        out = model(to_device(next_ids, dev), mtp_ctx.positions, hidden[keep_t])
+        last_hidden = out[mtp_ctx.logits_indices]
+        tokens = model.compute_logits(last_hidden).argmax(dim=-1)
+    proposals = [[t] for t in tokens.tolist()]
+    # Chain: one token per sampling row at the position after its newest one, while its pages last.
+    sample_rows = [i for i, nxt in enumerate(step.next_token_ids) if nxt < 0]  # batch row of sampling row r
+    active = list(range(len(sample_rows)))
+    pos = [context_lens[i] for i in sample_rows]  # where each sampling row's next draft goes
+    ps = runner.page_size
+    for _ in range(drafter.k - 1):
+        live = [j for j, r in enumerate(active) if pos[r] // ps < len(step.page_tables[sample_rows[r]])]
+        if not live:
+            break
+        live_t = to_device(live, dev)
+        tokens, last_hidden = tokens[live_t], last_hidden[live_t]
+        active = [active[j] for j in live]
+        rows = [sample_rows[r] for r in active]
+        at_pos = [pos[r] for r in active]
+        slots = [step.page_tables[i][p // ps] * ps + p % ps for i, p in zip(rows, at_pos)]
+        lens = [p + 1 for p in at_pos]
+        chain_ctx = StepContext(
+            positions=to_device(at_pos, dev),
+            slot_mapping=to_device(slots, dev),
+            query_lens=[1] * len(rows),
+            context_lens=lens,
+            page_tables=ctx.page_tables[to_device(rows, dev)],
+            cu_query_lens=to_device(list(range(len(rows) + 1)), dev, torch.int32),
+            logits_indices=to_device(list(range(len(rows))), dev),
+            page_size=ps,
+            context_lens_tensor=to_device(lens, dev, torch.int32),
+        )
+        chain_ctx.attn_metadata = runner.backend.prepare(chain_ctx)
+        with step_context(chain_ctx):
+            last_hidden = model(tokens, chain_ctx.positions, last_hidden)
+            tokens = model.compute_logits(last_hidden).argmax(dim=-1)
+        for r, t in zip(active, tokens.tolist()):
+            proposals[r].append(t)
+            pos[r] += 1
+    return proposals
+
+
+__all__ = ["MTPDrafter", "run_speculative_step"]

@@ -1,0 +1,66 @@
+"""Acceptance of draft tokens (speculative decoding): greedy exactness, and rejection sampling
+that keeps the target's distribution (chi-square on a small vocabulary)."""
+
+from __future__ import annotations
+
+import torch
+from scipy.stats import chi2
+
+from moeserve.engine.sampler import _filter
+from moeserve.engine.spec_accept import accept_drafts, row_offsets
+from moeserve.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def test_greedy_accepts_the_matching_prefix_then_the_target_token():
+    V = 10
+    # row 0: drafts [3, 5]; target argmax 3, 7, 1 -> accepts 3, then 7 (not 5)
+    # row 1: no drafts; target argmax 4
+    # row 2: drafts [2, 2]; target argmax 2, 2, 9 -> both accepted, bonus 9
+    want = [3, 7, 1, 4, 2, 2, 9]
+    logits = torch.randn(len(want), V)
+    logits[torch.arange(len(want)), want] = 10.0
+    acc = accept_drafts(logits, [[3, 5], [], [2, 2]], [GREEDY] * 3, [None] * 3)
+    assert acc.tokens == [[3, 7], [4], [2, 2, 9]]
+    assert acc.num_accepted == [1, 0, 2]
+    assert acc.positions == [[0, 1], [3], [4, 5, 6]]
+    assert row_offsets([[3, 5], [], [2, 2]]) == [0, 3, 4, 7]
+
+
+def _chi2_ok(counts: torch.Tensor, probs: torch.Tensor) -> None:
+    n = counts.sum()
+    expected = probs * n
+    keep = expected > 0
+    assert counts[~keep].sum() == 0, "a token of probability 0 was drawn"
+    stat = ((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum().item()
+    df = int(keep.sum()) - 1
+    assert stat < chi2.ppf(0.9999, df), (stat, counts.tolist(), expected.tolist())
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """k = 2 drafts [1, 2]: the first token is distributed as p0; given it is the first draft,
+    the second as p1; given both drafts, the third as p2 (top-k 3 and temperature applied)."""
+    torch.manual_seed(0)
+    V, R = 5, 20000
+    params = SamplingParams(temperature=0.8, top_k=4)
+    base = torch.tensor([[1.0, 0.5, -0.3, 0.2, -2.0], [0.1, -0.4, 0.9, 0.3, 0.0], [0.0, 1.2, -1.0, 0.4, 0.6]])
+    target = _filter(base, [params] * 3).softmax(-1)
+    logits = base.repeat(R, 1)
+    drafts = [[1, 2]] * R
+    acc = accept_drafts(logits, drafts, [params] * R, [None] * R)
+    first = torch.tensor([t[0] for t in acc.tokens])
+    _chi2_ok(torch.bincount(first, minlength=V).float(), target[0])
+    second = torch.tensor([t[1] for t in acc.tokens if t[0] == 1])
+    _chi2_ok(torch.bincount(second, minlength=V).float(), target[1])
+    third = torch.tensor([t[2] for t in acc.tokens if t[:2] == [1, 2]])
+    _chi2_ok(torch.bincount(third, minlength=V).float(), target[2])
+    # acceptance rates are the target's probabilities of the drafts
+    assert abs(len(second) / R - target[0, 1].item()) < 0.02
+
+
+def test_seeded_rows_repeat():
+    params = SamplingParams(temperature=1.0, seed=7)
+    logits = torch.randn(3, 6)
+    runs = [accept_drafts(logits, [[1, 2]], [params], [torch.Generator().manual_seed(7)]).tokens for _ in range(2)]
+    assert runs[0] == runs[1]

@@ -1,0 +1,61 @@
+"""The MTP draft layer (models/deepseek_mtp.py) against the plain-torch oracle that trains it
+(demo/torch_model.py: DemoModel.mtp_logits), on a tiny random checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeserve.attention.registry import get_backend
+from moeserve.cache.kv_pool import StageKVPool, StageRange
+from moeserve.config import load_model_config
+from moeserve.engine.context import StepContext, step_context
+from moeserve.loader import load_model_weights
+from moeserve.models.deepseek import DeepseekForCausalLM
+from moeserve.models.deepseek_mtp import DeepseekMTP
+
+from spec_checkpoints import make_mtp_checkpoint
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(tmp_path_factory):
+    return make_mtp_checkpoint(tmp_path_factory.mktemp("mtp"))
+
+
+def _context(T: int, page_size: int = 16) -> StepContext:
+    pages = -(-T // page_size)
+    return StepContext(
+        positions=torch.arange(T),
+        slot_mapping=torch.arange(T),
+        query_lens=[T],
+        context_lens=[T],
+        page_tables=torch.arange(pages, dtype=torch.int32)[None],
+        cu_query_lens=torch.tensor([0, T], dtype=torch.int32),
+        logits_indices=torch.arange(T),
+        page_size=page_size,
+        context_lens_tensor=torch.tensor([T], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("own_embedding", [False, True])
+def test_mtp_forward_matches_the_torch_oracle(mtp_checkpoint, own_embedding):
+    path, oracle = mtp_checkpoint
+    config = load_model_config(path)
+    torch.set_default_dtype(torch.float32)
+    target = DeepseekForCausalLM(config)
+    load_model_weights(target, path, "auto")
+    mtp = DeepseekMTP(config, None if own_embedding else target)
+    load_model_weights(mtp, path, "auto")
+    backend = get_backend("reference")
+    target.bind(StageKVPool(config, target.stage, 4, 16, torch.float32), backend)
+    mtp.bind(StageKVPool(config, StageRange(config.num_hidden_layers, config.num_hidden_layers + 1), 4, 16, torch.float32), backend)
+    ids = torch.randint(0, config.vocab_size, (21,), generator=torch.Generator().manual_seed(3))
+    T = ids.numel() - 1
+    ctx = _context(T)
+    with torch.inference_mode(), step_context(ctx):
+        hidden, _ = target(ids[:T], ctx.positions)
+        logits = mtp.compute_logits(mtp(ids[1:], ctx.positions, hidden))
+        ref_hidden = oracle.hidden(ids[None, :T])[0]
+        ref = oracle.mtp_logits(ref_hidden[None], ids[None])[0]
+    torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
