@@ -28,7 +28,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from moeserve.bench.bounds import decode_step_cost, param_counts, prefill_attention_flops
+from moeserve.planner.bounds import decode_step_cost, param_counts, prefill_attention_flops
 from moeserve.config import ModelConfig, parse_model_config, resolve_config_path
 from moeserve.demo import DEMO_CONFIG
 from moeserve.engine.config import EngineConfig

@@ -43,7 +43,7 @@ import torch
 from moeserve.attention.backend import MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.device_copy import to_device
-from moeserve.engine.context import StepContext
+from moeserve.step_context import StepContext
 from moeserve.kernels.lse_merge import merge_two
 from moeserve.kernels.mla_decode import mla_decode, mla_prefix_absorbed
 from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge

@@ -19,7 +19,7 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.device_copy import to_device
-from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
+from moeserve.step_context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
 from moeserve.engine.step_input import StepInput

@@ -85,7 +85,7 @@ def _ignore(signum: int, frame: Any) -> None:
 
 def _start(engine_kwargs: dict, events: Connection) -> Any:
     from moeserve.engine.config import EngineConfig
-    from moeserve.engine.llm import build_engine
+    from moeserve.llm import build_engine
 
     t0 = time.monotonic()
     k = engine_kwargs
