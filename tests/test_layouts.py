@@ -215,6 +215,7 @@ def test_a_failing_rank_on_another_node_is_reported(checkpoints, tmp_path):
             node1.wait(timeout=10)
 
 
+@pytest.mark.triton_on_cpu
 def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, reference):
     """The Triton backend and kernels (interpreter on CPU) on stage 1 of PP=2, layers [3, 5)."""
     pytest.importorskip("triton")
@@ -225,6 +226,7 @@ def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, ref
     assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
 
 
+@pytest.mark.triton_on_cpu
 @pytest.mark.parametrize(
     "layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)], ids=["tp2", "tp2-ep2"]
 )

@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.utils import interpreting, num_sms
-from moeserve.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_block, scale_row_block
+from moeserve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_block, scale_row_block
 
 GROUP = BLOCK  # activation group = weight block columns
 AMAX_EPS = 1e-10  # floor of a group's amax, so an all-zero group gets a finite scale
@@ -421,7 +421,7 @@ GEMM_REL_TOL = 0.035  # GEMM path vs the reference, relative Frobenius (measured
 def selfcheck(device: torch.device) -> bool:
     """The quantizer bit for bit; the GEMM (per-row scales, a column pad and split K included)
     within float32 rounding of its emulation and ``GEMM_REL_TOL`` of the reference."""
-    from moeserve.quant.fp8 import quantize_fp8_block
+    from moeserve.kernels.fp8_ref import quantize_fp8_block
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(6, 200, generator=g).to(device)

@@ -49,7 +49,7 @@ from moeserve.kernels.fused_moe import align_pairs_by_expert
 from moeserve.kernels.limits import GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import moe_experts_by_expert
 from moeserve.kernels.utils import interpreting
-from moeserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8_block, dequantize_fp8_gate_up, scale_row_block
+from moeserve.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, dequantize_fp8_block, dequantize_fp8_gate_up, scale_row_block
 
 MOE_REL_TOL = 0.06  # GEMM path vs the reference, relative Frobenius (measured 4.3-4.6%)
 
@@ -706,7 +706,7 @@ def selfcheck(device: torch.device) -> bool:
     """The GEMV (with shared experts, partial edge blocks and another rank's expert id) within
     float32 rounding of ``fp8_moe_ref``; the grouped GEMMs within float32 rounding of their
     emulation and ``MOE_REL_TOL`` of the reference."""
-    from moeserve.quant.fp8 import quantize_fp8_block, quantize_fp8_gate_up
+    from moeserve.kernels.fp8_ref import quantize_fp8_block, quantize_fp8_gate_up
 
     g = torch.Generator().manual_seed(13)
     E, H, I, Is, T, K = 3, 160, 96, 144, 6, 2

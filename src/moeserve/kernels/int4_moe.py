@@ -61,7 +61,7 @@ from moeserve.kernels.fused_moe import align_pairs_by_expert
 from moeserve.kernels.limits import INT4_GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import moe_experts_by_expert
 from moeserve.kernels.utils import dot_args, interpreting, mma
-from moeserve.quant.int4 import checkpoint_words, dequantize_int4, kernel_words, quantize_int4
+from moeserve.kernels.int4_ref import checkpoint_words, dequantize_int4, kernel_words, quantize_int4
 
 GROUP = 32  # scale group along the input dimension (the kernels assume it; the wrappers check)
 PACK = 8  # nibbles per int32 word

@@ -149,7 +149,7 @@ def warm_up_step_shapes(engine: Any, max_steps: int = 96) -> None:
     than ``ABSORBED_MAX_NEW_TOKENS`` where the model allows, so in expanded pieces. Triton
     specializes an integer argument on being 1 and on being a multiple of 16, so the lengths are
     neither, and the waves put 1, 2 and 3 rows of each kind in a step."""
-    from moeserve.attention.triton_mla import ABSORBED_MAX_NEW_TOKENS
+    from moeserve.kernels.limits import ABSORBED_MAX_NEW_TOKENS
     from moeserve.sampling_params import SamplingParams
 
     page = engine.executor.page_size
