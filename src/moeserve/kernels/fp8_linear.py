@@ -16,7 +16,7 @@ Fast path (the scheme DeepSeek and the engines use):
    The same path serves decode: at 1-4 tokens the GEMM reads each weight once with 16-row
    tiles (the tokens padded) and splits K so that the few output tiles of a narrow linear
    still keep every SM streaming; the tensor cores take the fp8 weight as stored, where a GEMV
-   on bf16 activations spent its time converting it (scripts/fp8_sweep.py, BENCHMARKS.md).
+   on bf16 activations spent its time converting it (scripts/sweeps/fp8_sweep.py, BENCHMARKS.md).
 
 Numerics against the reference ``fp8_linear_ref`` (dequantize the weight in the activation
 dtype, ``F.linear``): the weight is the same exact ``q * s`` in both, so the GEMM differs only by
@@ -267,7 +267,7 @@ def split_k_for(tiles: int, k_steps: int, device: torch.device, min_steps: int =
     return max(1, min(round(2 * num_sms(device) / tiles), k_steps // min_steps, 16))
 
 
-# (largest M, tiles). M <= 16 (decode, small chunks) from scripts/fp8_sweep.py on the H200 at
+# (largest M, tiles). M <= 16 (decode, small chunks) from scripts/sweeps/fp8_sweep.py on the H200 at
 # DeepSeek-V3 shapes (BENCHMARKS.md): one weight read, narrow row tiles for outputs under 4,096
 # rows (q_a, kv_a) and 128-wide ones above, K split (``split_k``) so about two programs per SM
 # stream the weight: 2-4x the bf16-activation GEMV it replaced at 1-4 tokens on every linear.

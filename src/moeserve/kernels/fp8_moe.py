@@ -574,7 +574,7 @@ def _fp8_down_gemv(
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# Swept on one H200 at DeepSeek-V3's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03,
+# Swept on one H200 at DeepSeek-V3's layouts (scripts/sweeps/moe_kernel_bench.py --sweep, 2026-12-03,
 # after the pipelined loops): gate/up 8 rows x 256 columns, 4 warps, 4 stages; down 32 rows x 256,
 # 4 warps, 4 stages (TP1 one token 179 -> 131 us, TP8 48.6 -> 21.4, an EP8 rank's lone expert
 # 86.7 -> 68.9), its chunk no wider than the slot.

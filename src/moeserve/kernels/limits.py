@@ -12,7 +12,7 @@ GEMV_MAX_PAIRS = 32
 
 # INT4 (W4A16) experts: the GEMV reads each (token, slot)'s expert, the grouped GEMM each touched
 # expert once but dequantizes at ~4 instructions a weight. Measured on one H200 at Kimi K2.6's
-# layouts (scripts/moe_kernel_bench.py --sweep, BENCHMARKS.md, 2026-12-03): the GEMV was faster
+# layouts (scripts/sweeps/moe_kernel_bench.py --sweep, BENCHMARKS.md, 2026-12-03): the GEMV was faster
 # up to 16 tokens on every TP slice (TP8, 16 tokens: 192 vs 291 us; TP1 equal), so up to 128 pairs.
 INT4_GEMV_MAX_PAIRS = 128
 

@@ -7,8 +7,8 @@
 #     second run finds the prefix cached) and 32, cache on, then off;
 #   - concurrency 128 again with a 2,048-token step budget (--max-num-batched-tokens 2048);
 # then the float32 checks (fast vs reference, graphs vs eager). Needs the wheels carried as `.whl`.
-#   run: bash scripts/gpu_session_serve_all.sh $OUT
-source "$(dirname "$0")/gpu_steps.sh"
+#   run: bash scripts/gpu_session.sh serve_all $OUT
+source "$(dirname "$0")/steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null

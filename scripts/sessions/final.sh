@@ -5,10 +5,10 @@
 # logged; the offline batch 1 / 128 / 256 rates of the same call; the 4,096-token shared prefix
 # (128-token suffixes, 128 out) at concurrency 1 and 32 with the cache on and off; concurrency
 # 32 and 128 prefix-free with the cache off. Needs the wheels carried as `.whl`.
-#   run: bash scripts/gpu_session_final.sh $OUT
-#   SHARED_MODES=on OFF_CONCURRENCY=32 bash scripts/gpu_session_final.sh $OUT    # a shorter call
+#   run: bash scripts/gpu_session.sh final $OUT
+#   SHARED_MODES=on OFF_CONCURRENCY=32 bash scripts/gpu_session.sh final $OUT    # a shorter call
 #   TURNS=1: also the multi-turn workload (4 turns of 256 new tokens, 128 out, c8) with the cache on and off
-#   PROFILE=1 bash scripts/gpu_session_final.sh $OUT   # first: lone-prompt and cached-suffix step
+#   PROFILE=1 bash scripts/gpu_session.sh final $OUT   # first: lone-prompt and cached-suffix step
 #                                                      # profiles and the float32 correctness checks
 #   CHECKS=1: the float32 correctness checks first, without the profiles
 #   OFFLINE=0: no offline rates; OFF_CONCURRENCY='': no prefix-free server with the cache off
@@ -22,7 +22,7 @@
 #     the summary has where the shared-prefix c1 requests' time to first token goes
 #   PYTEST=1: first the CUDA-only tests of the attention kernels, the merges and the piecewise graphs
 # Every bench run draws its own prompts (--seed); the shared prefix is the same for every seed.
-source "$(dirname "$0")/gpu_steps.sh"
+source "$(dirname "$0")/steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
@@ -45,8 +45,8 @@ if [ "${PYTEST:-0}" = 1 ]; then
   tail -3 "$work/pytest_cuda.log" >> "$work/summary.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
-  step prefill_graphs 90 python3 scripts/prefill_profile.py --lengths 256,1024,4096 --graphs --top 12
-  step prefix_eager 60 python3 scripts/prefill_profile.py --lengths 128 --prefix 4096 --top 12
+  step prefill_graphs 90 python3 scripts/profile/prefill_profile.py --lengths 256,1024,4096 --graphs --top 12
+  step prefix_eager 60 python3 scripts/profile/prefill_profile.py --lengths 128 --prefix 4096 --top 12
 fi
 if [ "${PROFILE:-0}" = 1 ] || [ "${CHECKS:-0}" = 1 ]; then
   export GPU_CHECK_DUMP_S=$((${CHECK_LIMIT:-300} - 10))
@@ -103,10 +103,10 @@ for f in "$work"/free_*.log "$work"/shared_*.log "$work"/turns_*.log; do
   echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"
 done
 for f in "$work"/steps_shared_*.jsonl; do
-  [ -f "$f" ] && echo "$(basename "$f"): $(python3 scripts/step_trace_summary.py "$f" --show 0 | grep -h 'intake\|waves')" >> "$work/summary.txt"
+  [ -f "$f" ] && echo "$(basename "$f"): $(python3 scripts/profile/step_trace_summary.py "$f" --show 0 | grep -h 'intake\|waves')" >> "$work/summary.txt"
 done
 for mode in on off; do  # the c1 run's 8 requests, after the 4 of c1_first
-  [ -f "$work/req_shared_$mode.http.jsonl" ] && { echo "request trace, shared_${mode}_c1:"; python3 scripts/request_trace_summary.py \
+  [ -f "$work/req_shared_$mode.http.jsonl" ] && { echo "request trace, shared_${mode}_c1:"; python3 scripts/profile/request_trace_summary.py \
     "$work/req_shared_$mode" --skip 4 --count 8; } >> "$work/summary.txt" 2>&1
 done
 for f in "$work"/*_c1/concurrency_1.json "$work"/*_c1_first/concurrency_1.json; do

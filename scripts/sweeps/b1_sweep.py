@@ -7,7 +7,7 @@ current default and its bandwidth bound (times are CUDA-graph replays, as a capt
 - MLA decode (kernels/mla_decode.py) at batch 1 and 4, 16 heads, contexts 1,152 and 4,096:
   split count, tile and warps.
 
-``python scripts/b1_sweep.py [--bw 4.14] [--only moe|dense|mla]``; prints the best config per shape.
+``python scripts/sweeps/b1_sweep.py [--bw 4.14] [--only moe|dense|mla]``; prints the best config per shape.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 # One device call for the FP8 issue: the FP8 kernels at DeepSeek-V3 shapes, the DeepSeek-V3 shape
 # (5 layers: 3 dense + 2 MoE, dummy FP8 block weights) benched at batch 1/8/64/256 with prefill
 # 8x1024 beside its bounds, and fast vs reference greedy tokens (bf16 and float32, 4 layers).
-#   run: bash scripts/gpu_session_fp8.sh $OUT
-source "$(dirname "$0")/gpu_steps.sh"
+#   run: bash scripts/gpu_session.sh fp8 $OUT
+source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 step fp8_kernels 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fp8.py

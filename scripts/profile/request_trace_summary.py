@@ -1,6 +1,6 @@
 """Where a served request's time to first token goes: the median time between consecutive
 points of a MOESERVE_REQUEST_TRACE (see moeserve/server/request_trace.py).
-    python scripts/request_trace_summary.py PREFIX [--skip N] [--count M]   # the M requests after the first N"""
+    python scripts/profile/request_trace_summary.py PREFIX [--skip N] [--count M]   # the M requests after the first N"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Summarize a MOESERVE_STEP_TRACE file: per kind of step (decode-only, mixed, prefill; by
 tokens), how many and how long (the time from the step before's result to its own, which is its
 GPU time when the engine keeps the GPU busy), and the first steps after a burst of arrivals.
-    python scripts/step_trace_summary.py steps.jsonl [--since T] [--show 60]"""
+    python scripts/profile/step_trace_summary.py steps.jsonl [--since T] [--show 60]"""
 
 from __future__ import annotations
 

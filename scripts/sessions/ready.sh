@@ -2,16 +2,16 @@
 # Ready means ready, on a machine whose Triton cache starts cold: `moeserve serve` (Moonlight
 # shape, dummy bf16), then concurrency 1 and 32 (1024 in / 128 out), the kernels first used after
 # ready (counted and named) and the first request's TTFT. Needs the wheels carried as `.whl`.
-#   run: bash scripts/gpu_session_ready.sh $OUT
-#   SERVE_FLAGS=--no-enable-prefix-caching bash scripts/gpu_session_ready.sh $OUT   # the cache off
-#   TILES=1 C1_PROMPTS=16 ...: the fused-MoE tile sweep first (scripts/gpu_session_tiles.sh)
-source "$(dirname "$0")/gpu_steps.sh"
+#   run: bash scripts/gpu_session.sh ready $OUT
+#   SERVE_FLAGS=--no-enable-prefix-caching bash scripts/gpu_session.sh ready $OUT   # the cache off
+#   TILES=1 C1_PROMPTS=16 ...: the fused-MoE tile sweep first (scripts/gpu_session.sh tiles)
+source "$(dirname "$0")/steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$work/gpu.txt" 2>&1
 if [ "${TILES:-0}" = 1 ]; then
-  step tiles 330 python3 scripts/moe_tile_sweep.py --out "$work/moe_tiles.json"
+  step tiles 330 python3 scripts/sweeps/moe_tile_sweep.py --out "$work/moe_tiles.json"
   grep -A12 "^| tokens" "$work/tiles.log" >> "$work/summary.txt"
   cp "$work/moe_tiles.json" "$out/" 2>/dev/null
 fi

@@ -4,8 +4,8 @@
 # `moeserve bench --url` at concurrency 1/32/128 with the prefix cache on and 32/128 with it off
 # (1024 in / 128 out, no shared prefix), then the lone-prompt prefill profile. Needs the wheels of
 # scripts/fetch_server_wheels.sh carried as `.whl`.
-#   run: bash scripts/gpu_session_regression.sh $OUT
-source "$(dirname "$0")/gpu_steps.sh"
+#   run: bash scripts/gpu_session.sh regression $OUT
+source "$(dirname "$0")/steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
@@ -29,7 +29,7 @@ for mode in on off; do
   done
   kill -TERM $server; wait $server
 done
-step prefill_profile 50 python3 scripts/prefill_profile.py --lengths 256,1024,4096
+step prefill_profile 50 python3 scripts/profile/prefill_profile.py --lengths 256,1024,4096
 grep -h "^batch\|CHECK\|ms/step wall" "$work"/v3_b1.log "$work"/moon.log "$work"/moon_fp32.log >> "$work/summary.txt" 2>/dev/null
 for f in "$work"/serve_*_c*.log; do echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"; done
 grep -h "^## prompt" "$work/prefill_profile.log" >> "$work/summary.txt" 2>/dev/null

@@ -11,7 +11,7 @@ processes add less to than to wall time; the runs of the two modes are interleav
 wall time per step of the best run of each. Steps cost the same at any output length, so the
 median stands for all of them.
 
-    python scripts/engine_loop_bench.py [--batch-sizes 1,64,128,200] [--steps 50] [--repeats 10]
+    python scripts/profile/engine_loop_bench.py [--batch-sizes 1,64,128,200] [--steps 50] [--repeats 10]
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 # One short device call for prefix caching: a 4,096-token shared prefix with 128-token distinct
 # suffixes and 128 output tokens, concurrency 1 and 32, against `moeserve serve` with the prefix
 # cache on (default) and off. Moonlight shape, dummy bf16. Needs the wheels carried as `.whl`.
-#   run: bash scripts/gpu_session_prefix.sh $OUT
-source "$(dirname "$0")/gpu_steps.sh"
+#   run: bash scripts/gpu_session.sh prefix $OUT
+source "$(dirname "$0")/steps.sh"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null

@@ -5,11 +5,11 @@ the wall time of the step, and the model's bf16 matmul FLOPs against the peak (7
 an H200 by default): the gap between kernel time and wall time is launch / host overhead, the
 gap between kernel time and the FLOP bound is what the kernels leave on the table.
 
-    python scripts/prefill_profile.py                       # moonlight-16b-a3b, bf16, cuda
-    python scripts/prefill_profile.py --model deepseek-v3 --layers 8
-    python scripts/prefill_profile.py --model demo --device cpu --dtype float32 --lengths 16,32 --layers 2
-    python scripts/prefill_profile.py --lengths 1024 --decodes 128     # a mixed step
-    MOESERVE_MLA_PREFIX=absorbed python scripts/prefill_profile.py --lengths 256,2048 --prefix 16384
+    python scripts/profile/prefill_profile.py                       # moonlight-16b-a3b, bf16, cuda
+    python scripts/profile/prefill_profile.py --model deepseek-v3 --layers 8
+    python scripts/profile/prefill_profile.py --model demo --device cpu --dtype float32 --lengths 16,32 --layers 2
+    python scripts/profile/prefill_profile.py --lengths 1024 --decodes 128     # a mixed step
+    MOESERVE_MLA_PREFIX=absorbed python scripts/profile/prefill_profile.py --lengths 256,2048 --prefix 16384
 
 ``--model`` takes ``demo``, a built-in config name (``moonlight-16b-a3b``, ``deepseek-v3``, ...)
 or a checkpoint directory (its config.json only: the weights are always dummy); ``--layers N``
@@ -19,7 +19,6 @@ keeps the first N layers (``num_hidden_layers``), so a big model fits one GPU or
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -30,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from moeserve.planner.bounds import decode_step_cost, param_counts, prefill_attention_flops
 from moeserve.config import ModelConfig, parse_model_config, resolve_config_path
-from moeserve.demo import DEMO_CONFIG
+from moeserve.demo import MODEL_DIR
 from moeserve.engine.config import EngineConfig
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.step_input import StepInput
@@ -43,7 +42,7 @@ def config_dict(model: str, layers: int | None) -> dict:
     """config.json of ``model`` (demo, a built-in name or a directory), with ``num_hidden_layers``
     overridden (in text_config where the config wraps one)."""
     if model == "demo":
-        data = copy.deepcopy(DEMO_CONFIG)
+        data = json.loads((MODEL_DIR / "config.json").read_text())  # the packaged demo model's shape
     else:
         with open(resolve_config_path(model)) as f:
             data = json.load(f)

@@ -1,7 +1,7 @@
 # Sourced by the gpu_session*.sh scripts: a scratch dir, the environment, time-limited steps,
 # and one archive at the end (the device returns at most 8 files).
 set -uo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${1:?output dir}
 work=$(mktemp -d)
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1

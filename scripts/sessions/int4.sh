@@ -3,8 +3,8 @@
 # the INT4 kernels at Kimi K2.6 shapes, the K2.6 shape (8 layers, dummy INT4 experts) benched
 # at batch 1/8/64/256 with prefill 8x1024 beside its bounds, fast vs reference tokens in float32
 # (3 layers), and Moonlight batch 1 / 256 for the bf16 path. Everything packed into one archive.
-#   run: bash scripts/gpu_session_int4.sh $OUT
-source "$(dirname "$0")/gpu_steps.sh"
+#   run: bash scripts/gpu_session.sh int4 $OUT
+source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 K26='{"num_hidden_layers": 8}'

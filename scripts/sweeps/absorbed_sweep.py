@@ -5,8 +5,8 @@ For each (new tokens, cached prefix) it checks the default against the fp32 refe
 times every (rows a block, keys a tile, warps, stages) x split count from a CUDA graph and
 prints them fastest first with the FLOP rate; then the torch merges against the Triton ones.
 
-    python scripts/absorbed_sweep.py                      # 128 and 32 new tokens over 4,096
-    python scripts/absorbed_sweep.py --shapes 128x16384 --top 5
+    python scripts/sweeps/absorbed_sweep.py                      # 128 and 32 new tokens over 4,096
+    python scripts/sweeps/absorbed_sweep.py --shapes 128x16384 --top 5
 """
 
 from __future__ import annotations

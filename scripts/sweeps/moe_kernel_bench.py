@@ -16,11 +16,11 @@ at start (bytes read + written of a 4 GB device copy).
 
 ``--sweep`` also times the GEMV and grouped-GEMM tiles around the defaults (coordinate descent for
 the GEMV's two kernels), checks each against the default's output, and prints the best per point;
-``--humming`` times vLLM's W4A16 MoE GEMMs (``scripts/humming_peer.py``, ``humming-kernels``) on
+``--humming`` times vLLM's W4A16 MoE GEMMs (``scripts/sweeps/humming_peer.py``, ``humming-kernels``) on
 the same INT4 weights, routings and harness, checked against the same reference. The default path
 is checked against the torch reference (``int4_moe_ref`` / ``fp8_moe_ref``) at a few token counts.
 
-    python scripts/moe_kernel_bench.py --out DIR [--formats int4,fp8] [--tokens 1,2,4,...]
+    python scripts/sweeps/moe_kernel_bench.py --out DIR [--formats int4,fp8] [--tokens 1,2,4,...]
         [--sweep] [--humming] [--time-limit 500]
 
 Writes ``DIR/moe_kernel_bench.json`` (one row per case, tokens and variant) as it goes.

@@ -9,7 +9,7 @@ Every config's output is checked against the default config's (and the default a
 reference up to 1024 tokens). The kernels compile first in worker processes (Triton's cache is
 shared), so the timing loop only times. Each case runs in a CUDA graph (``do_bench_cudagraph``).
 
-    python scripts/moe_tile_sweep.py [--tokens 32,128,...] [--out rows.json] [--workers 12]
+    python scripts/sweeps/moe_tile_sweep.py [--tokens 32,128,...] [--out rows.json] [--workers 12]
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ decode graph is (``--bound``, the server's --max-model-len). Prints per shape th
 (rows on the shared pages, and on pages of their own: what L2 reuse gives it), the cascade's
 default and its prefix kernel's tiles, with the error of each against the fp32 reference.
 
-    python scripts/cascade_sweep.py [--shapes 32x4096x200,...] [--bound 4608]
+    python scripts/sweeps/cascade_sweep.py [--shapes 32x4096x200,...] [--bound 4608]
 """
 
 from __future__ import annotations

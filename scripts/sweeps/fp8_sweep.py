@@ -12,7 +12,7 @@ Each variant is checked against the float32 reference, then timed inside a CUDA 
 (``triton.testing.do_bench_cudagraph``: the launch gaps of a decode step's graph, not Python's),
 beside its bound: FP8 bytes + scales over ``--bandwidth``. Prints the best of each way per shape.
 
-    python scripts/fp8_sweep.py [--tokens 1,2,4] [--bandwidth 4.15e12] [--out rows.json]
+    python scripts/sweeps/fp8_sweep.py [--tokens 1,2,4] [--bandwidth 4.15e12] [--out rows.json]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: a `moeserve sweep` of what fits one H200 (Moonlight-16B-A3B shape, dummy
 # weights), measured next to the planner. Needs the wheels from scripts/fetch_server_wheels.sh
-# carried as `.whl`. Usage: bash scripts/gpu_sweep.sh OUT_DIR [LAYOUTS] [CONCURRENCY]
+# carried as `.whl`. Usage: bash scripts/sweeps/gpu_sweep.sh OUT_DIR [LAYOUTS] [CONCURRENCY]
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 out=${1:?output dir}; layouts=${2:-tp1}; levels=${3:-1,32,128}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1

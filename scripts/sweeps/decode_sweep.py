@@ -3,7 +3,7 @@
 CUDA graph, with the bytes-over-bandwidth bound beside it. Prints per shape the default and the
 fastest few, and checks the fastest against the default's output.
 
-    python scripts/decode_sweep.py [--shapes 32x4096,32x1024,64x4096,128x1024] [--top 6]
+    python scripts/sweeps/decode_sweep.py [--shapes 32x4096,32x1024,64x4096,128x1024] [--top 6]
 """
 
 from __future__ import annotations
