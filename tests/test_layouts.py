@@ -4,7 +4,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.kernels.compile_watch import triton_reports_compiles
-from moeserve.parallel.executor import RankFailure
+from moeserve.executor.multiprocess import RankFailure
 from moeserve.distributed.layout import Layout
 
 from checkpoints import make_checkpoint
@@ -244,7 +244,7 @@ def test_a_failure_report_puts_the_root_cause_before_its_peers_losses():
     report names rank 1's own error first, and still carries rank 0's."""
     import multiprocessing as mp
 
-    from moeserve.parallel import executor as ex
+    from moeserve.executor import multiprocess as ex
 
     ends = [mp.Pipe() for _ in range(3)]
     executor = object.__new__(ex.MultiProcessExecutor)

@@ -26,7 +26,7 @@ from moeserve.server.commands import (
 def run_node(args: argparse.Namespace) -> int:
     from moeserve.config import load_model_config
     from moeserve.engine.config import EngineConfig
-    from moeserve.parallel.nodes import run_worker_node
+    from moeserve.executor.nodes import run_worker_node
 
     if args.model is None:
         raise ValueError("a worker node needs --model (the same path as on node 0)")

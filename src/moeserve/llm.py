@@ -25,11 +25,11 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     model_config = load_model_config(config.model, config.hf_overrides)
     world = config.tensor_parallel_size * config.pipeline_parallel_size
     if world > 1 or config.expert_parallel_size > 1:
-        from moeserve.parallel.executor import MultiProcessExecutor
+        from moeserve.executor.multiprocess import MultiProcessExecutor
 
         executor = MultiProcessExecutor(model_config, config)
     else:
-        from moeserve.engine.executor import LocalExecutor
+        from moeserve.executor.local import LocalExecutor
 
         executor = LocalExecutor(model_config, config)
     try:

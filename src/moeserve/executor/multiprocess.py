@@ -20,9 +20,9 @@ from moeserve.engine.config import EngineConfig, ResolvedSettings
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 from moeserve.distributed.layout import Layout
-from moeserve.parallel.nodes import accept_remote_ranks, spawn_rank, stop_processes
-from moeserve.parallel.step_link import node_authkey
-from moeserve.parallel.worker import RankInfo, rendezvous_url
+from moeserve.executor.nodes import accept_remote_ranks, spawn_rank, stop_processes
+from moeserve.executor.step_link import node_authkey
+from moeserve.executor.worker import RankInfo, rendezvous_url
 
 log = logging.getLogger("moeserve")
 
@@ -99,7 +99,7 @@ class MultiProcessExecutor:
             self.shutdown()
             raise
         self.kv_capacity_pages = min(i.kv_pages for i in self.infos)
-        # Resolved by the ranks once they agreed on the KV cache's size (parallel/worker.py): one
+        # Resolved by the ranks once they agreed on the KV cache's size (executor/worker.py): one
         # micro-batch per stage in flight, or two steps with asynchronous scheduling (one stage).
         # Ranks of other nodes resolve them from their own flags, which must be the same.
         self.settings: ResolvedSettings = self.infos[0].settings

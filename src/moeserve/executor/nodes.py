@@ -16,7 +16,7 @@ from multiprocessing.connection import Listener
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig
 from moeserve.distributed.layout import Layout
-from moeserve.parallel.worker import rendezvous_url, worker_main
+from moeserve.executor.worker import rendezvous_url, worker_main
 
 log = logging.getLogger("moeserve")
 

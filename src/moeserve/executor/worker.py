@@ -115,7 +115,7 @@ def worker_main(
     stage = layout.stage_of(rank)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} (stage {stage}): %(message)s")
     if isinstance(conn, tuple):
-        from moeserve.parallel.step_link import dial_engine
+        from moeserve.executor.step_link import dial_engine
 
         conn = dial_engine(conn, rank)
     try:
