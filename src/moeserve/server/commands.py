@@ -188,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kw["model"] = args.model
     if args.tokenizer:
         kw["tokenizer"] = args.tokenizer
-    EngineConfig(**kw)  # bad settings fail here, before anything starts
+    engine_config = EngineConfig(**kw)  # bad settings fail here, before anything starts; the engine gets this one
     tokenizer = load_tokenizer(args.tokenizer or kw["model"], args.trust_remote_code)
     if tokenizer is None:
         log.warning("no tokenizer in %s: only token-id prompts work (/v1/completions)", kw["model"])
@@ -221,7 +221,7 @@ def run_serve(args: argparse.Namespace) -> int:
         asyncio.get_running_loop().call_later(DEATH_GRACE_S, lambda: setattr(server, "should_exit", True))
 
     config = ServerConfig(
-        engine_kwargs=kw,
+        engine=engine_config,
         model_names=args.served_model_name or [args.model or "moeserve-demo"],
         api_key=args.api_key,
         max_waiting=args.max_waiting,
