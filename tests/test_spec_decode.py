@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeserve.engine.llm import LLM
+from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
 from spec_checkpoints import make_mtp_checkpoint

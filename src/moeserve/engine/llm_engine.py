@@ -18,7 +18,7 @@ from moeserve.cache.allocator import PagedAllocator, salted_root
 from moeserve.chat_template import GenerationDefaults
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings
-from moeserve.engine.context import leading_decode_rows
+from moeserve.step_context import leading_decode_rows
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig

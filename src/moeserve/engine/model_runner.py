@@ -19,7 +19,7 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.device_copy import to_device
-from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
+from moeserve.step_context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.structured.mask import masked_logits
 from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
@@ -268,10 +268,12 @@ class ModelRunner:
         need = stage_weight_bytes(self.model_config, self.stage, self.is_first, self.is_last, self.dtype)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > 0.8 * total:
+            per_layer = need / self.stage.num_layers
+            fits = max(1, int(0.8 * total // per_layer) - 1)  # the embedding and lm_head take about a layer
             raise ValueError(
                 f"the model needs about {need / 1e9:.0f} GB of weights on this rank in {self.dtype}, "
-                f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, a smaller "
-                f"config, or more pipeline stages"
+                f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, more pipeline stages, or "
+                f"fewer layers of the same shapes: --hf-overrides '{{\"num_hidden_layers\": {fits}}}'"
             )
 
     def _use_kernels(self) -> None:

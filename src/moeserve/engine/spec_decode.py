@@ -23,7 +23,7 @@ import torch
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.device_copy import to_device
 from moeserve.distributed.tp_collectives import TPGroup, tp_group
-from moeserve.engine.context import StepContext, step_context
+from moeserve.step_context import StepContext, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
 from moeserve.engine.spec_accept import accept_drafts
