@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download the server's packages that the GPU image lacks or holds too old (fastapi, uvicorn, starlette,
 # pydantic, uvloop and httptools, aiohttp for `moeserve bench --url`, and what they need)
-# as Python 3.12 manylinux wheels into .whl/ (git-ignored), for `scripts/gpu_sweep.sh` there.
+# as Python 3.12 manylinux wheels into .whl/ (git-ignored), for `scripts/sweeps/gpu_sweep.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude

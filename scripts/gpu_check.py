@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from moeserve import LLM, SamplingParams
-from moeserve.bench.bounds import measure_peaks
+from moeserve.planner.bounds import measure_peaks
 from moeserve.bench.offline import run_batch
 
 sys.path.insert(0, str(Path(__file__).parent))

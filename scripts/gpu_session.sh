@@ -1,24 +1,31 @@
 #!/usr/bin/env bash
-# One device call that re-measures everything BENCHMARKS.md records for one H200, within the
-# 10-minute limit of a call: the fast-path bench and profile, float32 exactness, the kernel tests
-# at real shapes, and (with the wheels of scripts/fetch_server_wheels.sh carried as .whl) the
-# serving sweep. The device returns at most 8 files, so everything is packed into one archive.
-#   run: bash scripts/gpu_session.sh $OUT        (carry [".whl"] for the sweep)
-source "$(dirname "$0")/gpu_steps.sh"
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
-git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null || true
-step bench_bf16 200 python3 scripts/gpu_check.py --out "$work/bf16" --batch-sizes 1,8,64,256 \
-  --input-len 1024 --output-len 256 --profile 1,256
-step exact_fp32 170 python3 scripts/gpu_check.py --out "$work/fp32" --skip-bench --dtype float32
-if ls .whl/*.whl > /dev/null 2>&1; then
-  step sweep 140 bash scripts/gpu_sweep.sh "$work/sweep" tp1 1,32,128
+# One GPU session = one device call: a named suite of time-limited steps (scripts/sessions/SUITE.sh,
+# each sourcing scripts/sessions/steps.sh), its logs packed into $OUT/results.tgz with a
+# $OUT/summary.txt beside it (the device returns at most 8 files).
+#   bash scripts/gpu_session.sh SUITE $OUT     run a suite (env knobs: see the suite's header)
+#   bash scripts/gpu_session.sh $OUT           the `full` suite (everything BENCHMARKS.md records)
+#   bash scripts/gpu_session.sh --list         the suites, one line each
+set -uo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+
+list() {
+  for f in "$here"/sessions/*.sh; do
+    name=$(basename "$f" .sh)
+    [ "$name" = steps ] && continue
+    printf '  %-12s %s\n' "$name" "$(sed -n 2p "$f" | sed 's/^# *//')"
+  done
+}
+
+if [ $# -eq 0 ] || [ "$1" = --list ] || [ "$1" = -h ] || [ "$1" = --help ]; then
+  sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'
+  echo "suites:"
+  list
+  exit 0
 fi
-# Last, with what is left of the call: the kernel tests compile a kernel per shape (slow).
-# The real shapes of every kernel (the tiny ones run in CI), newest kernels first.
-step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_router_hidden.py \
-  tests/test_gemv.py tests/test_sampling_kernel.py tests/test_attention_fusions.py tests/test_kernels_moe.py -k "real or shared" \
-  tests/test_kernels_mla.py tests/test_kernels_misc.py
-grep -h "^ *[0-9]* \+[0-9,]* \+[0-9.]* \+[0-9,.]* \|CHECK" "$work/bench_bf16.log" "$work/exact_fp32.log" \
-  >> "$work/summary.txt" 2>/dev/null
-tail -3 "$work/kernel_tests.log" >> "$work/summary.txt" 2>/dev/null
-pack
+if [ $# -ge 2 ]; then suite=$1; shift; else suite=full; fi
+if [ "$suite" = steps ] || [ ! -f "$here/sessions/$suite.sh" ]; then
+  echo "unknown suite '$suite'; the suites:" >&2
+  list >&2
+  exit 2
+fi
+exec bash "$here/sessions/$suite.sh" "$@"

@@ -11,7 +11,7 @@ from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
 from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
 from moeserve.config import RopeConfig, parse_model_config  # noqa: E402
 from moeserve.demo.random_model import RANDOM_CONFIG  # noqa: E402
-from moeserve.engine.context import StepContext, step_context  # noqa: E402
+from moeserve.step_context import StepContext, step_context  # noqa: E402
 from moeserve.kernels import rope_cache  # noqa: E402
 from moeserve.kernels.rope_cache import rope_and_cache  # noqa: E402
 from moeserve.layers.attention import MLAAttention  # noqa: E402

@@ -101,7 +101,7 @@ def test_the_engine_answers_an_add_once_the_step_that_computes_its_first_token_i
     and before it is waited for (the HTTP side opens the response while the first token is
     computed, without taking the CPU from the launch); the step's deltas follow."""
     from moeserve.engine.config import EngineConfig
-    from moeserve.engine.llm import build_engine
+    from moeserve.llm import build_engine
     from moeserve.server.engine_process import EngineLoop
 
     engine = build_engine(EngineConfig(model=str(ensure_random_model())))
@@ -151,7 +151,7 @@ def test_a_large_request_is_queued_in_slices_and_counted_apart():
     the 503, a later small request goes before the next slice, and an abort of a prompt not queued
     yet only drops it."""
     from moeserve.engine.config import EngineConfig
-    from moeserve.engine.llm import build_engine
+    from moeserve.llm import build_engine
     from moeserve.server.engine_process import EngineLoop
 
     engine = build_engine(EngineConfig(model=str(ensure_random_model()), max_num_seqs=2))

@@ -150,7 +150,7 @@ def test_server_warm_up_runs_a_mixed_step_over_a_cached_prefix():
     decode rows beside a fresh prompt and another over the cached prefix (on a GPU those kernels
     compile on first use)."""
     from moeserve.engine.config import EngineConfig
-    from moeserve.engine.llm import build_engine
+    from moeserve.llm import build_engine
     from moeserve.server.engine_process import warm_up, warm_up_step_shapes
 
     engine = build_engine(EngineConfig(model=None, device="cpu", page_size=4))

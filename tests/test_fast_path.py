@@ -23,6 +23,7 @@ def run(path, backend, prompts=PROMPTS):
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
 
 
+@pytest.mark.triton_on_cpu
 @pytest.mark.parametrize("variant", ["v3_qlora_grouped_yarn", "v2_greedy_yarn"])
 def test_fast_path_equals_reference(tmp_path, variant):
     from checkpoints import make_checkpoint
@@ -37,6 +38,7 @@ def test_fast_path_equals_reference(tmp_path, variant):
                 assert b[t] == pytest.approx(a[t], abs=1e-4)
 
 
+@pytest.mark.triton_on_cpu
 def test_decode_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     """The CUDA-graph path's static buffers (filled in place each step, padded to a captured
     size), emulated on CPU: nothing may be cached across forwards by tensor identity, or the
@@ -65,6 +67,7 @@ def test_decode_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
                 assert b[t] == pytest.approx(a[t], abs=1e-4)
 
 
+@pytest.mark.triton_on_cpu
 def test_prefill_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     """One-sequence extend steps through the prefill graphs' static buffers (emulated on CPU):
     a fresh prompt padded to a captured size, the chunk after it over a cached prefix whose
@@ -114,6 +117,7 @@ def test_piecewise_sizes_take_a_wave_of_suffixes_with_little_padding():
     assert piecewise_capture_sizes(3000)[-1] == 3000 and max(piecewise_capture_sizes(2048)) == 2048
 
 
+@pytest.mark.triton_on_cpu
 def test_piecewise_graph_buffers_give_eager_tokens(tmp_path, monkeypatch):
     """The steps no whole-step graph takes (several prompts' chunks in one step, decode rows
     beside a prompt's chunk) through the piecewise graphs' static buffers, emulated on CPU: the

@@ -342,6 +342,7 @@ def test_planner_counts_kv_b_in_the_activation_dtype():
     assert sizes["attention"].bytes == fp8 + scales + 2 * kv_b
 
 
+@pytest.mark.triton_on_cpu
 def test_fused_fp8_input_projections_equal_apart(tmp_path, monkeypatch):
     """With q_lora_rank on the 128-row grid, q_a and kv_a run as one FP8 GEMM on the fast path
     (one quantization of the hidden state, one weight read); the tokens and logprobs equal

@@ -174,6 +174,7 @@ def test_hf_overrides_apply_to_text_config_and_dummy_int4_runs():
     assert len(out[0].outputs[0].token_ids) == 4
 
 
+@pytest.mark.triton_on_cpu
 def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatch):
     """The INT4 kernels (GEMV for the decodes, grouped GEMM for the prefill chunks) in the Triton
     interpreter, with the decode graphs' static buffers emulated: transformers' tokens."""

@@ -13,7 +13,7 @@ from moeserve.attention.backend import MLAWeights  # noqa: E402
 from moeserve.attention.reference import ReferenceMLABackend  # noqa: E402
 from moeserve.attention.triton_mla import TritonMLABackend  # noqa: E402
 from moeserve.cache.kv_pool import StageKVPool, StageRange  # noqa: E402
-from moeserve.engine.context import StepContext  # noqa: E402
+from moeserve.step_context import StepContext  # noqa: E402
 from moeserve.kernels.mla_decode import (
     default_num_kv_splits,
     mla_decode,
@@ -489,7 +489,7 @@ def test_rows_sharing_a_cached_prefix_expand_it_once(variant):
     """Extend rows that found one prefix in the cache (the same pages under the same length) are
     one run: in pieces their prefix is gathered and expanded once and all their queries attend
     it, with the reference's result; rows with prefixes of their own stay runs of one."""
-    from moeserve.engine.context import shared_prefix_runs
+    from moeserve.step_context import shared_prefix_runs
 
     # one decode row, three rows over the same 8 cached tokens (2 pages), one over 12 of its own
     query_lens, context_lens = [1, 5, 7, 3, 6], [9, 13, 15, 11, 18]
@@ -517,7 +517,7 @@ def test_rows_sharing_a_cached_prefix_expand_it_once(variant):
 def test_preparing_a_step_never_waits_for_the_device(variant):
     """The step's metadata, rows sharing a prefix included, is built without a sync: the host
     enqueues the next step while this one runs (asynchronous scheduling)."""
-    from moeserve.engine.context import shared_prefix_runs
+    from moeserve.step_context import shared_prefix_runs
 
     query_lens, context_lens = [1, 5, 7, 3, 6], [9, 13, 15, 11, 18]
     _, ctx, *_ = _backend_case(4, 16, 8, 16, 16, query_lens, context_lens, 4, torch.float32)

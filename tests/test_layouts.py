@@ -4,7 +4,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.kernels.compile_watch import triton_reports_compiles
-from moeserve.parallel.executor import RankFailure
+from moeserve.executor.multiprocess import RankFailure
 from moeserve.distributed.layout import Layout
 
 from checkpoints import make_checkpoint
@@ -215,6 +215,7 @@ def test_a_failing_rank_on_another_node_is_reported(checkpoints, tmp_path):
             node1.wait(timeout=10)
 
 
+@pytest.mark.triton_on_cpu
 def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, reference):
     """The Triton backend and kernels (interpreter on CPU) on stage 1 of PP=2, layers [3, 5)."""
     pytest.importorskip("triton")
@@ -225,6 +226,7 @@ def test_fast_path_on_a_pipeline_stage_that_starts_past_layer_0(checkpoints, ref
     assert [o.outputs[0].token_ids for o in outs] == reference["v3"]
 
 
+@pytest.mark.triton_on_cpu
 @pytest.mark.parametrize(
     "layout", [dict(tensor_parallel_size=2), dict(tensor_parallel_size=2, expert_parallel_size=2)], ids=["tp2", "tp2-ep2"]
 )
@@ -242,7 +244,7 @@ def test_a_failure_report_puts_the_root_cause_before_its_peers_losses():
     report names rank 1's own error first, and still carries rank 0's."""
     import multiprocessing as mp
 
-    from moeserve.parallel import executor as ex
+    from moeserve.executor import multiprocess as ex
 
     ends = [mp.Pipe() for _ in range(3)]
     executor = object.__new__(ex.MultiProcessExecutor)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from moeserve.bench.bounds import prefill_flops
+from moeserve.planner.bounds import prefill_flops
 from moeserve.config import load_model_config
 from moeserve.planner.calibrate import calibrate_from_files
 from moeserve.planner.cost import decode_step

@@ -332,6 +332,7 @@ def test_layouts_with_the_cache(v3_checkpoint, uncached):
             assert_close(shared_prefix_run(llm, max_tokens=3), expected(uncached, 3))
 
 
+@pytest.mark.triton_on_cpu
 def test_fast_path_with_the_cache(v3_checkpoint, uncached):
     """The Triton kernels (in the interpreter): a prefix hit's extend over cached pages, and a
     fully cached prompt's last token."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from moeserve.engine.llm import LLM
+from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
 from spec_checkpoints import make_mtp_checkpoint
@@ -145,9 +145,9 @@ def test_demo_model_through_the_triton_backend():
     from moeserve.demo import chat_format as cf
 
     prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
-    params = SamplingParams(temperature=0.0, max_tokens=7)
+    params = SamplingParams(temperature=0.0, max_tokens=5)
     want = _tokens(LLM(None, device="cpu"), [prompt], params)
-    kw = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=32, page_size=4, max_num_seqs=2, max_model_len=48)
+    kw = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=32, page_size=4, max_num_seqs=2, max_model_len=40)
     with LLM(None, speculative_config=SPEC2, **kw) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
@@ -230,3 +230,61 @@ def test_random_model_logprobs_and_prompt_logprobs_match_plain(random_mtp, plain
 
 def _value(logprob) -> float:
     return getattr(logprob, "logprob", logprob)
+
+
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ({"method": "eagle", "num_speculative_tokens": 2}, "method 'eagle' is not supported"),
+        ({"method": "mtp", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
+        ({"method": "mtp", "num_speculative_tokens": 2, "draft_tp": 1}, "unknown field"),
+        ({"method": "mtp", "model": "/elsewhere"}, "the MTP method drafts with the target checkpoint's own layer"),
+    ],
+)
+def test_bad_speculative_configs_are_clear_errors(value, match):
+    from moeserve.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(model=None, device="cpu", speculative_config=value)
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused():
+    from moeserve.demo.random_model import ensure_random_model
+
+    with pytest.raises(ValueError, match="no MTP layer"):
+        _engine(str(ensure_random_model()), SPEC2)
+
+
+def test_demo_model_sampled_tokens_keep_the_target_distribution():
+    """Sampled (temperature 1.5, top-k 4) through the engine, 200 completions of one prompt with
+    and without speculation: each output position's tokens are alike (two-sample chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=1.5, top_k=4, max_tokens=3, n=200, seed=11)
+    runs = []
+    for spec in (None, SPEC2):
+        llm = LLM(None, device="cpu", speculative_config=spec)
+        runs.append([list(c.token_ids) for c in llm.generate(prompt, params)[0].outputs])
+    assert llm.engine.spec_num_accepted_tokens > 0
+    for pos in range(3):
+        table: dict[int, list[int]] = {}
+        for r, outs in enumerate(runs):
+            for o in outs:
+                if len(o) > pos:
+                    table.setdefault(o[pos], [0, 0])[r] += 1
+        if len(table) > 1:
+            assert chi2_contingency(list(table.values())).pvalue > 1e-4, (pos, table)
+
+
+def test_structured_outputs_refused_under_speculation():
+    """The drafts would be scored without the grammar's mask: refused, naming the field."""
+    from moeserve.structured import StructuredOutputs
+
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputs.from_fields({"choice": ["yes", "no"]}))
+    with LLM(None, device="cpu", speculative_config=SPEC2) as llm:
+        with pytest.raises(ValueError, match="not supported with speculative decoding yet"):
+            llm.generate(["Hello"], params)
+        assert llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from moeserve.engine.config import EngineConfig, SpeculativeConfig
-from moeserve.engine.llm import LLM
+from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
 from spec_checkpoints import MTP_CONFIG, make_mtp_checkpoint

@@ -9,7 +9,7 @@ import torch
 from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import StageKVPool, StageRange
 from moeserve.config import load_model_config
-from moeserve.engine.context import StepContext, step_context
+from moeserve.step_context import StepContext, step_context
 from moeserve.loader import load_model_weights
 from moeserve.models.deepseek import DeepseekForCausalLM
 from moeserve.models.deepseek_mtp import DeepseekMTP

@@ -8,7 +8,7 @@ from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import LayerNotOnStage, StageKVPool, StageRange
 from moeserve.config import parse_model_config
 from moeserve.demo.random_model import RANDOM_CONFIG
-from moeserve.engine.context import StepContext, step_context
+from moeserve.step_context import StepContext, step_context
 from moeserve.loader import load_model_weights
 from moeserve.models.deepseek import DeepseekForCausalLM
 

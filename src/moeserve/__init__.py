@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
 
 _LAZY = {
-    "LLM": "moeserve.engine.llm",
+    "LLM": "moeserve.llm",
     "SamplingParams": "moeserve.sampling_params",
     "RequestOutput": "moeserve.outputs",
     "CompletionOutput": "moeserve.outputs",

@@ -1,10 +1,13 @@
-"""``moeserve`` command line: generate | chat | plan | serve | bench | wait-ready."""
+"""``moeserve`` command line: generate | chat | bench | sweep | plan | serve | wait-ready | systemd-unit."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import re
 import sys
+
+from moeserve import __version__
 
 from moeserve.bench.sweep import add_sweep_arguments, run_sweep_cli
 from moeserve.engine.args import add_engine_arguments, engine_kwargs
@@ -23,7 +26,7 @@ from moeserve.server.commands import (
 def run_node(args: argparse.Namespace) -> int:
     from moeserve.config import load_model_config
     from moeserve.engine.config import EngineConfig
-    from moeserve.parallel.nodes import run_worker_node
+    from moeserve.executor.nodes import run_worker_node
 
     if args.model is None:
         raise ValueError("a worker node needs --model (the same path as on node 0)")
@@ -75,9 +78,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moeserve", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="moeserve",
+        description="Serve Mixture-of-Experts LLMs (DeepSeek-V3/R1, Kimi K2.x, Moonlight, DeepSeek-V2) with TP, PP and EP, "
+        "and pick the layout before loading a weight. `moeserve COMMAND --help` for a command's flags.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"moeserve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
 
     g = sub.add_parser("generate", help="generate text offline (default model: the built-in demo)")
     add_engine_arguments(g)
@@ -141,6 +149,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Every flag of the parser and its commands, by the name the code spells it (``load_format``)."""
+    flags: dict[str, str] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                flags.update(_flags(command))
+        elif action.option_strings and action.dest not in ("help", "version"):
+            flag = max(action.option_strings, key=len)
+            for spelling in (action.dest, flag.lstrip("-").replace("-", "_")):
+                if "_" in spelling:  # a code name (tp=2 in a layout's name is the domain's, not a flag)
+                    flags.setdefault(spelling, flag)
+    return flags
+
+
+def cli_words(message: str, parser: argparse.ArgumentParser) -> str:
+    """An error raised by the Python API, said as on the command line: ``load_format='dummy'`` ->
+    ``--load-format dummy``, ``'prompt_token_ids'`` -> ``--prompt-token-ids``."""
+    flags = _flags(parser)
+
+    def assignment(m: re.Match) -> str:
+        flag = flags.get(m.group(1))
+        return f"{flag} {m.group(2) or m.group(3)}" if flag else m.group(0)
+
+    def name(m: re.Match) -> str:
+        return flags.get(m.group(1), m.group(0))
+
+    message = re.sub(r"\b([a-z][a-z0-9]*(?:_[a-z0-9]+)+)=(?:'([^']*)'|([^\s,;)']+))", assignment, message)
+    message = re.sub(r"'([a-z][a-z0-9]*(?:_[a-z0-9]+)+)'", lambda m: flags.get(m.group(1), m.group(0)), message)
+    return re.sub(r"(?<![\w.'-])([a-z][a-z0-9]*(?:_[a-z0-9]+)+)(?![\w.'(=])", name, message)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -151,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             return run_node(args)
         return args.func(args)
     except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {cli_words(str(e), parser)}", file=sys.stderr)
         return 2
 
 

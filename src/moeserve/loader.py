@@ -116,7 +116,7 @@ def load_model_weights(
 ) -> None:
     if load_format == "dummy":
         dtype = next(model.parameters()).dtype
-        used = model.load_weights(iter_dummy(model, seed, device, dtype))
+        used = model.load_weights(_progress(iter_dummy(model, seed, device, dtype), model, "making dummy weights"))
     elif load_format in ("auto", "safetensors"):
         if model_dir is None:
             raise ValueError("load_format='auto' needs a model directory")
@@ -129,7 +129,7 @@ def load_model_weights(
             )
         if q is not None and q.method == "fp8":  # which linears the checkpoint really stores in FP8
             model.use_plain_weights(checkpoint_tensor_names(model_dir))
-        used = model.load_weights(iter_checkpoint(model, model_dir, device))
+        used = model.load_weights(_progress(iter_checkpoint(model, model_dir, device), model, "loading weights"))
     else:
         raise ValueError(f"unknown load_format {load_format!r} (use 'auto' or 'dummy')")
     expected = {name for name, _ in model.expected_checkpoint_tensors()}
@@ -137,6 +137,16 @@ def load_model_weights(
     if missing and not _fused_experts_cover(missing, used):
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"checkpoint {model_dir} is missing tensor(s): {shown}")
+
+
+def _progress(tensors: Iterator[tuple[str, torch.Tensor]], model: DeepseekForCausalLM, what: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """A progress bar over this rank's tensors, on a terminal only, and from the first rank only."""
+    import torch.distributed as dist
+    from tqdm import tqdm
+
+    first = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    total = sum(1 for _ in model.expected_checkpoint_tensors())
+    return tqdm(tensors, total=total, desc=what, unit=" tensors", disable=None if first else True, leave=False)
 
 
 def _fused_experts_cover(missing: list[str], used: set[str]) -> bool:

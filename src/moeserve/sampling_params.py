@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from moeserve.structured.spec import StructuredOutputs
+
 SEED_RANGE = (-(1 << 63), (1 << 63) - 1)  # a signed 64-bit integer, as torch.Generator takes it
 # Every step searches each stop string over the text held back (the longest stop string) plus
 # the new text, in the engine loop that serves everyone: bounded, a request's check costs at most
@@ -59,6 +61,9 @@ class SamplingParams:
     truncation_side: str = "left"
     # ``bad_words`` as token sequences, set by the engine (it has the tokenizer): ``LLMEngine.prepare``
     bad_words_token_ids: list[list[int]] | None = None
+    # Grammar-constrained decoding (vLLM's ``structured_outputs``; a dict of its fields is taken too):
+    # each sampled token must follow it, and the sequence stops once the grammar is complete.
+    structured_outputs: StructuredOutputs | dict | None = None
     stop_list: list[str] = field(init=False, default_factory=list)
     stop_token_set: frozenset[int] = field(init=False, default_factory=frozenset)  # looked up every token
 
@@ -69,6 +74,8 @@ class SamplingParams:
             self.stop_list = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.stop_token_set = frozenset(self.stop_token_ids)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputs.from_fields(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -129,6 +136,10 @@ class SamplingParams:
                         "logit_bias",
                         f"values must be in [{LOGIT_BIAS_RANGE[0]:g}, {LOGIT_BIAS_RANGE[1]:g}], got {value!r} for token {token}",
                     )
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputs):
+                raise bad("structured_outputs", f"must be a StructuredOutputs or a dict, got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
         if any(not s for s in self.stop_list):
             raise bad("stop", "must not contain empty strings")
         if len(self.stop_list) > MAX_STOP_STRINGS:

@@ -6,7 +6,7 @@ from typing import Protocol
 import torch
 
 from moeserve.cache.kv_pool import StageKVPool
-from moeserve.engine.context import StepContext
+from moeserve.step_context import StepContext
 
 
 @dataclass

@@ -11,7 +11,7 @@ import torch
 
 from moeserve.attention.backend import MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
-from moeserve.engine.context import StepContext
+from moeserve.step_context import StepContext
 
 
 def gather_context(cache: torch.Tensor, page_table: torch.Tensor, context_len: int, page_size: int) -> torch.Tensor:

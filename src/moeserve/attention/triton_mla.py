@@ -43,7 +43,8 @@ import torch
 from moeserve.attention.backend import MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.device_copy import to_device
-from moeserve.engine.context import StepContext
+from moeserve.step_context import StepContext
+from moeserve.kernels.limits import ABSORBED_MAX_NEW_TOKENS  # auto: absorbed prefix form up to this many new tokens
 from moeserve.kernels.lse_merge import merge_two
 from moeserve.kernels.mla_decode import mla_decode, mla_prefix_absorbed
 from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge
@@ -53,13 +54,6 @@ from moeserve.kernels.mla_extend import mla_extend_split, mla_prefix_merge
 # max_num_batched_tokens (8192) prefill that sizes the KV cache's activation headroom.
 PREFIX_CHUNK_TOKENS = int(os.environ.get("MOESERVE_PREFIX_CHUNK_TOKENS", "4096"))
 PREFIX_MODES = ("auto", "chunked", "absorbed")
-# auto: the absorbed prefix form up to this many new tokens in the step's largest run of rows
-# over one prefix. By FLOPs the two forms break even near 170 new tokens a run (absorbed: ~35
-# kFLOP per query and prefix token at 16 heads; chunked: ~10 kFLOP plus ~4.2 MFLOP to expand each
-# prefix token once, for the whole run);
-# below that the absorbed form also saves the pieces' gathers, expansions and merges (on one
-# H200, 128 new tokens over 4,096 cached: 49.5 against 75.5 ms for the eager step).
-ABSORBED_MAX_NEW_TOKENS = 160
 
 
 @dataclass

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from moeserve.bench.bounds import DevicePeaks, decode_step_cost, measure_peaks, prefill_flops
+from moeserve.planner.bounds import DevicePeaks, decode_step_cost, measure_peaks, prefill_flops
 from moeserve.engine.config import resolve_dtype
-from moeserve.engine.llm import LLM
+from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
 log = logging.getLogger("moeserve")

@@ -59,6 +59,7 @@ def plot_levels(series: dict[str, list[dict]], out_dir: Path, predicted: dict[st
                 label=f"{name} (predicted)",
             )
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)  # a rate or a time: from zero, so that a small difference looks small
         ax.set_xlabel("concurrency")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)

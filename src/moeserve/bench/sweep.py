@@ -270,7 +270,26 @@ def add_sweep_arguments(p) -> None:
     p.add_argument("serve_args", nargs="*", help="extra `moeserve serve` flags after `--`")
 
 
+def servers_run_on_cpu(serve_args: list[str]) -> bool:
+    """Whether the servers a sweep starts run on the CPU: ``--device cpu`` among their flags, or
+    ``auto`` on a machine without CUDA."""
+    for i, arg in enumerate(serve_args):
+        if arg == "--device" and i + 1 < len(serve_args):
+            return serve_args[i + 1] == "cpu"
+        if arg.startswith("--device="):
+            return arg.partition("=")[2] == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def run_sweep_cli(args) -> int:
+    if args.gpu and servers_run_on_cpu(list(args.serve_args)):
+        print(
+            f"warning: the servers run on the CPU, but the predictions are for the {args.gpu!r} GPU preset (--gpu): "
+            "the report compares a GPU's prediction with a CPU's measurement, so expect them to differ by orders of magnitude",
+            file=sys.stderr,
+        )
     runs = run_sweep(
         args.model,
         [x for x in args.layouts.split(",") if x],

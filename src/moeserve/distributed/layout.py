@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from moeserve.cache.kv_pool import StageRange
 from moeserve.config import ModelConfig
-from moeserve.distributed.partition import default_layer_partition, stage_layer_ranges, validate_layer_partition
+from moeserve.distributed.partition import StageRange, default_layer_partition, stage_layer_ranges, validate_layer_partition
 from moeserve.quant.experts import expert_shard, experts_method
 
 BALANCED_SUFFIX = "-balanced"  # the planner's mark of a partition chosen by its balancing search

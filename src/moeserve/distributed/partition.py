@@ -9,6 +9,7 @@ memory per GPU from the same ranges.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 
 def default_layer_partition(num_layers: int, pp: int) -> list[int]:
@@ -76,3 +77,36 @@ def stage_layer_ranges(partition: Sequence[int]) -> list[tuple[int, int]]:
         ranges.append((start, start + n))
         start += n
     return ranges
+
+
+class LayerNotOnStage(KeyError):
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0])
+
+
+@dataclass(frozen=True)
+class StageRange:
+    start_layer: int
+    end_layer: int
+    stage: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start_layer < self.end_layer:
+            raise ValueError(f"stage {self.stage}: empty or negative layer range [{self.start_layer}, {self.end_layer})")
+
+    @property
+    def num_layers(self) -> int:
+        return self.end_layer - self.start_layer
+
+    def __contains__(self, layer_id: int) -> bool:
+        return self.start_layer <= layer_id < self.end_layer
+
+    def local_index(self, layer_id: int) -> int:
+        if layer_id not in self:
+            raise LayerNotOnStage(
+                f"layer {layer_id} is not on pipeline stage {self.stage}, which owns layers [{self.start_layer}, {self.end_layer})"
+            )
+        return layer_id - self.start_layer
+
+    def layers(self) -> range:
+        return range(self.start_layer, self.end_layer)

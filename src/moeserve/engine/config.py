@@ -120,7 +120,7 @@ class EngineConfig:
             raise ValueError("several nodes need --master-port (and --master-addr: node 0's address)")
         if self.num_kv_pages is not None and self.num_kv_pages < 1:
             raise ValueError(f"num_kv_pages must be at least 1, got {self.num_kv_pages}")
-        self.speculative = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative = SpeculativeConfig.parse(self.speculative_config, self.model)
         if self.speculative is not None and self.nnodes > 1:
             raise ValueError("speculative decoding runs on one node for now")
         if self.speculative is not None and self.speculative.method == "eagle3" and self.pipeline_parallel_size > 1:
@@ -142,17 +142,22 @@ class SpeculativeConfig:
     METHODS = ("mtp", "deepseek_mtp", "eagle3")
 
     @classmethod
-    def parse(cls, value: dict | None) -> SpeculativeConfig | None:
+    def parse(cls, value: dict | None, target_model: str | None = None) -> SpeculativeConfig | None:
         if value is None:
             return None
         if not isinstance(value, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        unknown = set(value) - {"method", "num_speculative_tokens", "model"}
+        unknown = set(value) - {"method", "num_speculative_tokens", "model"}  # model: EAGLE-3's draft, or MTP's own target
         if unknown:
             raise ValueError(f"speculative_config: unknown field(s) {', '.join(sorted(unknown))} (method, num_speculative_tokens, model)")
         method = value.get("method")
         if method is None:  # as vLLM: a draft model whose name says eagle3 is one
             method = "eagle3" if "eagle3" in str(value.get("model") or "").lower() else "mtp"
+        draft = value.get("model")
+        if method != "eagle3" and draft is not None and draft != target_model:
+            raise ValueError(
+                f"speculative_config model {draft!r}: the MTP method drafts with the target checkpoint's own layer (leave 'model' out)"
+            )
         if method not in cls.METHODS:
             raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
         k = value.get("num_speculative_tokens", 1)

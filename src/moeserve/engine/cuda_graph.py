@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from moeserve.engine.context import StepContext, step_context
+from moeserve.step_context import StepContext, step_context
 
 log = logging.getLogger("moeserve")
 

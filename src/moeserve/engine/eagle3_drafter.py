@@ -25,7 +25,7 @@ import torch
 from moeserve.device_copy import to_device
 from moeserve.distributed.tp_collectives import tp_group
 from moeserve.engine.config import SpeculativeConfig
-from moeserve.engine.context import StepContext
+from moeserve.step_context import StepContext
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
 from moeserve.models.eagle3 import DraftRows, Eagle3Draft
@@ -83,6 +83,11 @@ class Eagle3Drafter:
             list(self.aux),
             self.k,
         )
+
+    @property
+    def model(self) -> Eagle3Draft | None:
+        """The draft (on TP rank 0; None on the other ranks)."""
+        return self.draft
 
     def make_pool(self, runner: ModelRunner, num_pages: int) -> None:
         pass  # no paged KV

@@ -18,7 +18,7 @@ from moeserve.cache.allocator import PagedAllocator, salted_root
 from moeserve.chat_template import GenerationDefaults
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, ResolvedSettings
-from moeserve.engine.context import leading_decode_rows
+from moeserve.step_context import leading_decode_rows
 from moeserve.engine.detokenizer import IncrementalDetokenizer
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -109,6 +109,8 @@ class LLMEngine:
             self.eos_token_ids.add(tokenizer.eos_token_id)
         # generation_config.json's list too, as vLLM reads it (--generation-config vllm: not)
         self.eos_token_ids.update(GenerationDefaults.load(config.model, config.generation_config).eos_token_ids)
+        self._grammars: Any = None  # structured.matcher.GrammarCompilers, made with the first constrained request
+        self._constrained = 0  # unfinished sequences under a grammar
 
     # ---- requests ----
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -158,6 +160,22 @@ class LLMEngine:
             raise ValueError("stop strings need a tokenizer; this model directory has none")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model directory has none")
+        if params.structured_outputs is not None:
+            self._compiled_grammar(params)
+
+    def _compiled_grammar(self, params: SamplingParams) -> Any:
+        """The request's grammar compiled against the tokenizer (cached; a ValueError naming its field)."""
+        spec = params.structured_outputs
+        if self.tokenizer is None:
+            raise ValueError(f"{spec.field} needs a tokenizer; this model directory has none")
+        if self.speculative is not None:
+            # the drafts would be scored without the grammar's mask
+            raise ValueError(f"{spec.field} is not supported with speculative decoding yet (this engine runs --speculative-config)")
+        if self._grammars is None:
+            from moeserve.structured.matcher import GrammarCompilers
+
+            self._grammars = GrammarCompilers(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
+        return self._grammars.compile(spec)
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token sequences it may take in an output, as vLLM tokenizes them:
@@ -220,6 +238,7 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
+        compiled = self._compiled_grammar(params) if params.structured_outputs is not None else None
         seqs = []
         for index in range(params.n):
             seq = Sequence(
@@ -236,6 +255,9 @@ class LLMEngine:
             )
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
+            if compiled is not None:
+                seq.grammar = self._grammars.matcher(compiled, params.structured_outputs.after)
+                self._constrained += 1
             seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[rid] = Request(rid, text, token_ids, params, seqs, prompt_logprobs_owed=params.prompt_logprobs is not None)
@@ -334,6 +356,9 @@ class LLMEngine:
         """Schedule and submit batches until ``max_in_flight`` are in flight or none is left."""
         depth = self.settings.max_in_flight
         async_scheduling = self.settings.async_scheduling
+        if async_scheduling and self._constrained:
+            # A grammar's mask for step n+1 needs step n's token: no overlap while one is running.
+            depth, async_scheduling = 1, False
         while len(self._in_flight) < depth:
             cap = None
             if depth > 1 and not async_scheduling:  # share the sequences out so every pipeline stage has work
@@ -347,6 +372,8 @@ class LLMEngine:
             step = build_step_input(batch, self.executor.page_size, self._finished_seq_ids, self.speculative is not None)
             self._finished_seq_ids = []
             step.preempted_seq_ids, self.scheduler.preempted_seq_ids = self.scheduler.preempted_seq_ids, []
+            if self._constrained:
+                self._mask_grammar_rows(batch, step)
             try:
                 handle = self.executor.submit(step)
             except BaseException:
@@ -355,6 +382,12 @@ class LLMEngine:
             if first:
                 self.request_trace.mark(first, "launched")
             self._in_flight.append((batch, step, handle))
+
+    def _mask_grammar_rows(self, batch: ScheduledBatch, step: StepInput) -> None:
+        from moeserve.structured.matcher import step_bitmask
+
+        by_id = {s.seq_id: s for s in batch.seqs}
+        step.grammar_mask = step_bitmask([by_id[i].grammar for i in step.sample_seq_ids], self.model_config.vocab_size)
 
     @staticmethod
     def _first_chunks(batch: ScheduledBatch) -> list[str]:
@@ -488,8 +521,15 @@ class LLMEngine:
                 stop_token = token
             elif not p.ignore_eos and token in self.eos_token_ids:
                 stop_token = token
+        grammar = seq.grammar
+        if grammar is not None and grammar.active:
+            grammar.accept(token)
+            if grammar.terminated:  # only a stop token completes a grammar: it ends the sequence
+                stop_token = token
         if seq.detok is not None:
             text = seq.detok.add(token) if stop_token is None or p.include_stop_str_in_output else ""
+            if grammar is not None and not grammar.active:
+                grammar.see(text)
             stop = seq.text.add(text, check_stops=n_out > p.min_tokens)
             if stop is not None:
                 self._finish(seq, "stop", stop, flush=False)
@@ -535,6 +575,9 @@ class LLMEngine:
             seq.text.add(seq.detok.flush())
         self.scheduler.finish(seq, reason, stop_reason)
         self._finished_seq_ids.append(seq.seq_id)
+        if seq.grammar is not None:
+            seq.grammar = None
+            self._constrained -= 1
 
     def shutdown(self) -> None:
         if self._trace is not None:

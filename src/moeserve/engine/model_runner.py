@@ -19,8 +19,9 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.device_copy import to_device
-from moeserve.engine.context import StepContext, shared_prefix_runs, step_context
+from moeserve.step_context import StepContext, shared_prefix_runs, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
+from moeserve.structured.mask import masked_logits
 from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
@@ -108,16 +109,18 @@ class ModelRunner:
         load_model_weights(self.model, config.model, config.load_format, config.seed, self.device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
-        self.backend = get_backend(choose_backend(config.backend, self.device))
-        self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
-        if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
-            self._use_kernels()
-        self.page_size = config.page_size
         self.drafter = None  # speculative decoding's MTP layer or EAGLE-3 draft (engine/spec_decode.py)
         if config.speculative is not None and is_last:
             from moeserve.engine.spec_decode import make_drafter
 
             self.drafter = make_drafter(self, config.speculative)
+            if self.drafter.model is not None:  # (an EAGLE-3 draft lives on TP rank 0 only)
+                self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
+        self.backend = get_backend(choose_backend(config.backend, self.device))
+        self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
+        if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
+            self._use_kernels()
+        self.page_size = config.page_size
         drafter_layers = self.drafter.kv_layers if self.drafter is not None else 0
         self.bytes_per_token = kv_bytes_per_token(model_config, self.stage.num_layers + drafter_layers, self.dtype)
         # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
@@ -267,10 +270,12 @@ class ModelRunner:
         need = stage_weight_bytes(self.model_config, self.stage, self.is_first, self.is_last, self.dtype)
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if need > 0.8 * total:
+            per_layer = need / self.stage.num_layers
+            fits = max(1, int(0.8 * total // per_layer) - 1)  # the embedding and lm_head take about a layer
             raise ValueError(
                 f"the model needs about {need / 1e9:.0f} GB of weights on this rank in {self.dtype}, "
-                f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, a smaller "
-                f"config, or more pipeline stages"
+                f"more than this machine's {total / 1e9:.0f} GB of RAM; use a GPU, more pipeline stages, or "
+                f"fewer layers of the same shapes: --hf-overrides '{{\"num_hidden_layers\": {fits}}}'"
             )
 
     def _use_kernels(self) -> None:
@@ -284,12 +289,14 @@ class ModelRunner:
 
         linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
         needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
-        for m in self.model.modules():
+        draft = self.drafter.model if self.drafter is not None else None
+        modules = list(self.model.modules()) + (list(draft.modules()) if draft is not None else [])
+        for m in modules:
             if isinstance(m, (RoutedExperts,) + linears):
                 needed.update(m.method.kernels)
         ok = working_kernels(self.device, needed)
         use = {RMSNorm: "rmsnorm" in ok, Router: "router" in ok, MLAAttention: "rope_cache" in ok}
-        for m in self.model.modules():
+        for m in modules:
             if isinstance(m, RoutedExperts):
                 m.method.use_kernels(ok)
             elif type(m) in use:
@@ -504,7 +511,7 @@ class ModelRunner:
         prompt, self._prompt_logprobs = self._prompt_logprobs, None
         drawn = None
         if logits.shape[0]:
-            adjusted = self._adjusted_logits(step, logits)
+            adjusted = masked_logits(logits, self._adjusted_logits(step, logits), step.grammar_mask)
             drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
             self.keep_samples(step, drawn.tokens)
         if drawn is None and prompt is None:

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 from moeserve.attention.backend import MLAWeights
-from moeserve.engine.context import StepContext, step_context
+from moeserve.step_context import StepContext, step_context
 from moeserve.engine.cuda_graph import DEFAULT_CAPTURE_SIZES, PREFILL_CAPTURE_SIZES, fill_token_buffers, prefill_capture_sizes
 
 log = logging.getLogger("moeserve")

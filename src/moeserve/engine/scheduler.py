@@ -40,6 +40,13 @@ stay until memory is needed. The later samples of a request (``n > 1``) wait at 
 the queue while its first sample computes the prompt pages, then map them. A sequence that
 computes its prompt's logprobs maps no cached page under a position whose logits it needs.
 
+**Speculative decoding** (``lookahead_slots`` > 0; docs/speculative.md): a decoding sequence
+joins with its token and its draft tokens (``Sequence.draft_tokens``, as many as the budget
+leaves room for), a row of ``1 + k`` tokens; its pages cover ``lookahead_slots`` positions more,
+where the draft model writes its chained drafts. When the step comes back the engine appends the
+accepted tokens and ``settle_drafts`` rolls ``num_computed`` back past the rejected ones (their
+slots are written again later; only pages of accepted tokens are ever cached).
+
 **Priority** (vLLM's request ``priority``, lower first): the waiting queue is one queue per
 priority, taken lowest first (first come, first served within one), and the running sequence
 preempted to make room is the newest of the highest priority value. A running request is not

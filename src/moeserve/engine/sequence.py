@@ -54,6 +54,7 @@ class Sequence:
     stop_reason: int | str | None = None
     detok: Any = None  # IncrementalDetokenizer when the engine has a tokenizer
     generator: Any = None  # torch.Generator for seeded sampling
+    grammar: Any = None  # structured.matcher.SequenceGrammar while its output is constrained
     # Its output since its previous delta (``take_delta``): tokens, their logprobs, the text.
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[dict[int, float]] = field(default_factory=list)

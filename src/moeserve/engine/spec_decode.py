@@ -23,7 +23,7 @@ import torch
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.device_copy import to_device
 from moeserve.distributed.tp_collectives import TPGroup, tp_group
-from moeserve.engine.context import StepContext, step_context
+from moeserve.step_context import StepContext, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
 from moeserve.engine.spec_accept import accept_drafts
@@ -67,7 +67,9 @@ class MTPDrafter:
     def propose(
         self, runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
     ) -> list[list[int]]:
-        return _propose(runner, step, ids, ctx, hidden, result) if step.sample_seq_ids else []
+        """``ids`` (the step's input ids) are the drafters' common interface: EAGLE-3 reads them,
+        the MTP layer reads the next tokens (``step.next_token_ids``) instead."""
+        return _propose(runner, step, ctx, hidden, result) if step.sample_seq_ids else []
 
 
 def make_drafter(runner: ModelRunner, spec: SpeculativeConfig) -> MTPDrafter | Eagle3Drafter:
@@ -165,9 +167,7 @@ def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> Sampl
     return out
 
 
-def _propose(
-    runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
-) -> list[list[int]]:
+def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, result: SampleResult) -> list[list[int]]:
     """The MTP layer over the step's positions whose next token is known, then chained: up to
     ``k`` drafts per sampling row."""
     drafter: MTPDrafter = runner.drafter

@@ -4,6 +4,7 @@ process and sent to each rank (or handed over directly with one process)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from moeserve.engine.scheduler import ScheduledBatch
 from moeserve.sampling_params import SamplingParams
@@ -31,6 +32,9 @@ class StepInput:
     # cover, the flat index of the token whose logits predict it, the prompt's token ids at that
     # position and after, top-N). The last stage computes them (``ModelRunner.forward``).
     prompt_logprobs: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
+    # (sampling rows under a grammar, their token bitmask [rows, ceil(V/32)] int32), set by the
+    # engine (``structured.matcher.step_bitmask``); applied before sampling (``structured.mask``)
+    grammar_mask: tuple[list[int], Any] | None = None
     # Speculative decoding (None without it): per sampling row, the draft tokens at the end of its
     # tokens (``logits_indices`` then holds all 1 + k of its positions); per row, the known token
     # after its last one, or -1 where the step samples it (the draft model reads the next token of
@@ -106,8 +110,8 @@ def build_step_input(batch: ScheduledBatch, page_size: int, finished_seq_ids: li
         list(finished_seq_ids),
         deferred,
         prompt_logprobs,
-        drafts if speculative else None,
-        next_ids if speculative else None,
+        draft_tokens=drafts if speculative else None,
+        next_token_ids=next_ids if speculative else None,
         seq_ids=[s.seq_id for s in batch.seqs],
     )
 

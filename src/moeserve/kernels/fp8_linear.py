@@ -16,7 +16,7 @@ Fast path (the scheme DeepSeek and the engines use):
    The same path serves decode: at 1-4 tokens the GEMM reads each weight once with 16-row
    tiles (the tokens padded) and splits K so that the few output tiles of a narrow linear
    still keep every SM streaming; the tensor cores take the fp8 weight as stored, where a GEMV
-   on bf16 activations spent its time converting it (scripts/fp8_sweep.py, BENCHMARKS.md).
+   on bf16 activations spent its time converting it (scripts/sweeps/fp8_sweep.py, BENCHMARKS.md).
 
 Numerics against the reference ``fp8_linear_ref`` (dequantize the weight in the activation
 dtype, ``F.linear``): the weight is the same exact ``q * s`` in both, so the GEMM differs only by
@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.utils import interpreting, num_sms
-from moeserve.quant.fp8 import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_block, scale_row_block
+from moeserve.kernels.fp8_ref import BLOCK, FP8_DTYPE, FP8_MAX, dequantize_fp8_block, scale_row_block
 
 GROUP = BLOCK  # activation group = weight block columns
 AMAX_EPS = 1e-10  # floor of a group's amax, so an all-zero group gets a finite scale
@@ -267,7 +267,7 @@ def split_k_for(tiles: int, k_steps: int, device: torch.device, min_steps: int =
     return max(1, min(round(2 * num_sms(device) / tiles), k_steps // min_steps, 16))
 
 
-# (largest M, tiles). M <= 16 (decode, small chunks) from scripts/fp8_sweep.py on the H200 at
+# (largest M, tiles). M <= 16 (decode, small chunks) from scripts/sweeps/fp8_sweep.py on the H200 at
 # DeepSeek-V3 shapes (BENCHMARKS.md): one weight read, narrow row tiles for outputs under 4,096
 # rows (q_a, kv_a) and 128-wide ones above, K split (``split_k``) so about two programs per SM
 # stream the weight: 2-4x the bf16-activation GEMV it replaced at 1-4 tokens on every linear.
@@ -421,7 +421,7 @@ GEMM_REL_TOL = 0.035  # GEMM path vs the reference, relative Frobenius (measured
 def selfcheck(device: torch.device) -> bool:
     """The quantizer bit for bit; the GEMM (per-row scales, a column pad and split K included)
     within float32 rounding of its emulation and ``GEMM_REL_TOL`` of the reference."""
-    from moeserve.quant.fp8 import quantize_fp8_block
+    from moeserve.kernels.fp8_ref import quantize_fp8_block
 
     g = torch.Generator().manual_seed(11)
     x = torch.randn(6, 200, generator=g).to(device)

@@ -49,7 +49,7 @@ from moeserve.kernels.fused_moe import align_pairs_by_expert
 from moeserve.kernels.limits import GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import moe_experts_by_expert
 from moeserve.kernels.utils import interpreting
-from moeserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8_block, dequantize_fp8_gate_up, scale_row_block
+from moeserve.kernels.fp8_ref import FP8_DTYPE, FP8_MAX, dequantize_fp8_block, dequantize_fp8_gate_up, scale_row_block
 
 MOE_REL_TOL = 0.06  # GEMM path vs the reference, relative Frobenius (measured 4.3-4.6%)
 
@@ -574,7 +574,7 @@ def _fp8_down_gemv(
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# Swept on one H200 at DeepSeek-V3's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03,
+# Swept on one H200 at DeepSeek-V3's layouts (scripts/sweeps/moe_kernel_bench.py --sweep, 2026-12-03,
 # after the pipelined loops): gate/up 8 rows x 256 columns, 4 warps, 4 stages; down 32 rows x 256,
 # 4 warps, 4 stages (TP1 one token 179 -> 131 us, TP8 48.6 -> 21.4, an EP8 rank's lone expert
 # 86.7 -> 68.9), its chunk no wider than the slot.
@@ -706,7 +706,7 @@ def selfcheck(device: torch.device) -> bool:
     """The GEMV (with shared experts, partial edge blocks and another rank's expert id) within
     float32 rounding of ``fp8_moe_ref``; the grouped GEMMs within float32 rounding of their
     emulation and ``MOE_REL_TOL`` of the reference."""
-    from moeserve.quant.fp8 import quantize_fp8_block, quantize_fp8_gate_up
+    from moeserve.kernels.fp8_ref import quantize_fp8_block, quantize_fp8_gate_up
 
     g = torch.Generator().manual_seed(13)
     E, H, I, Is, T, K = 3, 160, 96, 144, 6, 2

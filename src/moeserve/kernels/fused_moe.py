@@ -23,7 +23,7 @@ Pipeline (all on the device, no host sync, no Python loop over experts):
 
 Tile heuristic (``moe_config``, table ``MOE_TILE_TABLE``), keyed by the mean number of rows
 per local expert ``m = T*K / E_local`` (the expected M of each expert's GEMM). From a sweep on
-one H200 at the Moonlight shape (``scripts/moe_tile_sweep.py``, BENCHMARKS.md, 2026-12-01);
+one H200 at the Moonlight shape (``scripts/sweeps/moe_tile_sweep.py``, BENCHMARKS.md, 2026-12-01);
 rows whose best config was within ~2 % of the earlier one kept it:
 
     m <= 16   BLOCK_M 16,  BLOCK_N 64,  BLOCK_K 128, 4 warps, 4 stages   decode: weight-bandwidth bound,

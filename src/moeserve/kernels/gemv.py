@@ -53,7 +53,7 @@ def _gemv_kernel(
 
 
 def gemv_config(tokens: int, k: int) -> dict:
-    """Tiles from `scripts/b1_sweep.py` on an H200 at one token: 4 rows x 1,024 columns with 4
+    """Tiles from `scripts/sweeps/b1_sweep.py` on an H200 at one token: 4 rows x 1,024 columns with 4
     warps was best on every attention-size shape (2 rows for K >= 8,192: 11.8 us against cuBLAS's
     14.3 at 2,048 x 11,264). More tokens take narrower K chunks to bound the accumulator."""
     return {"BLOCK_N": 2 if k >= 8192 else 4, "BLOCK_K": 1024 if tokens == 1 else 256, "num_warps": 4}

@@ -61,7 +61,7 @@ from moeserve.kernels.fused_moe import align_pairs_by_expert
 from moeserve.kernels.limits import INT4_GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import moe_experts_by_expert
 from moeserve.kernels.utils import dot_args, interpreting, mma
-from moeserve.quant.int4 import checkpoint_words, dequantize_int4, kernel_words, quantize_int4
+from moeserve.kernels.int4_ref import checkpoint_words, dequantize_int4, kernel_words, quantize_int4
 
 GROUP = 32  # scale group along the input dimension (the kernels assume it; the wrappers check)
 PACK = 8  # nibbles per int32 word
@@ -452,7 +452,7 @@ def _int4_down_gemv(
     tl.store(Out + token * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# Swept on one H200 at Kimi K2.6's layouts (scripts/moe_kernel_bench.py --sweep, 2026-12-03,
+# Swept on one H200 at Kimi K2.6's layouts (scripts/sweeps/moe_kernel_bench.py --sweep, 2026-12-03,
 # coordinate descent over 7 tiles a kernel): gate/up 16 rows x 512 columns, 8 warps, 3 stages
 # (8 x 1,024 for slices of 512 columns or fewer at one or two tokens: more programs for few rows);
 # down 32 rows x 512 up to 4 tokens, 32 x 256 and 4 warps beyond (and for 256-wide slices).
@@ -799,7 +799,7 @@ def _int4_moe_down_kernel(
 # the step's pairs over the model's experts (what each expert gets under uniform routing, on any
 # layout; counting every pair over a rank's experts overestimated an EP rank's rows ep times).
 # Swept on one H200 at Kimi K2.6's layouts up to 256 tokens, 5.3 rows an expert
-# (scripts/moe_kernel_bench.py --sweep, 2026-12-03): 16 token rows, 64 weight rows, K 128 was the
+# (scripts/sweeps/moe_kernel_bench.py --sweep, 2026-12-03): 16 token rows, 64 weight rows, K 128 was the
 # fastest of 8 tiles at every layout and token count (an EP8 rank at 128 tokens: 613 us, against
 # 847 with the 64-row tile its overestimate gave it). The larger tiles, for prefill (MMA bound),
 # come from fused_moe's bf16 sweep. BLOCK_K: a multiple of 32 (whole scale groups).

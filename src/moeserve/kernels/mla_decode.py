@@ -38,7 +38,7 @@ from moeserve.kernels.utils import dot_args, mma, num_sms, pow2_at_least
 LOG2E = 1.4426950408889634
 
 # A split shorter than this is not worth its partial write + merge. Measured on an H200
-# (`scripts/b1_sweep.py`, 16 heads): batch 1 and 4 at 1,152 tokens are fastest with splits of 64
+# (`scripts/sweeps/b1_sweep.py`, 16 heads): batch 1 and 4 at 1,152 tokens are fastest with splits of 64
 # tokens (18 splits: 11.7 us against 13.5 with 9 of 128); at 4k, 32 splits of 128; at 32k, 128
 # splits. The kernels apply it per sequence from its own length (`_split_len`), so a CUDA graph
 # captured with the longest context's split count still cuts a short context finely and merges
@@ -299,7 +299,7 @@ def decode_config(num_heads: int, kv_lora_rank: int, batch: int = 1, element_siz
     that fills the GPU, 64 heads a program halves the time against 16 (fewer re-reads of each
     tile, bigger MMAs); at batch 1 the extra parallelism of 16-head blocks wins instead.
     ``BLOCK_N`` 64 tokens a tile with 8 warps was best or within a few percent everywhere.
-    Beyond ``LONG_CONTEXT`` tokens at 32-64 rows (``scripts/decode_sweep.py``, pages of 16), 32-token
+    Beyond ``LONG_CONTEXT`` tokens at 32-64 rows (``scripts/sweeps/decode_sweep.py``, pages of 16), 32-token
     tiles with 4 warps and two programs an SM (twice the splits) were faster: 72.0 against 85.9 us
     at 32 rows of 4,096 tokens, 131.8 against 160.0 at 64; at 1,024 tokens the 64-token tile stays
     best (25.8 against 26.5 us at 32 rows, 74.8 against 79.7 at 128). Both are 30-48 % of the

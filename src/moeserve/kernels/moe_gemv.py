@@ -136,7 +136,7 @@ def _down_gemv(
     tl.store(Out + token * stride_o + offs_n, acc.to(Out.dtype.element_ty), mask=mask_n)
 
 
-# From `python scripts/b1_sweep.py` on an H200 (Moonlight shapes, routed + shared experts):
+# From `python scripts/sweeps/b1_sweep.py` on an H200 (Moonlight shapes, routed + shared experts):
 # narrow gate/up tiles with 8 warps put the most loads in flight. The down kernel has one
 # program per (token, hidden tile) for all slots, so its best tile grows with the tokens:
 # 4 x 512 with 8 warps at one token (49 us a layer against 73.5 us for the unfused layout and a

@@ -157,7 +157,7 @@ def rope_and_cache(
 def selfcheck(device: torch.device) -> bool:
     """The fused-norm variant at a tiny shape against RMSNorm + rope + an indexed cache write."""
     from moeserve.kernels.rmsnorm import rmsnorm_ref
-    from moeserve.layers.rotary import apply_rope
+    from moeserve.kernels.rope_ref import apply_rope
 
     g = torch.Generator().manual_seed(4)
     T, H, R, L = 3, 2, 8, 24

@@ -50,7 +50,7 @@ def check_router(device: torch.device) -> bool:
 
 def check_rope_cache(device: torch.device) -> bool:
     from moeserve.kernels.rope_cache import rope_and_cache, selfcheck
-    from moeserve.layers.rotary import apply_rope
+    from moeserve.kernels.rope_ref import apply_rope
 
     g = torch.Generator().manual_seed(2)
     T, H, R, L = 3, 2, 8, 16

@@ -11,7 +11,7 @@ from torch import nn
 from moeserve.attention.backend import AttentionBackend, MLAWeights
 from moeserve.cache.kv_pool import StageKVPool
 from moeserve.config import ModelConfig
-from moeserve.engine.context import get_context
+from moeserve.step_context import get_context
 from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear, linear
 from moeserve.layers.norm import RMSNorm
 from moeserve.layers.rotary import RotaryEmbedding

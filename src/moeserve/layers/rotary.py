@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from moeserve.config import RopeConfig, yarn_mscale
+from moeserve.kernels.rope_ref import apply_rope  # noqa: F401 (the rope reference lives beside its kernel)
 
 
 def rope_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
@@ -69,15 +70,3 @@ class RotaryEmbedding(nn.Module):
         """q: [T, H, d], k: [T, d] -> rotated (same shapes)."""
         cos, sin = self.cos_sin(positions, q.dtype)
         return apply_rope(q, cos[:, None, :], sin[:, None, :], self.interleave), apply_rope(k, cos, sin, self.interleave)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    if interleave:
-        # Pairs (x0, x1), (x2, x3), ... rotate together; the result is laid out as
-        # [all first-of-pair, all second-of-pair]. Queries and keys get the same layout, so
-        # their dot products are those of the interleaved original.
-        x1, x2 = x[..., 0::2], x[..., 1::2]
-    else:
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)

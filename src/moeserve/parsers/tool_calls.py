@@ -128,6 +128,19 @@ class ToolParser:
 
     # -- the format --------------------------------------------------------------------------
 
+    @classmethod
+    def forced_call(cls, name: str, index: int) -> tuple[str, str]:
+        """The text before and after the JSON arguments of a whole tool-call section holding one
+        call of ``name`` (``index``: the call's number in the conversation), as the model writes
+        it: what a grammar forces for ``tool_choice`` required or named."""
+        begin = f"{cls.section_begin[0]}{cls.call_begin}{cls.call_head(name, index)}"
+        return begin, f"{cls.call_end}{cls.section_end[0]}"
+
+    @classmethod
+    def call_head(cls, name: str, index: int) -> str:
+        """A call's text from its begin marker to its arguments."""
+        raise NotImplementedError
+
     def parse_head(self, body: str, complete: bool) -> CallHead | None | str:
         """The head of a call whose text so far is ``body`` (``complete``: its end was seen):
         a ``CallHead``, None while it cannot tell yet, or ``MALFORMED``."""
@@ -256,6 +269,10 @@ class KimiK2Tools(ToolParser):
 
     ID = re.compile(r"functions\.([A-Za-z0-9_\-]+):(\d+)")
 
+    @classmethod
+    def call_head(cls, name: str, index: int) -> str:
+        return f"functions.{name}:{index}{cls.separator}"
+
     def parse_head(self, body: str, complete: bool) -> CallHead | None | str:
         i = body.find(self.separator)
         if i < 0:
@@ -322,6 +339,15 @@ class DeepSeekV3Tools(_DeepSeekTools):
     name = "deepseek_v3"
     trailing = " \t\r\n`"  # the closing fence
 
+    @classmethod
+    def forced_call(cls, name: str, index: int) -> tuple[str, str]:
+        begin, end = super().forced_call(name, index)
+        return begin, "\n```" + end
+
+    @classmethod
+    def call_head(cls, name: str, index: int) -> str:
+        return f"function{cls.separator}{name}\n```json\n"
+
     def parse_head(self, body: str, complete: bool) -> CallHead | None | str:
         i = body.find(self.separator)
         if i < 0:
@@ -355,6 +381,10 @@ class DeepSeekV31Tools(_DeepSeekTools):
     """``NAME<｜tool▁sep｜>ARGUMENTS``."""
 
     name = "deepseek_v31"
+
+    @classmethod
+    def call_head(cls, name: str, index: int) -> str:
+        return f"{name}{cls.separator}"
 
     def parse_head(self, body: str, complete: bool) -> CallHead | None | str:
         i = body.find(self.separator)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moeserve.bench.bounds import prefill_attention_flops, prefill_flops
+from moeserve.planner.bounds import prefill_attention_flops, prefill_flops
 from moeserve.config import ModelConfig
 from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import Hardware

@@ -261,7 +261,7 @@ def predict_cycle_ms(cfg: ModelConfig, hw: Hardware, m: Measurement, default_kv_
 
 def predict_prefill_s(cfg: ModelConfig, hw: Hardware, m: Measurement) -> float:
     """Prompt FLOPs over the compute of all the layout's GPUs (as ``planner.bench_prediction`` predicts)."""
-    from moeserve.bench.bounds import prefill_flops
+    from moeserve.planner.bounds import prefill_flops
 
     return prefill_flops(cfg, m.prefill_seqs, m.input_len) / (m.tp * m.pp * hw.flops_per_s)
 

@@ -20,7 +20,7 @@ class KernelKind(str, Enum):
 
 
 # Latency floor of one kernel inside a CUDA graph, microseconds: what it costs with (almost) no
-# bytes. Measured on our H200 (benchmarks/h200-2026-11-29c/profile_b1_final.txt, batch 1, 5 steps).
+# bytes. Measured on our H200 (profile_b1_final.txt in benchmarks/h200-2026-11-29c.tar.xz, batch 1, 5 steps).
 KERNEL_FLOOR_US = {
     KernelKind.ELEMENTWISE: 1.9,  # _rmsnorm_kernel: 519.7 us / 275 calls = 1.89 us
     KernelKind.GEMV: 3.3,  # cuBLAS batched GEMV of the MLA absorption (~2 MB): 3.26 and 3.35 us a call

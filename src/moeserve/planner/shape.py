@@ -1,7 +1,7 @@
 """Kernel shape: how efficiently the INT4 MoE kernels stream the expert slice a rank holds.
 
 Measured on one H200 on 2026-12-03 (``benchmarks/h200-2026-12-03/kernels_cfa7599/int4.json.gz``,
-its table ``int4.log``; ``scripts/moe_kernel_bench.py`` with the kernels at commit cfa7599):
+its table ``int4.log``; ``scripts/sweeps/moe_kernel_bench.py`` with the kernels at commit cfa7599):
 moeserve's INT4 routed-expert op as the model calls it (``kernels/int4_moe.py``: the GEMV pair up
 to ``kernels.limits.INT4_GEMV_MAX_PAIRS`` = 128 (token, slot) pairs, 16 tokens at top 8; beyond,
 the alignment, the grouped GEMMs and the combine), Kimi K2.6 experts (hidden 7168, 2048 wide,
@@ -69,7 +69,7 @@ from functools import lru_cache
 from moeserve.planner.engines import ENGINES, KERNEL_FLOOR_US, KernelKind
 
 SOURCE = "benchmarks/h200-2026-12-03/kernels_cfa7599/int4.json.gz"
-SCRIPT = "scripts/moe_kernel_bench.py (commit cfa7599)"
+SCRIPT = "scripts/sweeps/moe_kernel_bench.py (commit cfa7599)"
 SWEEP_TOP_K = 8
 SWEEP_GEMV_MAX_PAIRS = 128  # kernels.limits.INT4_GEMV_MAX_PAIRS when the sweep ran: the switch counts all T x K pairs
 PRIOR_STREAM_BYTES_S = 4.8e12 * 0.85  # the planner's H200 preset x the hbm_efficiency prior

@@ -21,7 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-BLOCK = 128
+from moeserve.kernels.limits import FP8_BLOCK as BLOCK  # one source: the FP8 kernels are built for it
+
+
 SCALE_BYTES = 4  # float32 weight_scale_inv
 
 

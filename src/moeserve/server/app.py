@@ -8,8 +8,8 @@ import gc
 import logging
 import secrets
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import InitVar, dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -29,13 +29,18 @@ from moeserve.server.tokenize import DetokenizeRequest, TokenizeRequest, detoken
 from moeserve.server.defaults import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_N, DEFAULT_MAX_PROMPTS, DEFAULT_STALL_TIMEOUT_S
 from moeserve.server.openai_shared import ServerContext
 
+if TYPE_CHECKING:
+    from moeserve.engine.config import EngineConfig
+
 log = logging.getLogger("moeserve.server")
 
 
 @dataclass
 class ServerConfig:
-    engine_kwargs: dict  # EngineConfig keyword arguments; "model" is set
     model_names: list[str]
+    # The engine's settings, validated once where the command line is read, and sent to the engine
+    # process as they are (pickled). ``model`` is set.
+    engine: EngineConfig | None = None
     api_key: str | None = None
     max_waiting: int | None = 1024
     max_n: int = DEFAULT_MAX_N
@@ -50,8 +55,17 @@ class ServerConfig:
     chat: ChatSettings = field(default_factory=ChatSettings)  # template, parsers, generation defaults
     started_at: float = field(default_factory=time.monotonic)
     on_engine_death: Callable[[str], None] | None = None  # e.g. stop the HTTP server
+    engine_kwargs: InitVar[dict | None] = None  # or EngineConfig's keyword arguments, made into ``engine``
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, engine_kwargs: dict | None) -> None:
+        if self.engine is None:
+            from moeserve.engine.config import EngineConfig
+
+            if engine_kwargs is None:
+                raise TypeError("ServerConfig needs the engine's settings: engine=EngineConfig(...)")
+            self.engine = EngineConfig(**engine_kwargs)
+        elif engine_kwargs is not None:
+            raise TypeError("give ServerConfig engine= or engine_kwargs=, not both")
         if self.engine_stall_timeout < 0:
             raise ValueError(f"engine_stall_timeout must be >= 0 (0: off), got {self.engine_stall_timeout}")
         if self.api_key is not None and not self.api_key.strip():
@@ -84,8 +98,8 @@ def _install_openapi(app: FastAPI, models: list[type[BaseModel]]) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
-def _layout(kw: dict) -> str:
-    return f"tp={kw.get('tensor_parallel_size', 1)} pp={kw.get('pipeline_parallel_size', 1)} ep={kw.get('expert_parallel_size', 1)}"
+def _layout(engine: EngineConfig) -> str:
+    return f"tp={engine.tensor_parallel_size} pp={engine.pipeline_parallel_size} ep={engine.expert_parallel_size}"
 
 
 def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
@@ -101,14 +115,14 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
             info["build_s"],
             info["warmup_tokens"],
             info["warmup_s"],
-            _layout(config.engine_kwargs),
+            _layout(config.engine),
             info["max_model_len"],
         )
         for line in info.get("layout", []):
             log.info("  %s", line)
 
     client = AsyncEngineClient(
-        config.engine_kwargs,
+        config.engine,
         config.max_waiting,
         metrics,
         on_progress=lambda text: log.info("engine: %s", text),
@@ -120,7 +134,7 @@ def create_app(config: ServerConfig, tokenizer: Any | None) -> FastAPI:
         client,
         tokenizer,
         config.model_names,
-        config.engine_kwargs["model"],
+        config.engine.model,
         metrics,
         max_n=config.max_n,
         max_prompts=config.max_prompts,

@@ -13,9 +13,10 @@ from fastapi import Request
 
 from moeserve.chat_template import render_chat
 from moeserve.parsers import ChoiceStream, history_tool_calls
+from moeserve.server.chat_constraints import chat_constraint, check_tool_choice
 from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.errors import bad_request
-from moeserve.server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
 from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
     JSON_PIECE_ITEMS,
@@ -133,13 +134,8 @@ def chat_prompt(req: ChatCompletionRequest, ctx: ServerContext) -> ChatPrompt:
 
 def _reject_unsupported_chat(req: ChatCompletionRequest, settings: ChatSettings) -> None:
     reject_unsupported(req)
-    if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice):
-        raise bad_request(
-            "tool_choice 'required' or a named function needs structured outputs (constrained decoding), not yet supported "
-            "by this server; use 'auto' or 'none'",
-            "tool_choice",
-        )
-    if req.tools and req.tool_choice != "none" and not settings.auto_tool_choice:
+    check_tool_choice(req, settings)
+    if req.tools and req.tool_choice in ("auto", None) and not settings.auto_tool_choice:
         raise bad_request(
             '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser '
             "(or send tool_choice 'none')",
@@ -199,6 +195,7 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
         kwargs["skip_special_tokens"] = False
     ctx.client.check_available()
     prompt = await ctx.prompts(raw, chat_prompt, req, inline=await ctx.is_small(raw))
+    kwargs["structured_outputs"] = chat_constraint(req, ctx.chat, prompt.text, prompt.history_tool_calls, kwargs["structured_outputs"])
     new_stream = _streams(req, ctx.chat, prompt)
     as_ids = req.return_tokens_as_token_ids
     cid = response_id(req, "chatcmpl") or new_id("chatcmpl")

@@ -125,6 +125,25 @@ def redact_query_values(record: logging.LogRecord) -> bool:
     return True
 
 
+class QuietHealthPolls(logging.Filter):
+    """Access-log filter: ``moeserve wait-ready`` (or a load balancer) polls ``/health`` while the
+    model loads; the first 503 of a run is logged, its repeats are not, until the answer changes
+    (a ready server's 200s are logged as before)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: object = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if not (isinstance(args, tuple) and len(args) > 4 and isinstance(args[2], str)):
+            return True
+        if args[2].partition("?")[0] != "/health":
+            return True
+        status, self.last = self.last, args[4]
+        return status != args[4] or args[4] == 200
+
+
 def _bind(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     sock = socket.socket(family, kind, proto)
@@ -169,7 +188,7 @@ def run_serve(args: argparse.Namespace) -> int:
         kw["model"] = args.model
     if args.tokenizer:
         kw["tokenizer"] = args.tokenizer
-    EngineConfig(**kw)  # bad settings fail here, before anything starts
+    engine_config = EngineConfig(**kw)  # bad settings fail here, before anything starts; the engine gets this one
     tokenizer = load_tokenizer(args.tokenizer or kw["model"], args.trust_remote_code)
     if tokenizer is None:
         log.warning("no tokenizer in %s: only token-id prompts work (/v1/completions)", kw["model"])
@@ -202,7 +221,7 @@ def run_serve(args: argparse.Namespace) -> int:
         asyncio.get_running_loop().call_later(DEATH_GRACE_S, lambda: setattr(server, "should_exit", True))
 
     config = ServerConfig(
-        engine_kwargs=kw,
+        engine=engine_config,
         model_names=args.served_model_name or [args.model or "moeserve-demo"],
         api_key=args.api_key,
         max_waiting=args.max_waiting,
@@ -229,6 +248,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log.warning("auth off: no API key, /v1/* answers anyone who can connect to %s", host)
     uv_config = uvicorn.Config(app, log_level=args.uvicorn_log_level, access_log=not args.no_access_log, timeout_graceful_shutdown=5)
     logging.getLogger("uvicorn.access").addFilter(redact_query_values)  # (after uvicorn set up its loggers)
+    logging.getLogger("uvicorn.access").addFilter(QuietHealthPolls())
     server = DrainingServer(uv_config, app.state.ctx.client, args.shutdown_timeout)
     try:
         server.run(sockets=[sock])

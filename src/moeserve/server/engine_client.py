@@ -15,13 +15,16 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from moeserve.outputs import RequestDelta
 from moeserve.server.engine_process import engine_main
 from moeserve.server.errors import APIError
 from moeserve.server.metrics import ServerMetrics
 from moeserve.server.request_trace import open_request_trace
+
+if TYPE_CHECKING:
+    from moeserve.engine.config import EngineConfig
 
 log = logging.getLogger("moeserve.server")
 
@@ -75,7 +78,7 @@ class AsyncEngineClient:
 
     def __init__(
         self,
-        engine_kwargs: dict,
+        engine_config: EngineConfig,
         max_waiting: int | None = None,
         metrics: ServerMetrics | None = None,
         on_progress: Callable[[str], None] | None = None,
@@ -83,7 +86,7 @@ class AsyncEngineClient:
         on_death: Callable[[str], None] | None = None,
         engine_log_level: int = logging.WARNING,
     ):
-        self.engine_kwargs = engine_kwargs
+        self.engine_config = engine_config  # sent to the engine process as it is
         self.max_waiting = max_waiting
         self.metrics = metrics
         self.on_progress, self.on_ready, self.on_death = on_progress, on_ready, on_death
@@ -116,7 +119,7 @@ class AsyncEngineClient:
         for conn in (cmd_r, evt_w):
             _widen_pipe(conn)
         self._proc = ctx.Process(
-            target=engine_main, name="moeserve-engine", args=(self.engine_kwargs, cmd_r, evt_w, self.max_waiting, self.engine_log_level)
+            target=engine_main, name="moeserve-engine", args=(self.engine_config, cmd_r, evt_w, self.max_waiting, self.engine_log_level)
         )
         self._proc.start()  # not a daemon: the engine may start worker processes of its own
         cmd_r.close()  # the engine's ends: closing ours lets each side see the other go (EOF)

@@ -33,11 +33,14 @@ import traceback
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from moeserve.outputs import RequestDelta
 from moeserve.server.request_trace import open_request_trace
 from moeserve.server.scripted_output import ScriptedReplies
+
+if TYPE_CHECKING:
+    from moeserve.engine.config import EngineConfig
 
 log = logging.getLogger("moeserve")
 
@@ -51,7 +54,7 @@ FAILURE_ENV = "MOESERVE_INJECT_REQUEST_FAILURE"
 
 
 def engine_main(
-    engine_kwargs: dict, cmds: Connection, events: Connection, max_waiting: int | None, log_level: int = logging.WARNING
+    engine_config: EngineConfig, cmds: Connection, events: Connection, max_waiting: int | None, log_level: int = logging.WARNING
 ) -> None:
     """Entry point of the spawned engine process."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -60,7 +63,7 @@ def engine_main(
     code = 0
     engine = None
     try:
-        engine = _start(engine_kwargs, events)
+        engine = _start(engine_config, events)
         EngineLoop(engine, cmds, events, max_waiting).run()
     except (KeyboardInterrupt, BrokenPipeError):  # stopped, or the server is gone
         pass
@@ -83,15 +86,13 @@ def _ignore(signum: int, frame: Any) -> None:
     pass
 
 
-def _start(engine_kwargs: dict, events: Connection) -> Any:
-    from moeserve.engine.config import EngineConfig
-    from moeserve.engine.llm import build_engine
+def _start(config: EngineConfig, events: Connection) -> Any:
+    from moeserve.llm import build_engine
 
     t0 = time.monotonic()
-    k = engine_kwargs
-    layout = f"tp={k.get('tensor_parallel_size', 1)} pp={k.get('pipeline_parallel_size', 1)} ep={k.get('expert_parallel_size', 1)}"
-    events.send(("progress", f"loading {k.get('model')} ({layout}, device {k.get('device', 'auto')})"))
-    engine = build_engine(EngineConfig(**engine_kwargs))
+    layout = f"tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} ep={config.expert_parallel_size}"
+    events.send(("progress", f"loading {config.model} ({layout}, device {config.device})"))
+    engine = build_engine(config)
     describe = getattr(engine.executor, "describe", None)
     lines = list(describe()) if callable(describe) else []
     for line in lines:
@@ -149,7 +150,7 @@ def warm_up_step_shapes(engine: Any, max_steps: int = 96) -> None:
     than ``ABSORBED_MAX_NEW_TOKENS`` where the model allows, so in expanded pieces. Triton
     specializes an integer argument on being 1 and on being a multiple of 16, so the lengths are
     neither, and the waves put 1, 2 and 3 rows of each kind in a step."""
-    from moeserve.attention.triton_mla import ABSORBED_MAX_NEW_TOKENS
+    from moeserve.kernels.limits import ABSORBED_MAX_NEW_TOKENS
     from moeserve.sampling_params import SamplingParams
 
     page = engine.executor.page_size

@@ -8,17 +8,19 @@ each against this: honoured, or a 400 naming it."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from moeserve.sampling_params import truncate_prompt
 from moeserve.server.errors import bad_request
+from moeserve.structured.spec import StructuredOutputs
 from moeserve.server.protocol import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
 _ANY = object()  # no value is accepted but null (and the defaults listed beside it)
 
 # Field -> the values it is accepted with (it has no effect then), for fields either route does not
-# honour. Null is always accepted. A structured-output field (grammar-constrained decoding is not
-# in this server yet), a beam-search knob, disaggregated serving's transfer parameters, a
+# honour. Null is always accepted. A structured-output field beyond those honoured (``structured``:
+# a structural tag, a whitespace pattern), a beam-search knob, disaggregated serving's transfer parameters, a
 # multimodal or render-only option: not served here.
 REFUSED = {
     "use_beam_search": (False,),
@@ -27,13 +29,8 @@ REFUSED = {
     "spaces_between_special_tokens": (True,),
     "logprob_token_ids": (_ANY,),
     "prompt_embeds": (_ANY,),
-    "structured_outputs": (_ANY,),
-    "guided_json": (_ANY,),
-    "guided_regex": (_ANY,),
-    "guided_choice": (_ANY,),
-    "guided_grammar": (_ANY,),
     "structural_tag": (_ANY,),
-    "guided_decoding_backend": (_ANY,),
+    "guided_decoding_backend": ("xgrammar", "auto"),  # the one backend this server has
     "guided_whitespace_pattern": (_ANY,),
     "logits_processors": ([],),
     "kv_transfer_params": ({},),
@@ -50,7 +47,6 @@ REFUSED = {
     "return_mm_kwargs": (True,),
     "mm_processor_kwargs": ({},),
     "return_token_ids": (False,),
-    "response_format": ({"type": "text"},),  # (any object whose type is text)
 }
 REFUSED_COMPLETION: dict[str, tuple] = {}
 REFUSED_CHAT = {
@@ -62,10 +58,7 @@ REFUSED_CHAT = {
     "chat_template": (_ANY,),
     "best_of": (1,),  # (completions: best_of other than n is refused where it is declared)
 }
-STRUCTURED_OUTPUTS = frozenset(
-    {"response_format", "structured_outputs", "structural_tag", "guided_decoding_backend", "guided_whitespace_pattern"}
-    | {"guided_json", "guided_regex", "guided_choice", "guided_grammar"}
-)
+STRUCTURED_OUTPUTS = frozenset({"structural_tag", "guided_decoding_backend", "guided_whitespace_pattern"})
 WHY = {
     "use_beam_search": "beam search is not supported by this server",
     "chat_template": "a chat template of the request's own is not accepted (it would run on this server; vLLM refuses it too "
@@ -75,7 +68,7 @@ WHY = {
 
 def _why(name: str) -> str:
     if name in STRUCTURED_OUTPUTS:
-        return f"{name}: structured outputs (grammar-constrained decoding) are not supported yet by this server"
+        return f"{name} is not supported by this server's structured outputs (json, json_object, regex, choice, grammar are)"
     return WHY.get(name, f"{name} is not supported by this server")
 
 
@@ -94,13 +87,9 @@ def refuse_unhonoured(req: _SamplingFields) -> None:
     if req.prompt_logprobs is not None and req.stream:
         raise bad_request("prompt_logprobs are not available with stream: true (as in vLLM)", "prompt_logprobs")
     values = dict(req.model_extra or {})
-    if isinstance(req, ChatCompletionRequest) and req.response_format is not None:  # (declared on chat)
-        values["response_format"] = req.response_format
     for name, accepted in _refused(req).items():
         value = values.get(name)
         if value is None or any(a is not _ANY and value == a and type(value) is type(a) for a in accepted):
-            continue
-        if name == "response_format" and isinstance(value, dict) and value.get("type", "text") == "text":
             continue
         defaults = [repr(a) for a in accepted if a is not _ANY]
         raise bad_request(f"{_why(name)} (leave it out{' or ' + ' / '.join(defaults) if defaults else ''})", name)
@@ -119,7 +108,58 @@ def engine_kwargs(req: _SamplingFields) -> dict[str, Any]:
         allowed_token_ids=req.allowed_token_ids,
         truncate_prompt_tokens=req.truncate_prompt_tokens,
         truncation_side=req.truncation_side or "left",
+        structured_outputs=structured_outputs(req),
     )
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(req: _SamplingFields) -> StructuredOutputs | None:
+    """The output constraint the request asks for through OpenAI's ``response_format``, vLLM's
+    ``structured_outputs`` or its older ``guided_*`` fields (at most one of them), validated
+    (compiled without the tokenizer): a 400 naming the field."""
+    extra = req.model_extra or {}
+    response_format = req.response_format if isinstance(req, ChatCompletionRequest) else extra.get("response_format")
+    found: list[tuple[str, Any]] = []
+    if response_format is not None:
+        found.append(("response_format", response_format))
+    if extra.get("structured_outputs") is not None:
+        found.append(("structured_outputs", extra["structured_outputs"]))
+    found += [(name, extra[name]) for name in GUIDED if extra.get(name) is not None]
+    if len(found) > 1:
+        names = ", ".join(n for n, _ in found)
+        raise bad_request(f"at most one output constraint per request, got {names}", found[1][0])
+    if not found:
+        return None
+    name, value = found[0]
+    try:
+        if name == "response_format":
+            return _response_format(value)
+        if name == "structured_outputs":
+            if not isinstance(value, dict):
+                raise ValueError("structured_outputs must be an object (json, json_object, regex, choice or grammar)")
+            return StructuredOutputs.from_fields(value)
+        return StructuredOutputs.from_fields({GUIDED[name]: value}, field=name)
+    except ValueError as e:
+        raise bad_request(str(e), name) from None
+
+
+def _response_format(value: Any) -> StructuredOutputs | None:
+    """OpenAI's ``response_format``: text (no constraint), json_object or json_schema."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputs.from_fields({"json_object": True}, field="response_format")
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format: json_schema needs json_schema.schema, a JSON schema object")
+        fields = {"json": spec["schema"]}
+        out = StructuredOutputs.from_fields(fields, field="response_format")
+        return dataclasses.replace(out, strict=spec.get("strict") is not False)
+    raise ValueError(f"response_format: type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
 def truncate(req: _SamplingFields, token_ids: list[int], max_model_len: int) -> list[int]:

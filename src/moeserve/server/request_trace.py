@@ -3,7 +3,7 @@ first token, to see where a served time to first token goes beyond the model's s
 
 The HTTP process writes ``PREFIX.http.jsonl`` and the engine process ``PREFIX.engine.jsonl``, one
 line per point: ``{"rid": ..., "at": ..., "t": time.monotonic()}`` (one clock for every process
-of a machine). ``scripts/request_trace_summary.py PREFIX`` puts each request's points in order
+of a machine). ``scripts/profile/request_trace_summary.py PREFIX`` puts each request's points in order
 and gives the median time between consecutive ones. The points, in the order they happen:
 
 - HTTP: ``start`` (the handler is entered: headers read), ``parsed`` (the body read and

@@ -1,0 +1,19 @@
+# Sourced by the gpu_session*.sh scripts: a scratch dir, the environment, time-limited steps,
+# and one archive at the end (the device returns at most 8 files).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+out=${1:?output dir}
+work=$(mktemp -d)
+export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+step() {  # name, seconds, command...: run with a time limit, log to $work/name.log, one summary line
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$work/$name.log" 2>&1
+  local rc=$?
+  echo "$name: rc $rc in $((SECONDS - t0)) s" | tee -a "$work/summary.txt"
+}
+pack() {  # copy the summary next to the archive of everything, and print it
+  cp "$work/summary.txt" "$out/summary.txt"
+  tar czf "$out/results.tgz" -C "$work" .
+  cat "$out/summary.txt"
+}

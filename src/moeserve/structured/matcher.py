@@ -1,0 +1,108 @@
+"""The engine's side of constrained decoding: grammars compiled against the tokenizer (cached),
+one matcher per sequence, and each step's token bitmask for the rows that sample under one.
+
+A matcher holds exactly the sequence's output tokens: it is advanced as the engine keeps each
+sampled token (``LLMEngine._append_token``). Preemption recomputes a sequence's KV but keeps its
+tokens, so the matcher needs no rollback; a dropped step never appended its tokens."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from moeserve.structured.spec import StructuredOutputs, grammar
+
+MAX_COMPILED = 128  # compiled grammars kept (a schema used again is not compiled again)
+
+
+class GrammarCompilers:
+    """Compiles specs against one tokenizer and vocabulary (the lm_head's, which may be larger
+    than the tokenizer's: the extra ids are never allowed)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        import xgrammar as xgr
+
+        self.vocab_size = vocab_size
+        stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+        except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the request's 400, not a crash
+            raise ValueError(f"structured outputs are not available with this tokenizer: {type(e).__name__}: {e}") from None
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+
+    def compile(self, spec: StructuredOutputs) -> Any:
+        """Its compiled grammar (a ValueError naming the spec's field if it does not compile)."""
+        key = spec.key()
+        hit = self._compiled.get(key)
+        if hit is not None:
+            self._compiled.move_to_end(key)
+            return hit
+        try:
+            compiled = self._compiler.compile_grammar(grammar(spec))
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{spec.field}: cannot compile the {spec.kind} for this tokenizer: {e}") from None
+        self._compiled[key] = compiled
+        if len(self._compiled) > MAX_COMPILED:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def matcher(self, compiled: Any, after: str | None = None) -> "SequenceGrammar":
+        import xgrammar as xgr
+
+        return SequenceGrammar(xgr.GrammarMatcher(compiled), after)
+
+
+@dataclass
+class SequenceGrammar:
+    """One sequence's matcher; with ``after``, dormant (no mask, no tokens taken) until the
+    output's text holds ``after``, then constraining what follows it."""
+
+    matcher: Any
+    after: str | None = None
+    _tail: str = ""  # the output's last ``len(after) - 1`` characters while dormant
+
+    @property
+    def active(self) -> bool:
+        return self.after is None
+
+    def accept(self, token: int) -> None:
+        if not self.matcher.accept_token(token):
+            raise ValueError(f"token {token} does not follow the request's grammar")
+
+    def see(self, text: str) -> None:
+        """A dormant matcher's view of the output's new text: it wakes at ``after``, and the text
+        after it in the same piece is the grammar's first."""
+        seen = self._tail + text
+        at = seen.find(self.after)
+        if at < 0:
+            self._tail = seen[len(seen) - len(self.after) + 1 :]
+            return
+        rest = seen[at + len(self.after) :]
+        self.after, self._tail = None, ""
+        if rest and not self.matcher.accept_string(rest):
+            raise ValueError(f"the text after the reasoning, {rest[:40]!r}, does not follow the request's grammar")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def step_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tuple[list[int], np.ndarray] | None:
+    """The rows (of a step's sampling rows) under a grammar and their bitmask [rows, ceil(V/32)]
+    int32 (bit t of a row: token t allowed), or None when no row has one. A numpy array: it
+    pickles as its bytes to every rank (a torch tensor would go through shared memory)."""
+    rows = [j for j, g in enumerate(grammars) if g is not None and g.active]
+    if not rows:
+        return None
+    mask = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
+    for r, j in enumerate(rows):
+        grammars[j].fill(mask, r)
+    return rows, mask.numpy()
