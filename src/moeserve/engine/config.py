@@ -153,13 +153,13 @@ class SpeculativeConfig:
         method = value.get("method")
         if method is None:  # as vLLM: a draft model whose name says eagle3 is one
             method = "eagle3" if "eagle3" in str(value.get("model") or "").lower() else "mtp"
+        if method not in cls.METHODS:
+            raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
         draft = value.get("model")
         if method != "eagle3" and draft is not None and draft != target_model:
             raise ValueError(
                 f"speculative_config model {draft!r}: the MTP method drafts with the target checkpoint's own layer (leave 'model' out)"
             )
-        if method not in cls.METHODS:
-            raise ValueError(f"speculative_config method {method!r} is not supported (one of: {', '.join(cls.METHODS)})")
         k = value.get("num_speculative_tokens", 1)
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in [1, 16], got {k!r}")
