@@ -4,8 +4,9 @@
 
 The draft is in the published layout (``moeserve.models.eagle3``): ``fc`` fuses the demo model's
 residual stream entering layers 1, 2 and 3, one Llama-style layer, the full 768-token vocabulary
-(``d2t`` all zero). It learns to propose the demo model's own greedy tokens where it writes (the completions): the
-text of each conversation is the teacher-forced input, the labels are the demo model's argmax.
+(``d2t`` all zero). It learns to propose the demo model's own greedy tokens: the text of each conversation is the
+teacher-forced input, the labels are the demo model's argmax at each position; it is evaluated
+where the model writes (the completions).
 
 Training-time test, two steps (EAGLE-3's unrolled training): step 1 at position t reads the fused
 hidden state at t and token t + 1 and predicts token t + 2; step 2 at position t + 1 reads step 1's
@@ -127,17 +128,21 @@ def unrolled(draft: Eagle3Draft, ids, aux, greedy):
 
 
 def batches(encoded: list[tuple[list[int], int]], batch: int, pad: int):
-    """(ids [B, T] right-padded, written [B, T]: the positions of the completion, which the model
-    writes and the draft proposes; prompts are prefilled, never drafted)."""
+    """(ids [B, T] right-padded, valid [B, T]: inside the text, written [B, T]: the positions of
+    the completion, which the model writes and the draft proposes; prompts are prefilled, never
+    drafted). Training reads every valid position (a completion-only loss did slightly worse on
+    completions: acceptance length 2.75 against 2.78 at k = 2); the evaluation reads the written ones."""
     for i in range(0, len(encoded), batch):
         chunk = encoded[i : i + batch]
         T = max(len(x) for x, _ in chunk)
         ids = torch.full((len(chunk), T), pad)
+        valid = torch.zeros(len(chunk), T, dtype=torch.bool)
         written = torch.zeros(len(chunk), T, dtype=torch.bool)
         for j, (x, prompt_len) in enumerate(chunk):
             ids[j, : len(x)] = torch.tensor(x)
+            valid[j, : len(x)] = True
             written[j, prompt_len : len(x)] = True
-        yield ids, written
+        yield ids, valid, written
 
 
 def main() -> None:
@@ -173,8 +178,8 @@ def main() -> None:
     held = [encode(s) for s in tasks.held_out_text(args.eval_samples)]
     pad = 754  # the demo tokenizer's <|pad|> (its config.json: pad_token_id); padded positions are masked out
     print(f"{len(train)} conversations, {sum(len(x) for x, _ in train)} tokens; features...", flush=True)
-    feats = [(ids, valid, *target_features(target, ids)) for ids, valid in batches(train, args.batch, pad)]
-    held_feats = [(ids, valid, *target_features(target, ids)) for ids, valid in batches(held, args.batch, pad)]
+    feats = [(ids, valid, *target_features(target, ids)) for ids, valid, _ in batches(train, args.batch, pad)]
+    held_feats = [(ids, written, *target_features(target, ids)) for ids, _, written in batches(held, args.batch, pad)]
     print(f"features in {time.time() - t0:.0f}s", flush=True)
     check_against_inference(draft, *held_feats[0][:1], *held_feats[0][2:])
     params = [prm for prm in draft.parameters()]
@@ -188,7 +193,7 @@ def main() -> None:
         for i in order:
             ids, valid, aux, greedy = feats[i]
             l1, y1, l2, y2 = unrolled(draft, ids, aux, greedy)
-            m1, m2 = valid[:, 2 : ids.shape[1] - 1], valid[:, 3 : ids.shape[1]]  # the labels' tokens are written ones
+            m1, m2 = valid[:, 2 : ids.shape[1] - 1], valid[:, 3 : ids.shape[1]]
             loss = F.cross_entropy(l1[m1], y1[m1]) + F.cross_entropy(l2[m2], y2[m2])
             opt.zero_grad()
             loss.backward()
