@@ -6,6 +6,7 @@ preemption; the demo's mean accepted length at k = 2."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
@@ -288,3 +289,22 @@ def test_structured_outputs_refused_under_speculation():
         with pytest.raises(ValueError, match="not supported with speculative decoding yet"):
             llm.generate(["Hello"], params)
         assert llm.generate(["Hello"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids  # still serving
+
+
+def test_chunked_prompt_drafts_as_one_shot():
+    """A prompt prefilled in chunks gives the MTP layer its KV at every position, also in the
+    steps that only prefill: its cache holds what one prefill writes, and the same tokens come."""
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "What's the weather in Paris and the time in Oslo? " * 3}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=1)  # the prompt's KV only: no decode step writes more
+    runs = []
+    for budget in (2048, 32):  # one prefill step; chunks of 32 tokens, the first ones without a sampling row
+        llm = LLM(None, device="cpu", dtype="float32", speculative_config=SPEC2, max_num_batched_tokens=budget, enable_prefix_caching=False)
+        tokens = _tokens(llm, [prompt], params)
+        runs.append((tokens, llm.engine.executor.runner.drafter.pool.buffer.clone()))
+    n = len(llm.get_tokenizer().encode(prompt, add_special_tokens=False))
+    assert n > 64 and runs[0][0] == runs[1][0]
+    one_shot, chunked = runs[0][1], runs[1][1]
+    assert one_shot.abs().sum() > 0
+    torch.testing.assert_close(chunked, one_shot, atol=1e-4, rtol=1e-4)

@@ -69,7 +69,8 @@ class MTPDrafter:
     ) -> list[list[int]]:
         """``ids`` (the step's input ids) are the drafters' common interface: EAGLE-3 reads them,
         the MTP layer reads the next tokens (``step.next_token_ids``) instead."""
-        return _propose(runner, step, ctx, hidden, result) if step.sample_seq_ids else []
+        # (steps that only prefill run it too: a middle chunk's positions need their MTP KV)
+        return _propose(runner, step, ctx, hidden, result)
 
 
 def make_drafter(runner: ModelRunner, spec: SpeculativeConfig) -> MTPDrafter | Eagle3Drafter:
@@ -208,7 +209,7 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
         context_lens=context_lens,
         page_tables=ctx.page_tables,
         cu_query_lens=to_device(cu, dev, torch.int32),
-        logits_indices=to_device(last_rows, dev),
+        logits_indices=to_device(last_rows, dev, torch.int64),  # (empty in a step that only prefills)
         page_size=ctx.page_size,
         context_lens_tensor=to_device(context_lens, dev, torch.int32),
     )
