@@ -180,3 +180,20 @@ def test_sweep_two_layouts_and_a_failing_one(tmp_path):
 
     measurements, _ = read_bench_results(tmp_path / "pp2" / "results.json")
     assert {(m.pp, m.concurrency) for m in measurements} == {(2, 1), (2, 2)}
+
+
+def test_offline_bench_sweeps_draft_tokens(tmp_path, capsys):
+    """One run per k (0: without speculation) on the demo model's MTP layer, a table, a summary."""
+    argv = ["bench", "--offline", "--device", "cpu", "--batch-sizes", "1,2", "--input-len", "8", "--output-len", "6"]
+    spec = ["--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}']
+    assert main([*argv, *spec, "--num-speculative-tokens", "0,2", "--result-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "by draft tokens k" in out
+    doc = json.loads((tmp_path / "speculation_sweep.json").read_text())
+    assert doc["speculative_config"]["method"] == "mtp" and set(doc["runs"]) == {"0", "2"}
+    assert all(r["accepted_length"] is None for r in doc["runs"]["0"])
+    assert all(1.0 <= r["accepted_length"] <= 3.0 for r in doc["runs"]["2"])
+    assert json.loads((tmp_path / "k2" / "offline.json").read_text())["speculative"]["num_speculative_tokens"] == 2
+    assert json.loads((tmp_path / "k0" / "offline.json").read_text())["speculative"] is None
+    assert main([*argv, "--num-speculative-tokens", "1"]) == 2  # nothing to sweep
+    assert "--speculative-config" in capsys.readouterr().err

@@ -68,10 +68,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     if args.offline:
-        from moeserve.bench.offline import run_offline
+        from moeserve.bench.offline import run_offline, run_speculation_sweep
 
+        if args.num_speculative_tokens:
+            ks = [int(x) for x in args.num_speculative_tokens.split(",")]
+            run_speculation_sweep(
+                args.model, ks, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), args.temperature
+            )
+            return 0
         run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), args.temperature)
         return 0
+    if args.num_speculative_tokens:
+        raise ValueError("--num-speculative-tokens sweeps the engine in this process: use it with --offline")
     from moeserve.bench.online import run_serving_cli
 
     return run_serving_cli(args)
@@ -114,6 +122,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--output-len", type=int, default=32)
     b.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy; > 0 times the sampler too)"
+    )
+    b.add_argument(
+        "--num-speculative-tokens",
+        default=None,
+        metavar="K,K,...",
+        help="offline: one run per number of draft tokens (0: without speculation) of --speculative-config's method",
     )
     b.add_argument("--result-dir", default=None)
     b.add_argument("--url", default=None, help="server to load (any OpenAI-compatible API)")

@@ -33,6 +33,8 @@ class OfflineResult:
     decode_bound_tok_s: float  # min over bytes/bandwidth and FLOPs/peak
     decode_frac_of_bound: float
     step_ms: float
+    # speculative decoding: tokens a decode row gained a step in this batch's decode (None without it)
+    accepted_length: float | None = None
 
 
 def _sync(llm: LLM) -> None:
@@ -63,11 +65,14 @@ def run_batch(
     _sync(llm)
     t1 = time.perf_counter()
     steps = 0
+    drafts0, accepted0 = eng.spec_num_drafts, eng.spec_num_accepted_tokens
     while eng.has_unfinished_requests():
         eng.step(finished_only=True)
         steps += 1
     _sync(llm)
     t2 = time.perf_counter()
+    drafts = eng.spec_num_drafts - drafts0
+    accepted_length = 1 + (eng.spec_num_accepted_tokens - accepted0) / drafts if drafts else None
     dtype = resolve_dtype(llm.config.dtype, cfg.torch_dtype, torch.device(llm.config.device).type)
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     prefill_s, decode_s = t1 - t0, t2 - t1
@@ -92,6 +97,7 @@ def run_batch(
         decode_bound_tok_s=decode_bound,
         decode_frac_of_bound=decode_tok_s / decode_bound,
         step_ms=1000 * decode_s / max(steps, 1),
+        accepted_length=accepted_length,
     )
 
 
@@ -170,6 +176,57 @@ def run_offline(
         }
         (out / "offline.json").write_text(json.dumps(doc, indent=2))
     return results
+
+
+def run_speculation_sweep(
+    model: str,
+    ks: list[int],
+    batch_sizes: list[int],
+    input_len: int,
+    output_len: int,
+    result_dir: str | None,
+    engine_kwargs: dict,
+    temperature: float = 0.0,
+) -> dict[int, list[OfflineResult]]:
+    """``run_offline`` once per number of draft tokens in ``ks`` (0: without speculation), the
+    method and draft of ``engine_kwargs["speculative_config"]``; then one table: decode tok/s,
+    tokens a row gains a step, and the speed-up over k = 0 where it ran."""
+    from moeserve.console import wide_console
+    from rich.table import Table
+
+    spec = engine_kwargs.get("speculative_config")
+    if not spec:
+        raise ValueError("--num-speculative-tokens sweeps a --speculative-config: give one (its num_speculative_tokens is replaced)")
+    if not ks or any(k < 0 for k in ks):
+        raise ValueError(f"--num-speculative-tokens: non-negative integers, got {ks}")
+    runs: dict[int, list[OfflineResult]] = {}
+    for k in ks:
+        kwargs = dict(engine_kwargs, speculative_config={**spec, "num_speculative_tokens": k} if k else None)
+        out = str(Path(result_dir) / f"k{k}") if result_dir else None
+        runs[k] = run_offline(model, batch_sizes, input_len, output_len, out, kwargs, temperature)
+    table = Table(title=f"speculative decoding ({spec.get('method', 'mtp')}) by draft tokens k: decode tok/s (tokens a row gains a step)")
+    table.add_column("k", justify="right")
+    for b in batch_sizes:
+        table.add_column(f"batch {b}", justify="right")
+    base = runs.get(0)
+    for k, results in runs.items():
+        cells = []
+        for j, r in enumerate(results):
+            cell = f"{r.decode_tok_s:,.1f}"
+            if r.accepted_length is not None:
+                cell += f" ({r.accepted_length:.2f})"
+            if base is not None and k:
+                cell += f" x{r.decode_tok_s / base[j].decode_tok_s:.2f}"
+            cells.append(cell)
+        table.add_row(str(k), *cells)
+    wide_console().print(table)
+    if result_dir:
+        summary = {
+            str(k): [{"batch_size": r.batch_size, "decode_tok_s": r.decode_tok_s, "accepted_length": r.accepted_length} for r in results]
+            for k, results in runs.items()
+        }
+        (Path(result_dir) / "speculation_sweep.json").write_text(json.dumps({"speculative_config": spec, "runs": summary}, indent=2))
+    return runs
 
 
 def _speculation(llm: LLM) -> dict | None:
