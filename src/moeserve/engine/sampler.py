@@ -194,10 +194,14 @@ def _sample_batch(
         idx = to_device(random_rows, logits.device)
         probs = _filter(choose_from[idx], [params[i] for i in random_rows]).softmax(-1)
         # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
-        # seeded row use its own generator.
+        # seeded row use its own generator. Rows without one share a single draw: one launch for
+        # the batch, not one per row.
         noise = torch.empty_like(probs)
-        for j, i in enumerate(random_rows):
-            noise[j].exponential_(generator=generators[i])
+        seeded = [(j, generators[i]) for j, i in enumerate(random_rows) if generators[i] is not None]
+        if len(seeded) < len(random_rows):
+            noise.exponential_()
+        for j, g in seeded:
+            noise[j].exponential_(generator=g)
         tokens[idx] = (probs / noise).argmax(dim=-1)
     want = [p.logprobs for p in params]
     top_n = max((n for n in want if n is not None), default=None)
