@@ -120,3 +120,21 @@ def test_mtp_needs_a_model_with_an_mtp_layer(capsys):
     argv = ("--model", "kimi-k2.6", "--gpus", "8", "--gpu", "h200", "--speculative-config", '{"method": "mtp"}')
     assert run_plan(_args(*argv)) == 2
     assert "has no MTP layer" in capsys.readouterr().err
+
+
+def test_speculation_counts_the_mtp_layer_on_the_last_stage():
+    from moeserve.distributed.layout import Layout
+    from moeserve.planner.plan import Workload, evaluate_layout
+    from moeserve.planner.workload import EngineSettings
+
+    hw = resolve_hardware(8, gpu="h200")
+    spec = EngineSettings(speculative=Speculation("mtp", 2))
+    for layout in (Layout(8, 1, 1), Layout(4, 2, 1)):
+        plain = evaluate_layout(V3, hw, layout, Workload())
+        with_mtp = evaluate_layout(V3, hw, layout, Workload(), spec)
+        extra = [a - b for a, b in zip(with_mtp.weights_gb_per_gpu, plain.weights_gb_per_gpu)]
+        last = range(layout.world_size - layout.tp, layout.world_size)
+        # one MoE layer of ~11 GB (FP8) split over tp, plus eh_proj (bf16, replicated) and, past stage 0,
+        # the MTP layer's own embedding and lm_head
+        assert all(extra[r] > 11 / layout.tp for r in last) and all(extra[r] == 0 for r in range(layout.world_size) if r not in last)
+        assert with_mtp.kv_tokens < plain.kv_tokens

@@ -15,8 +15,8 @@ def not_modelled(cfg: ModelConfig, hw: Hardware, settings: EngineSettings = DEFA
             'without speculative decoding (model it with --speculative-config \'{"method": "mtp", '
             '"num_speculative_tokens": 2}\' and --draft-acceptance-rate)'
         )
-    if cfg.num_nextn_predict_layers or settings.speculative is not None:
-        notes.append("the MTP layer's weights (about one MoE layer, on the last stage) are not counted in memory")
+    if cfg.num_nextn_predict_layers and settings.speculative is None:
+        notes.append("the MTP layer's weights are counted only with --speculative-config (the engine loads them only then)")
     if cfg.n_routed_experts and hw.gpus > 1:
         notes.append(
             "data-parallel attention (SGLang --enable-dp-attention, vLLM --data-parallel-size with expert "

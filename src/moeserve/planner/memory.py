@@ -27,6 +27,7 @@ from moeserve.models.deepseek_weights import (
     embedding_tensor,
     final_norm_tensor,
     layer_tensors,
+    mtp_tensors,
     lm_head_tensor,
 )
 
@@ -138,8 +139,11 @@ def rank_weight_sizes(
     partition: list[int] | None = None,
     dtype_bytes: int | None = None,
     quantized: bool = True,
+    mtp: bool = False,
 ) -> dict[str, Size]:
-    """Component -> Size of the weights global ``rank`` holds (every component present, maybe empty)."""
+    """Component -> Size of the weights global ``rank`` holds (every component present, maybe empty);
+    ``mtp``: the last stage also holds the MTP layer (speculative decoding), with its own copies of
+    the embedding and lm_head when that stage is not the first."""
     parts = resolve_partition(cfg, pp, partition)
     stage, tp_rank = divmod(rank, tp)
     start, end = stage_layer_ranges(parts)[stage]
@@ -149,6 +153,9 @@ def rank_weight_sizes(
             total[c] = total[c] + s
     for c, s in global_sizes(cfg, tp, tp_rank, stage == 0, stage == pp - 1, dtype_bytes, quantized).items():
         total[c] = total[c] + s
+    if mtp and stage == pp - 1:
+        for spec in mtp_tensors(cfg, own_embedding=pp > 1):
+            total[spec.component] = total[spec.component] + _spec_size(cfg, spec, tp, ep, tp_rank, dtype_bytes, quantized)
     return total
 
 

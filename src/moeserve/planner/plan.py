@@ -86,7 +86,8 @@ def evaluate_layout(
     except ValueError:  # already among the problems; size memory with the default split
         partition = default_layer_partition(cfg.num_hidden_layers, pp)
     world = tp * pp
-    weights = [rank_weight_sizes(cfg, tp, pp, ep, r, partition) for r in range(world)]
+    mtp = settings.speculative is not None  # the MTP layer on the last stage: its weights and one more layer of KV
+    weights = [rank_weight_sizes(cfg, tp, pp, ep, r, partition, mtp=mtp) for r in range(world)]
     wanted = min(workload.concurrency, settings.max_num_seqs)
     reserve = runtime_reserve(cfg, tp, pp, ep, workload.capacity_len, wanted, settings.max_num_batched_tokens)
     ranges = stage_layer_ranges(partition)
@@ -96,7 +97,7 @@ def evaluate_layout(
         start, end = ranges[r // tp]
         f = kv_budget_bytes(hw.memory_bytes, settings.gpu_memory_utilization, sum(s.bytes for s in w.values()), reserve)
         free.append(f)
-        kv_caps.append(max(0.0, f) / ((end - start) * kv_layer))
+        kv_caps.append(max(0.0, f) / ((end - start + (mtp and r // tp == pp - 1)) * kv_layer))
     kv_tokens = int(min(kv_caps))
     # The GPU that limits: the most overfull one, else the one with the least KV room.
     tight = min(range(world), key=lambda r: (free[r], kv_caps[r]) if min(free) <= 0 else (kv_caps[r], 0))

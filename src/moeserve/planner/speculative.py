@@ -8,7 +8,9 @@ A cycle with ``k`` draft tokens a sequence (DeepSeek's MTP layer, chained ``k`` 
 - the draft runs on the last stage, where the target's hidden states are: its first pass over the
   ``k + 1`` tokens just scored (the accepted ones fill its cache), then ``k - 1`` passes of one
   token a sequence; each pass is one decoder layer of the target's MoE kind, ``eh_proj`` (bf16,
-  ``2 h x h``, split like the rest under TP), the shared head's norm and lm head;
+  ``2 h x h``, replicated on every TP rank as the engine loads it), the shared head's norm and lm head;
+- memory (``plan.py``): the MTP layer's weights on the last stage (``memory.rank_weight_sizes``)
+  and one more layer of KV there;
 - each sequence gains the acceptance length ``tau``: with a per-position acceptance rate ``a``
   (the chance a draft token is accepted given the one before it was),
   ``tau = 1 + a + a^2 + ... + a^k`` (the bonus token included).
@@ -97,7 +99,7 @@ def mtp_pass_terms(
     eager = runs_eager(hw, pp)
     moe_layer = cfg.num_hidden_layers - 1  # the MTP layer's decoder layer is of the last layer's kind
     h = cfg.hidden_size
-    eh_proj = Kernel("mtp eh_proj", KernelKind.GEMV, 2 * h * h * ACT_BYTES / tp, flops=2 * tokens * 2 * h * h / tp)
+    eh_proj = Kernel("mtp eh_proj", KernelKind.GEMV, 2 * h * h * ACT_BYTES, flops=2 * tokens * 2 * h * h)  # replicated
     norms = Kernel("mtp enorm+hnorm", KernelKind.ELEMENTWISE)
     return (
         kernel_terms(hw, norms, eager)
