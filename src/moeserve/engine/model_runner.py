@@ -18,11 +18,9 @@ from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
 from moeserve.engine.compile_ahead import compile_moe_tiles, compile_step_sized_variants
 from moeserve.engine.config import EngineConfig, resolve_dtype
-from moeserve.device_copy import to_device
 from moeserve.step_context import StepContext, shared_prefix_runs, step_context
-from moeserve.engine.logit_adjust import adjusted_logits
-from moeserve.structured.mask import masked_logits
-from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
+from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device
+from moeserve.engine.sampling_state import SamplingState
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
 from moeserve.models import model_class
@@ -141,9 +139,7 @@ class ModelRunner:
             num_pages * self.page_size,
             num_pages * self.page_size * self.bytes_per_token / 1e9,
         )
-        self._generators: dict[int, torch.Generator] = {}
-        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's samples
-        self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
+        self.sampling = SamplingState(self.device)  # per-sequence generators, the last step's samples
         self._prompt_logprobs: PromptLogprobs | None = None  # the last forward's, for sample_async
         self.graphs = None  # DecodeGraphs
         self.prefill_graphs = None  # PrefillGraphs
@@ -318,7 +314,7 @@ class ModelRunner:
         wide[logits_at : logits_at + S] = step.logits_indices
         if D:
             wide[into_at : into_at + D] = [flat for flat, _ in step.deferred]
-            wide[rows_at : rows_at + D] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
+            wide[rows_at : rows_at + D] = self.sampling.deferred_rows(step)
         np.cumsum(step.query_lens, out=narrow[cu_at + 1 : cu_at + B + 1])
         narrow[lens_at : lens_at + B] = step.context_lens
         table = narrow[table_at : table_at + B * max_pages].reshape(B, max_pages)
@@ -347,7 +343,7 @@ class ModelRunner:
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[ids_at : ids_at + T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
-            ids[wide_t[into_at : into_at + D]] = self._last_tokens[wide_t[rows_at : rows_at + D]]
+            ids[wide_t[into_at : into_at + D]] = self.sampling.deferred_tokens(wide_t[rows_at : rows_at + D])
         return ids, ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -381,13 +377,8 @@ class ModelRunner:
         return self.collect(self.sample_async(step, logits))
 
     def sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
-        gens, errors = self.row_generators(step)
         prompt, self._prompt_logprobs = self._prompt_logprobs, None
-        drawn = None
-        if logits.shape[0]:
-            adjusted = masked_logits(logits, self._adjusted_logits(step, logits), step.grammar_mask)
-            drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
-            self.keep_samples(step, drawn.tokens)
+        drawn = self.sampling.draw(step, logits, use_kernel=self.sample_kernel)
         if drawn is None and prompt is None:
             return PendingStep(None, None, None)
         if self.device.type != "cuda":
@@ -402,48 +393,6 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return PendingStep(drawn, hosts[0], done, prompt, hosts[1])
-
-    def row_generators(self, step: StepInput) -> tuple[list[torch.Generator | None], dict[int, str]]:
-        """Each sampling row's generator (seeded requests; made on first use) and the rows whose
-        seeding failed; drops those of the sequences that finished."""
-        for seq_id in step.finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        gens: list[torch.Generator | None] = []
-        errors: dict[int, str] = {}  # a row whose own sampler state fails fails its request alone
-        rows = zip(step.sample_seq_ids, step.sample_params, step.sample_seed_offsets)
-        for j, (seq_id, params, offset) in enumerate(rows):
-            g = self._generators.get(seq_id)
-            if g is None and params.seed is not None:
-                try:
-                    g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
-                except Exception as e:  # noqa: BLE001
-                    errors[j] = f"cannot seed its sampler with seed {params.seed}: {type(e).__name__}: {e}"
-                else:
-                    self._generators[seq_id] = g
-            gens.append(g)
-        return gens, errors
-
-    def _adjusted_logits(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
-        """The step's logits with its rows' penalties and bias (None: no row has any); a deferred
-        row's last output token is the previous step's sample, still on the device."""
-        if not any(p.adjusts_logits for p in step.sample_params):
-            return None
-        output_ids = step.sample_output_ids or [None] * len(step.sample_params)
-        deferred = {seq_id for _, seq_id in step.deferred}
-        pending = [
-            j for j, (seq_id, p) in enumerate(zip(step.sample_seq_ids, step.sample_params)) if p.needs_output_ids and seq_id in deferred
-        ]
-        tokens = None
-        if pending:
-            rows = to_device([self._last_rows[step.sample_seq_ids[j]] for j in pending], self.device)
-            tokens = self._last_tokens[rows]
-        return adjusted_logits(logits, step.sample_params, output_ids, pending, tokens)
-
-    def keep_samples(self, step: StepInput, tokens: torch.Tensor) -> None:
-        """A rank that does not sample: the sampled ids of ``step`` (broadcast by the rank that
-        does), for the next step's deferred input tokens."""
-        self._last_tokens = tokens
-        self._last_rows = {seq_id: j for j, seq_id in enumerate(step.sample_seq_ids)}
 
     def launch(self, step: StepInput) -> PendingStep:
         """Single-stage step: enqueue the forward and the sampling; returns before they finish."""
