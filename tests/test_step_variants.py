@@ -8,6 +8,7 @@ import torch
 from moeserve.demo.random_model import RANDOM_CONFIG
 from moeserve.config import parse_model_config
 from moeserve.engine.config import EngineConfig
+from moeserve.engine.compile_ahead import compile_prefix_attention, compile_step_sized_variants
 from moeserve.engine.model_runner import ModelRunner
 from moeserve.engine.step_input import StepInput
 from moeserve.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ def test_step_sized_variants_run_on_scratch_inputs():
     pytest.importorskip("triton")
     runner = _runner("triton")
     before = runner.pool.layer(0).clone()
-    runner._compile_step_sized_variants(4096)  # past LONG_CONTEXT: the long-context decode tile too
+    compile_step_sized_variants(runner, 4096)  # past LONG_CONTEXT: the long-context decode tile too
     assert torch.equal(runner.pool.layer(0), before)  # reads the cache, writes nothing to it
 
 
@@ -100,7 +101,7 @@ def test_both_prefix_attention_forms_compile_ahead_and_the_mode_is_kept():
     backend._merge_absorbed_prefix = lambda *a: forms.append("absorbed") or absorbed(*a)
     backend._expand = lambda cache, slots, *a: forms.append(slots.numel()) or expand(cache, slots, *a)
     before = runner.pool.layer(0).clone()
-    runner._compile_prefix_attention()
+    compile_prefix_attention(runner)
     assert "absorbed" in forms
     assert 2 * runner.page_size in forms  # the chunked form expanded the two cached pages
     assert backend.prefix_mode == "auto"

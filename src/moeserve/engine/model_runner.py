@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -17,12 +16,11 @@ import torch
 from moeserve.attention.registry import get_backend
 from moeserve.cache.kv_pool import StageKVPool, StageRange, kv_bytes_per_token
 from moeserve.config import ModelConfig
+from moeserve.engine.compile_ahead import compile_moe_tiles, compile_step_sized_variants
 from moeserve.engine.config import EngineConfig, resolve_dtype
-from moeserve.device_copy import to_device
 from moeserve.step_context import StepContext, shared_prefix_runs, step_context
-from moeserve.engine.logit_adjust import adjusted_logits
-from moeserve.structured.mask import masked_logits
-from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, sample_on_device
+from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device
+from moeserve.engine.sampling_state import SamplingState
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
 from moeserve.models import model_class
@@ -141,9 +139,7 @@ class ModelRunner:
             num_pages * self.page_size,
             num_pages * self.page_size * self.bytes_per_token / 1e9,
         )
-        self._generators: dict[int, torch.Generator] = {}
-        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)  # last step's samples
-        self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
+        self.sampling = SamplingState(self.device)  # per-sequence generators, the last step's samples
         self._prompt_logprobs: PromptLogprobs | None = None  # the last forward's, for sample_async
         self.graphs = None  # DecodeGraphs
         self.prefill_graphs = None  # PrefillGraphs
@@ -162,7 +158,7 @@ class ModelRunner:
         capture the CUDA graphs (one stage only: pipeline stages run eager)."""
         if self.device.type == "cuda" and self.backend.name == "triton":
             try:
-                self._compile_step_sized_variants(max_model_len)
+                compile_step_sized_variants(self, max_model_len)
             except Exception as e:  # noqa: BLE001 - only a head start: the kernels still compile on first use
                 log.warning("could not compile the step-sized kernel variants ahead: %s: %s", type(e).__name__, e)
         if not (self.use_graphs and self.is_first and self.is_last):
@@ -186,82 +182,6 @@ class ModelRunner:
                 self, sizes, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
             )
             self.piecewise_graphs.capture()
-
-    @torch.inference_mode()
-    def _compile_step_sized_variants(self, max_model_len: int) -> None:
-        """Kernel variants picked by a step's size that the warm-up's few steps cannot all reach:
-        the MLA decode kernels' split count (a merge block per power of two, from the decode rows
-        and their contexts in an eager mixed step) and the sampling kernel's chunk count (from the
-        rows sampled). Compiled here on scratch inputs, so that no request pays seconds for one."""
-        from moeserve.kernels.mla_decode import LONG_CONTEXT, LONG_CONTEXT_BATCHES, MAX_KV_SPLITS, mla_decode
-        from moeserve.layers.attention import MLAAttention
-
-        cache = self.pool.layer(self.stage.start_layer)
-        H = next(m for m in self.model.modules() if isinstance(m, MLAAttention)).num_heads  # this rank's heads
-        Lk = self.model_config.kv_lora_rank
-        # (rows, longest context): the head-block size changes at 8 rows; 32-64 rows beyond
-        # LONG_CONTEXT take another tile (mla_decode.decode_config)
-        shapes = {(1, 1), (min(8, self.config.max_num_seqs), 1)}
-        if max_model_len > LONG_CONTEXT and self.config.max_num_seqs >= LONG_CONTEXT_BATCHES[0]:
-            shapes.add((LONG_CONTEXT_BATCHES[0], max_model_len))
-        for B, longest in sorted(shapes):
-            q_lat = torch.zeros(B, H, Lk, dtype=self.dtype, device=self.device)
-            q_pe = torch.zeros(B, H, cache.shape[-1] - Lk, dtype=self.dtype, device=self.device)
-            table = torch.zeros(B, 1, dtype=torch.int32, device=self.device)
-            lens = torch.ones(B, dtype=torch.int32, device=self.device)
-            splits = 1
-            while splits <= MAX_KV_SPLITS:  # a merge width per power of two
-                mla_decode(q_lat, q_pe, cache, table, lens, self.page_size, 1.0, num_kv_splits=splits, max_context_len=longest)
-                splits *= 2
-        self._compile_prefix_attention()
-        if self.is_last and self.sample_kernel:
-            from moeserve.kernels.sampling import compile_variants
-
-            compile_variants(self.config.max_num_seqs, self.model_config.vocab_size, self.device)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def _compile_prefix_attention(self) -> None:
-        """Both forms of attending to a cached prefix (absorbed, expanded pieces), through the
-        attention backend on a scratch step of one extend row over two cached pages: a server
-        without the prefix cache reaches neither in its warm-up, and a chunk of a long prompt
-        later reaches both. Reads the cache only (its first pages; no request holds them yet)."""
-        from moeserve.layers.attention import MLAAttention
-
-        backend = self.backend
-        if getattr(backend, "prefix_mode", None) is None:
-            return
-        attn = next(m for m in self.model.modules() if isinstance(m, MLAAttention))
-        weights = attn.mla_weights()
-        H, nope, Lk = weights.w_uk.shape
-        R = self.pool.layer(attn.layer_id).shape[-1] - Lk
-        new, prefix = 21, 2 * self.page_size  # neither 1 nor a multiple of 16 (Triton specializes on both)
-        length = prefix + new
-        pages = -(-length // self.page_size)
-        if pages > self.num_pages:
-            return
-        dev = self.device
-        positions = torch.arange(prefix, length, device=dev)
-        ctx = StepContext(
-            positions=positions,
-            slot_mapping=positions.clone(),  # pages 0, 1, 2, ... in order: a slot is its position
-            query_lens=[new],
-            context_lens=[length],
-            page_tables=torch.arange(pages, dtype=torch.int32, device=dev)[None],
-            cu_query_lens=torch.tensor([0, new], dtype=torch.int32, device=dev),
-            logits_indices=torch.tensor([new - 1], device=dev),
-            page_size=self.page_size,
-            context_lens_tensor=torch.tensor([length], dtype=torch.int32, device=dev),
-        )
-        q_nope = torch.zeros(new, H, nope, dtype=self.dtype, device=dev)
-        q_pe = torch.zeros(new, H, R, dtype=self.dtype, device=dev)
-        mode = backend.prefix_mode
-        try:
-            for form in ("absorbed", "chunked"):
-                backend.prefix_mode, ctx.attn_metadata = form, None
-                backend.forward(attn.layer_id, q_nope, q_pe, weights, self.pool, ctx, attn.scale)
-        finally:
-            backend.prefix_mode = mode
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""
@@ -309,57 +229,7 @@ class ModelRunner:
                 m.method.use_kernels(ok)
         self.sample_kernel = "sampling" in ok
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
-        self._compile_moe_tiles()
-
-    @torch.inference_mode()
-    def _compile_moe_tiles(self) -> None:
-        """Run the routed experts once per tile configuration a prefill can pick, and each kind of
-        FP8 linear once per GEMM tile configuration, so that no request waits for a Triton
-        compile (a few seconds each) after the server says it is ready."""
-        from moeserve.layers.moe import RoutedExperts
-
-        if self.device.type != "cuda":
-            return
-        self._compile_fp8_linear_tiles()
-        experts = next((m for m in self.model.modules() if isinstance(m, RoutedExperts)), None)
-        if experts is None:
-            return
-        k, E = self.model_config.num_experts_per_tok, experts.num_local
-        per = getattr(experts.method, "num_experts", None) or E  # the experts its tile heuristic divides the pairs by
-        lower = 0.0
-        for limit in experts.method.tile_limits():  # a token count whose rows per expert fall in (lower, limit]
-            T = min(self.config.max_num_batched_tokens, max(1, math.ceil((lower + 1) * per / k)))
-            lower = limit
-            x = torch.randn(T, experts.shard.hidden, device=self.device, dtype=self.dtype)
-            ids = torch.randint(0, E, (T, k), device=self.device) + experts.first_expert
-            experts(x, torch.full((T, k), 1.0 / k, device=self.device), ids)
-        torch.cuda.synchronize(self.device)
-
-    def _compile_fp8_linear_tiles(self) -> None:
-        """The FP8 GEMM's compiled variants: its tiles (by rows, ``GEMM_TILE_TABLE``), the weight's
-        scale form (block grid or per-row) and whether K is a whole number of K steps. One call of
-        the kernel (not the layer: no collective) per distinct variant."""
-        from moeserve.quant.linear import Fp8Linear
-
-        layers = [m for m in self.model.modules() if isinstance(getattr(m, "method", None), Fp8Linear) and m.method.fast]
-        if not layers:
-            return
-        from moeserve.kernels.fp8_linear import GEMM_TILE_TABLE, fp8_linear
-
-        seen = set()
-        for m in layers:
-            key = (m.fp8_layout.per_row, m.weight.shape[1] % 128 == 0)
-            if key in seen:
-                continue
-            seen.add(key)
-            lower = 4  # up to GEMV_MAX_TOKENS tokens the GEMV runs (one variant)
-            for limit, _ in GEMM_TILE_TABLE:
-                T = min(self.config.max_num_batched_tokens, lower + 1)
-                lower = limit
-                x = torch.randn(T, m.shard.in_size, device=self.device, dtype=self.dtype)
-                fp8_linear(x, m.weight, m.weight_scale_inv, m.k_pad)
-                if T == self.config.max_num_batched_tokens:
-                    break
+        compile_moe_tiles(self)
 
     def resize_kv(self, num_pages: int) -> None:
         """Shrink the pool so that every rank of a layout holds the same number of pages."""
@@ -444,7 +314,7 @@ class ModelRunner:
         wide[logits_at : logits_at + S] = step.logits_indices
         if D:
             wide[into_at : into_at + D] = [flat for flat, _ in step.deferred]
-            wide[rows_at : rows_at + D] = [self._last_rows[seq_id] for _, seq_id in step.deferred]
+            wide[rows_at : rows_at + D] = self.sampling.deferred_rows(step)
         np.cumsum(step.query_lens, out=narrow[cu_at + 1 : cu_at + B + 1])
         narrow[lens_at : lens_at + B] = step.context_lens
         table = narrow[table_at : table_at + B * max_pages].reshape(B, max_pages)
@@ -473,7 +343,7 @@ class ModelRunner:
         ctx.attn_metadata = self.backend.prepare(ctx)  # once per step, read by every attention layer
         ids = wide_t[ids_at : ids_at + T]
         if D:  # tokens sampled by the step before, which the host has not seen yet
-            ids[wide_t[into_at : into_at + D]] = self._last_tokens[wide_t[rows_at : rows_at + D]]
+            ids[wide_t[into_at : into_at + D]] = self.sampling.deferred_tokens(wide_t[rows_at : rows_at + D])
         return ids, ctx
 
     def model_forward_logits(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
@@ -507,13 +377,8 @@ class ModelRunner:
         return self.collect(self.sample_async(step, logits))
 
     def sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
-        gens, errors = self.row_generators(step)
         prompt, self._prompt_logprobs = self._prompt_logprobs, None
-        drawn = None
-        if logits.shape[0]:
-            adjusted = masked_logits(logits, self._adjusted_logits(step, logits), step.grammar_mask)
-            drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=self.sample_kernel, errors=errors, adjusted=adjusted)
-            self.keep_samples(step, drawn.tokens)
+        drawn = self.sampling.draw(step, logits, use_kernel=self.sample_kernel)
         if drawn is None and prompt is None:
             return PendingStep(None, None, None)
         if self.device.type != "cuda":
@@ -528,48 +393,6 @@ class ModelRunner:
         done = torch.cuda.Event()
         done.record()
         return PendingStep(drawn, hosts[0], done, prompt, hosts[1])
-
-    def row_generators(self, step: StepInput) -> tuple[list[torch.Generator | None], dict[int, str]]:
-        """Each sampling row's generator (seeded requests; made on first use) and the rows whose
-        seeding failed; drops those of the sequences that finished."""
-        for seq_id in step.finished_seq_ids:
-            self._generators.pop(seq_id, None)
-        gens: list[torch.Generator | None] = []
-        errors: dict[int, str] = {}  # a row whose own sampler state fails fails its request alone
-        rows = zip(step.sample_seq_ids, step.sample_params, step.sample_seed_offsets)
-        for j, (seq_id, params, offset) in enumerate(rows):
-            g = self._generators.get(seq_id)
-            if g is None and params.seed is not None:
-                try:
-                    g = torch.Generator(device=self.device).manual_seed(params.seed + offset)
-                except Exception as e:  # noqa: BLE001
-                    errors[j] = f"cannot seed its sampler with seed {params.seed}: {type(e).__name__}: {e}"
-                else:
-                    self._generators[seq_id] = g
-            gens.append(g)
-        return gens, errors
-
-    def _adjusted_logits(self, step: StepInput, logits: torch.Tensor) -> torch.Tensor | None:
-        """The step's logits with its rows' penalties and bias (None: no row has any); a deferred
-        row's last output token is the previous step's sample, still on the device."""
-        if not any(p.adjusts_logits for p in step.sample_params):
-            return None
-        output_ids = step.sample_output_ids or [None] * len(step.sample_params)
-        deferred = {seq_id for _, seq_id in step.deferred}
-        pending = [
-            j for j, (seq_id, p) in enumerate(zip(step.sample_seq_ids, step.sample_params)) if p.needs_output_ids and seq_id in deferred
-        ]
-        tokens = None
-        if pending:
-            rows = to_device([self._last_rows[step.sample_seq_ids[j]] for j in pending], self.device)
-            tokens = self._last_tokens[rows]
-        return adjusted_logits(logits, step.sample_params, output_ids, pending, tokens)
-
-    def keep_samples(self, step: StepInput, tokens: torch.Tensor) -> None:
-        """A rank that does not sample: the sampled ids of ``step`` (broadcast by the rank that
-        does), for the next step's deferred input tokens."""
-        self._last_tokens = tokens
-        self._last_rows = {seq_id: j for j, seq_id in enumerate(step.sample_seq_ids)}
 
     def launch(self, step: StepInput) -> PendingStep:
         """Single-stage step: enqueue the forward and the sampling; returns before they finish."""

@@ -133,7 +133,7 @@ def _share_acceptance(result: SampleResult, rows: int, device: torch.device, tp:
 
 def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> SampleResult:
     drafts = step.draft_tokens or [[] for _ in step.sample_seq_ids]
-    gens, errors = runner.row_generators(step)
+    gens, errors = runner.sampling.row_generators(step)
     params = [_GREEDY if j in errors else p for j, p in enumerate(step.sample_params)]
     # Each position's penalties count the drafts before it as output (as the sampler would have,
     # had they been sampled one step at a time).

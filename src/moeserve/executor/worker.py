@@ -215,7 +215,7 @@ def _serve_async_scheduling(conn: Connection, runner, rank: int, tp_rank: int, g
             )
             dist.broadcast(tokens, src=sampling_rank, group=group)
             if pending is None:
-                runner.keep_samples(step, tokens)
+                runner.sampling.keep_samples(step, tokens)
         in_flight.append(pending)
 
 
