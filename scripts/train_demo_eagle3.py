@@ -37,7 +37,7 @@ from moeserve.config import load_model_config  # noqa: E402
 from moeserve.demo import MODEL_DIR, tasks  # noqa: E402
 from moeserve.demo.quantize import dequantized_tensors  # noqa: E402
 from moeserve.demo.torch_model import DemoModel  # noqa: E402
-from moeserve.models.eagle3 import DraftRows, Eagle3Config, Eagle3Draft, _rms_norm, _rotate  # noqa: E402
+from moeserve.models.eagle3 import DraftRows, Eagle3Config, Eagle3Draft, rms_norm, rotate_half  # noqa: E402
 
 AUX_LAYERS = (1, 2, 3)
 
@@ -99,15 +99,15 @@ def draft_pass(draft: Eagle3Draft, tokens, hidden, cos, sin, prior=None):
     eps = cfg.rms_norm_eps
     B, T = tokens.shape
     e = F.embedding(tokens, draft.embed_tokens)
-    x = torch.cat([_rms_norm(e, draft.input_layernorm, eps), _rms_norm(hidden, draft.hidden_norm, eps)], -1)
-    q = _rotate(draft.q_proj(x).view(B, T, -1, cfg.head_dim), cos, sin)
-    k = _rotate(draft.k_proj(x).view(B, T, -1, cfg.head_dim), cos, sin)
+    x = torch.cat([rms_norm(e, draft.input_layernorm, eps), rms_norm(hidden, draft.hidden_norm, eps)], -1)
+    q = rotate_half(draft.q_proj(x).view(B, T, -1, cfg.head_dim), cos, sin)
+    k = rotate_half(draft.k_proj(x).view(B, T, -1, cfg.head_dim), cos, sin)
     v = draft.v_proj(x).view(B, T, -1, cfg.head_dim)
     out = _attend(q, k, v) if prior is None else _attend(q, prior[0], prior[1], k, v)
     r = hidden + draft.o_proj(out.reshape(B, T, -1))
-    m = _rms_norm(r, draft.post_attention_layernorm, eps)
+    m = rms_norm(r, draft.post_attention_layernorm, eps)
     r = r + draft.down_proj(F.silu(draft.gate_proj(m)) * draft.up_proj(m))
-    return draft.lm_head(_rms_norm(r, draft.norm, eps)), r, (k, v)
+    return draft.lm_head(rms_norm(r, draft.norm, eps)), r, (k, v)
 
 
 def unrolled(draft: Eagle3Draft, ids, aux, greedy):

@@ -164,3 +164,15 @@ def test_attention_bias_without_q_lora_loads(tmp_path):
     with LLM(str(path), device="cpu", dtype="float32", backend="reference") as llm:
         out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0, max_tokens=2))
     assert len(out[0].outputs[0].token_ids) == 2
+
+
+def test_read_checkpoint_tensor_by_its_text_model_name(tmp_path):
+    """Kimi K2.5/K2.6 store the text model under ``language_model.``: one tensor is found by its
+    text-model name either way (the EAGLE-3 drafter reads the whole embedding so under TP)."""
+    from moeserve.loader import read_checkpoint_tensor
+
+    w = torch.arange(6.0).view(3, 2)
+    save_file({"language_model.model.embed_tokens.weight": w, "vision.x": torch.zeros(1)}, str(tmp_path / "a.safetensors"))
+    assert torch.equal(read_checkpoint_tensor(tmp_path, "model.embed_tokens.weight"), w)
+    with pytest.raises(ValueError, match="no tensor model.norm.weight"):
+        read_checkpoint_tensor(tmp_path, "model.norm.weight")

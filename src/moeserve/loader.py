@@ -51,6 +51,16 @@ def checkpoint_tensor_names(model_dir: str | Path) -> set[str]:
     return names
 
 
+def read_checkpoint_tensor(model_dir: str | Path, name: str) -> torch.Tensor:
+    """One tensor of the checkpoint by its text-model name (``language_model.`` prefix or not)."""
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for stored in f.keys():
+                if text_model_name(stored) == name:
+                    return f.get_tensor(stored)
+    raise ValueError(f"no tensor {name} in the checkpoint {model_dir}")
+
+
 def iter_checkpoint(
     model: DeepseekForCausalLM, model_dir: str | Path, device: torch.device | str = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:

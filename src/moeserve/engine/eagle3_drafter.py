@@ -133,15 +133,12 @@ class Eagle3Drafter:
 
 
 def _checkpoint_embedding(model_dir: str) -> torch.Tensor:
-    from safetensors import safe_open
+    from moeserve.loader import read_checkpoint_tensor
 
-    from moeserve.loader import checkpoint_files
-
-    for f in checkpoint_files(model_dir):
-        with safe_open(str(f), "pt") as st:
-            if "model.embed_tokens.weight" in st.keys():
-                return st.get_tensor("model.embed_tokens.weight")
-    raise ValueError(f"EAGLE-3 draft: no model.embed_tokens.weight in {model_dir} to share with the draft")
+    try:
+        return read_checkpoint_tensor(model_dir, "model.embed_tokens.weight")
+    except ValueError as e:
+        raise ValueError(f"EAGLE-3 draft: {e} to share with the draft") from None
 
 
 __all__ = ["Eagle3Drafter", "draft_feed"]

@@ -83,7 +83,7 @@ class Eagle3Config:
         )
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
@@ -107,7 +107,7 @@ def rope_inv_freq(cfg: Eagle3Config) -> torch.Tensor:
     return inv.float()
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Llama's rotate-half rope on ``[T, heads, head_dim]``."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
@@ -261,7 +261,7 @@ class Eagle3Draft(nn.Module):
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         embeds = F.embedding(token_ids, self.embed_tokens)
-        x = torch.cat([_rms_norm(embeds, self.input_layernorm, eps), _rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
+        x = torch.cat([rms_norm(embeds, self.input_layernorm, eps), rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
         T = token_ids.shape[0]
         q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
@@ -269,7 +269,7 @@ class Eagle3Draft(nn.Module):
         positions = torch.cat([torch.arange(s, s + n) for s, n in zip(rows.starts, rows.counts)]).to(q.device)
         angles = positions[:, None].float() * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :].to(q.dtype), angles.sin()[:, None, :].to(q.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
         out = torch.empty(T, cfg.num_attention_heads, cfg.head_dim, dtype=q.dtype, device=q.device)
         at = 0
         group = cfg.num_attention_heads // cfg.num_key_value_heads
@@ -284,9 +284,9 @@ class Eagle3Draft(nn.Module):
             out[at : at + n] = attn.transpose(0, 1).to(out.dtype)
             at += n
         residual = hidden + self.o_proj(out.reshape(T, -1))
-        normed = _rms_norm(residual, self.post_attention_layernorm, eps)
+        normed = rms_norm(residual, self.post_attention_layernorm, eps)
         residual = residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
-        logits = self.lm_head(_rms_norm(residual, self.norm, eps)).float()
+        logits = self.lm_head(rms_norm(residual, self.norm, eps)).float()
         return logits, residual
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
