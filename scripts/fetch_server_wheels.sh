@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Download the server's packages that the GPU image lacks or holds too old (fastapi, uvicorn, starlette,
-# pydantic, uvloop and httptools, aiohttp for `moeserve bench --url`, and what they need)
+# pydantic, uvloop and httptools, aiohttp for `moeserve bench --url`, and what they need; humming-kernels
+# for `--moe-backend humming`, xgrammar for structured outputs)
 # as Python 3.12 manylinux wheels into .whl/ (git-ignored), for `scripts/sweeps/gpu_sweep.sh` there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +11,8 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 py=.venv/bin/python; [ -x "$py" ] || py=python3
 # fastapi needs opentelemetry-api and a newer typing-extensions than the GPU image holds.
 for pkg in fastapi uvicorn starlette pydantic pydantic_core annotated-types typing-inspection annotated-doc \
-    opentelemetry-api typing-extensions anyio uvloop httptools aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl; do
+    opentelemetry-api typing-extensions anyio uvloop httptools aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl \
+    humming-kernels xgrammar; do
   version=$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
   spec=$pkg${version:+==$version}
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

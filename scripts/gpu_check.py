@@ -100,6 +100,7 @@ def main() -> int:
         help="config.json overrides, e.g. '{\"num_hidden_layers\": 8}' (K2.6 shapes on one GPU)",
     )
     ap.add_argument("--check-prompt-lens", default="7,300,1000", help="prompt lengths of the correctness checks")
+    ap.add_argument("--moe-backend", default="auto", help="who runs INT4 routed experts: auto | triton | humming")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if os.environ.get("GPU_CHECK_DUMP_S"):  # where it is, before a time limit kills it
@@ -129,6 +130,7 @@ def main() -> int:
         max_num_seqs=max(sizes),
         max_num_batched_tokens=16384,
         hf_overrides=args.hf_overrides,
+        moe_backend=args.moe_backend,
         # The checks run the same prompts twice in one engine (graphs, then eager): with
         # the prefix cache the second run would prefill only their last pages, another
         # computation than the first's, and compare that instead.
@@ -141,6 +143,8 @@ def main() -> int:
         summary["fast_start_s"] = time.time() - t
         print(f"fast engine up in {summary['fast_start_s']:.1f} s", flush=True)
         summary["layout"] = llm.engine.executor.describe()
+        summary["moe_backend"] = getattr(getattr(llm.engine.executor, "runner", None), "moe_backend", None)
+        print(f"routed INT4 experts: {summary['moe_backend'] or 'not INT4'}", flush=True)
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         summary["offline"] = []
         for b in [] if args.skip_bench else sizes:

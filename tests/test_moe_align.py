@@ -45,6 +45,13 @@ def check_against_ref(ids, E, first, bm):
         assert torch.equal(rows[rows < P].sort().values, (local == e).nonzero().reshape(-1).to(torch.int32))
     # stable: row for row the reference
     assert torch.equal(sorted_pairs, ref_pairs)
+    # with_rows: the same tensors plus the rows in use (the end of the last run), as the reference
+    *same, rows = align_pairs_by_expert(ids, E, first, bm, with_rows=True)
+    *_, ref_rows = align_pairs_by_expert_ref(ids, E, first, bm, with_rows=True)
+    assert rows.dtype == torch.int32 and rows.shape == (1,)
+    assert [torch.equal(a.cpu(), b) for a, b in zip(same, (sorted_pairs, block_expert))] == [True, True]
+    used = int((block_expert >= 0).sum()) * bm
+    assert int(rows) == int(ref_rows) == used
     return sorted_pairs, block_expert
 
 

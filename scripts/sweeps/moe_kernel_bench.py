@@ -16,8 +16,9 @@ at start (bytes read + written of a 4 GB device copy).
 
 ``--sweep`` also times the GEMV and grouped-GEMM tiles around the defaults (coordinate descent for
 the GEMV's two kernels), checks each against the default's output, and prints the best per point;
-``--humming`` times vLLM's W4A16 MoE GEMMs (``scripts/sweeps/humming_peer.py``, ``humming-kernels``) on
-the same INT4 weights, routings and harness, checked against the same reference. The default path
+``--humming`` times the INT4 experts' humming backend (``kernels.humming_moe``, what ``--moe-backend
+humming`` runs: our Triton alignment, vLLM's W4A16 GEMMs from ``humming-kernels``, humming's fused
+SiLU, the sum) on the same weights, routings and harness, checked against the same reference. The default path
 is checked against the torch reference (``int4_moe_ref`` / ``fp8_moe_ref``) at a few token counts.
 
     python scripts/sweeps/moe_kernel_bench.py --out DIR [--formats int4,fp8] [--tokens 1,2,4,...]
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -265,8 +265,8 @@ def main() -> int:
     ap.add_argument("--sweep-gemm-min-tokens", type=int, default=4)
     ap.add_argument("--compare-paths", action="store_true", help="also both paths at their default tiles from 4 to 32 tokens")
     ap.add_argument("--humming", action="store_true")
-    ap.add_argument("--humming-cases", default="tp8,tp2,tp1,ep8-1local")
-    ap.add_argument("--humming-tokens", default="1,8,32,128")
+    ap.add_argument("--humming-cases", default="", help="default: every INT4 case")
+    ap.add_argument("--humming-tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--time-limit", type=float, default=1e9, help="seconds; later points are skipped, the table still printed")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -278,10 +278,9 @@ def main() -> int:
     path = os.path.join(args.out, "moe_kernel_bench.json")
     humming_reason = None
     if args.humming:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-        import humming_peer
+        from moeserve.kernels import humming_moe
 
-        humming_reason = humming_peer.available()
+        humming_reason = humming_moe.available()
         print(f"humming: {humming_reason or 'available'}", flush=True)
 
     def record(**row) -> None:
@@ -302,12 +301,15 @@ def main() -> int:
             w = fmt.weights(case, gen)
             per_expert = fmt.bytes_per_expert(w)
             peer = None
-            if fmt_name == "int4" and args.humming and humming_reason is None and case.name in args.humming_cases.split(","):
+            humming_case = not args.humming_cases or case.name in args.humming_cases.split(",")
+            if fmt_name == "int4" and args.humming and humming_reason is None and humming_case:
                 try:
                     # the same weights in the checkpoint's nibble order, which humming reads
                     ckpt = (torch.stack([checkpoint_words(e) for e in w[0]]), w[1], torch.stack([checkpoint_words(e) for e in w[2]]), w[3])
-                    peer = humming_peer.HummingInt4Moe(*ckpt, global_num_experts=num_experts)
+                    peer = humming_moe.HummingInt4Experts(*ckpt, total_experts=num_experts)
                     del ckpt
+                    why = peer.use_fused_activation()
+                    print(f"humming {case.name}: SiLU {'fused' if why is None else 'in torch: ' + why}", flush=True)
                 except Exception:
                     print(f"humming {case.name}: could not build\n{traceback.format_exc()}", flush=True)
             for T in tokens:
@@ -374,10 +376,9 @@ def main() -> int:
                     try:
                         herr = rel_err(peer(*hin[0]), fmt.ref(*inputs[0]))
                         hus = time_us(peer, hin)
-                        routed = [peer.align(ids, first) for _, _, ids, first in hin]
-                        gus = time_us(lambda x, tw, r: peer.experts(x, tw, r), [(x, tw, r) for (x, tw, _, _), r in zip(hin, routed)])
-                        record(**base, variant="humming", us=hus, gemm_us=gus, efficiency=moved / (hus * 1e-6) / bw, rel_err_vs_ref=herr)
-                        line += f" | humming {hus:8.1f} (GEMMs {gus:7.1f}, err {herr:.1e}) ours/humming {((us or 0) / hus):.2f}"
+                        record(**base, variant="humming", us=hus, efficiency=moved / (hus * 1e-6) / bw, rel_err_vs_ref=herr)
+                        heff = 100 * moved / (hus * 1e-6) / bw
+                        line += f" | humming {hus:8.1f} ({heff:4.1f} %, err {herr:.1e}) ours/humming {((us or 0) / hus):.2f}"
                     except Exception:
                         record(**base, variant="humming", error=traceback.format_exc()[-600:])
                         line += " | humming failed"

@@ -68,6 +68,13 @@ class EngineConfig:
     )
     num_kv_pages: int | None = setting(None, "explicit KV cache size in pages (overrides --gpu-memory-utilization)")
     backend: str = setting("auto", "auto | triton | reference (auto: triton on CUDA, reference elsewhere)")
+    # See quant/experts.py (use_moe_backend) and kernels/humming_moe.py.
+    moe_backend: str = setting(
+        "auto",
+        "who runs INT4 routed experts: auto | triton | humming (auto: humming-kernels, vLLM's W4A16 GEMMs, where it is "
+        "installed with nvcc, bf16/fp16 and it matches moeserve's kernels at start-up; else moeserve's Triton kernels)",
+        choices=("auto", "triton", "humming"),
+    )
     enforce_eager: bool = setting(False, "no CUDA graphs")
     # None: on for CUDA, off elsewhere; with several stages the micro-batches in flight already overlap.
     async_scheduling: bool | None = setting(None, "schedule the next step while one runs (one pipeline stage; auto: on for CUDA)")

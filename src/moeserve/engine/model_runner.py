@@ -116,6 +116,7 @@ class ModelRunner:
                 self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
+        self.moe_backend: str | None = None  # who runs INT4 routed experts (--moe-backend), once kernels are on
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
             self._use_kernels()
         self.page_size = config.page_size
@@ -206,6 +207,7 @@ class ModelRunner:
         from moeserve.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
         from moeserve.layers.moe import RoutedExperts, Router
         from moeserve.layers.norm import RMSNorm
+        from moeserve.quant.experts import use_moe_backend
 
         linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
         needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
@@ -228,6 +230,7 @@ class ModelRunner:
             if isinstance(m, linears):
                 m.method.use_kernels(ok)
         self.sample_kernel = "sampling" in ok
+        self.moe_backend = use_moe_backend([m for m in modules if isinstance(m, RoutedExperts)], self.config.moe_backend, self.dtype)
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
         compile_moe_tiles(self)
 

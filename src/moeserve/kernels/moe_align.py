@@ -77,9 +77,10 @@ def align_capacity(num_pairs: int, num_local_experts: int, block_m: int) -> int:
 
 
 def align_pairs_by_expert_ref(
-    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch reference (the module docstring has the contract): 37 aten ops, one a stable sort."""
+    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int, with_rows: bool = False
+) -> tuple[torch.Tensor, ...]:
+    """The torch reference (the module docstring has the contract): 37 aten ops, one a stable sort.
+    ``with_rows`` adds ``padded_rows [1]`` int32, the rows in use (the end of the last run)."""
     E = num_local_experts
     num_pairs = topk_ids.numel()
     device = topk_ids.device
@@ -106,6 +107,8 @@ def align_pairs_by_expert_ref(
     block_start = torch.arange(0, capacity, block_m, device=device)
     block_expert = torch.searchsorted(pad_end, block_start, right=True)
     block_expert = torch.where(block_expert < E, block_expert, -1).to(torch.int32)
+    if with_rows:
+        return sorted_pairs[:capacity], block_expert, pad_end[-1:].to(torch.int32)
     return sorted_pairs[:capacity], block_expert
 
 
@@ -228,11 +231,12 @@ def _scatter_kernel(
 
 
 def align_pairs_by_expert(
-    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+    topk_ids: torch.Tensor, num_local_experts: int, first_expert: int, block_m: int, with_rows: bool = False
+) -> tuple[torch.Tensor, ...]:
     """Group the flattened (token, k) pairs by local expert in ``block_m``-aligned runs: three
     Triton launches, no host sync (the module docstring has the contract and the kernels).
-    Row for row equal to :func:`align_pairs_by_expert_ref`."""
+    Row for row equal to :func:`align_pairs_by_expert_ref`; ``with_rows`` adds ``padded_rows [1]``
+    int32, the end of the last run (a view of kernel 2's ``pad_end``, no extra launch)."""
     E = num_local_experts
     P = topk_ids.numel()
     device = topk_ids.device
@@ -240,7 +244,8 @@ def align_pairs_by_expert(
     capacity = align_capacity(P, E, block_m)
     num_blocks = capacity // block_m
     if P == 0:
-        return (torch.empty(0, dtype=torch.int32, device=device), torch.empty(0, dtype=torch.int32, device=device))
+        empty = torch.empty(0, dtype=torch.int32, device=device)
+        return (empty, empty, torch.zeros(1, dtype=torch.int32, device=device)) if with_rows else (empty, empty)
     ids = topk_ids.reshape(-1)
     if not ids.is_contiguous():
         ids = ids.contiguous()
@@ -279,6 +284,9 @@ def align_pairs_by_expert(
         NO_RUN=INT32_MAX,
         num_warps=4,
     )
+    if with_rows:
+        last_end = 2 * num_chunks * E + 2 * E - 1  # pad_end[E - 1] in the scratch layout below
+        return sorted_pairs, block_expert, scratch[last_end : last_end + 1]
     return sorted_pairs, block_expert
 
 

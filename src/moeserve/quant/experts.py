@@ -9,6 +9,7 @@ A new weight format is a new method here (and its kernels), not a change to the 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from moeserve.kernels.limits import INT4_GEMV_MAX_PAIRS
 from moeserve.kernels.moe_ref import GEMV_MAX_PAIRS, moe_experts_by_expert, moe_experts_ref
 
 PROJECTIONS = ("gate", "up", "down")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,7 @@ class Int4Experts(ExpertsMethod):
         self.num_experts = num_experts  # the model's routed experts: the tile heuristic's rows per expert
         self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
         self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
+        self.humming = None  # kernels.humming_moe.HummingInt4Experts once use_humming has run (--moe-backend)
 
     def checkpoint_tensors(self, prefix, out_features, in_features):
         from moeserve.quant.int4 import PACK
@@ -258,15 +261,39 @@ class Int4Experts(ExpertsMethod):
     def use_kernels(self, working):
         self.fused = self.gemv = "int4_moe" in working
 
+    def use_humming(self, layer: nn.Module, check: bool = False) -> str | None:
+        """Hand this layer's experts to humming (``kernels.humming_moe``, in its own layout) and drop
+        the packed words: from here on every call runs humming's GEMMs. ``check``: first compare
+        humming's result with this method's current path on random batches of 1, 8 and 64 tokens;
+        on a mismatch nothing changes and the reason is returned. None when switched."""
+        from moeserve.kernels.humming_moe import HummingInt4Experts
+        from moeserve.quant.int4 import checkpoint_words
+
+        w13p, w13s, w2p, w2s = (t.data for t in self._weights(layer))
+        total = self.num_experts or w13p.shape[0]
+        humming = HummingInt4Experts(checkpoint_words(w13p), w13s, checkpoint_words(w2p), w2s, total_experts=total)
+        if check and (problem := _compare_experts(self, layer, humming)):
+            return problem
+        self.humming = humming
+        for name in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
+            old = getattr(layer, name)
+            setattr(layer, name, nn.Parameter(old.new_empty((0,) * old.dim()), requires_grad=False))
+        self.fused = self.gemv = False
+        return None
+
     def tile_limits(self):
         from moeserve.kernels.int4_moe import int4_moe_tile_limits
 
+        if self.humming is not None:
+            return [float("inf")]  # one call compiles every tile of humming's list (its first call's JIT)
         return int4_moe_tile_limits() if self.fused else []
 
     def _weights(self, layer):
         return layer.w13_packed, layer.w13_scale, layer.w2_packed, layer.w2_scale
 
     def apply(self, layer, x, topk_weights, topk_ids):
+        if self.humming is not None:
+            return self.humming(x, topk_weights, topk_ids, layer.first_expert)
         if self.fused:
             from moeserve.kernels.int4_moe import int4_fused_moe
 
@@ -428,6 +455,69 @@ class Fp8Experts(ExpertsMethod):
             down.weight,
             down.weight_scale_inv,
         )
+
+
+MOE_BACKENDS = ("auto", "triton", "humming")  # --moe-backend: who runs INT4 routed experts
+
+
+def _compare_experts(method: ExpertsMethod, layer: nn.Module, other, tolerance: float = 2e-2) -> str | None:
+    """Why ``other(x, weights, ids, first_expert)`` disagrees with ``method.apply`` on ``layer``'s
+    experts (random batches of 1, 8 and 64 tokens, each token with one local expert at least);
+    None when they agree within ``tolerance`` (relative, in norm)."""
+    w = layer.w13_scale
+    total = getattr(method, "num_experts", None) or layer.num_local
+    k = min(8, total)
+    gen = torch.Generator(device=w.device).manual_seed(0)
+    for T in (1, 8, 64):
+        x = torch.randn(T, layer.shard.hidden, device=w.device, dtype=w.dtype, generator=gen)
+        ids = torch.randint(0, total, (T, k), device=w.device, generator=gen)
+        ids[:, 0] = layer.first_expert + torch.randint(0, layer.num_local, (T,), device=w.device, generator=gen)
+        weights = torch.rand(T, k, device=w.device, generator=gen)
+        ref = method.apply(layer, x, weights, ids).float()
+        got = other(x, weights, ids, layer.first_expert).float()
+        err = ((got - ref).norm() / ref.norm().clamp_min(1e-6)).item()
+        if not err <= tolerance:
+            return f"{T} tokens: relative error {err:.2e} against moeserve's kernels (tolerance {tolerance:.0e})"
+    return None
+
+
+def use_moe_backend(layers: list[nn.Module], requested: str, dtype: torch.dtype) -> str | None:
+    """Switch the INT4 routed experts of ``layers`` (``RoutedExperts``) to the backend ``requested``
+    (``--moe-backend``), once at start-up, after their kernels passed their checks; returns the one
+    in use, ``"humming"`` or ``"triton"`` (None when no layer holds INT4 experts).
+
+    ``auto``: humming (``kernels.humming_moe``, vLLM's W4A16 GEMMs, 1.3-2x ours from 8 tokens on
+    the H200) where it can run (installed, nvcc, a CUDA device), the activations are bf16/fp16 and
+    its result on the first layer matches moeserve's kernels; moeserve's Triton kernels otherwise.
+    ``humming`` where it cannot run is an error that says why."""
+    if requested not in MOE_BACKENDS:
+        raise ValueError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, not {requested!r}")
+    int4 = [m for m in layers if isinstance(m.method, Int4Experts)]
+    if not int4:
+        if requested == "humming":
+            raise ValueError("--moe-backend humming runs INT4 (compressed-tensors pack-quantized) routed experts; this model has none")
+        return None
+    if requested == "triton":
+        return "triton"
+    from moeserve.kernels.humming_moe import DTYPES, available
+
+    device = int4[0].w13_scale.device
+    reason = available(device)
+    if reason is None and dtype not in DTYPES:
+        reason = f"humming's INT4 kernels take bf16 or fp16 activations, not {dtype}"
+    if reason is None:
+        reason = int4[0].method.use_humming(int4[0], check=True)
+    if reason is not None:
+        if requested == "humming":
+            raise ValueError(f"--moe-backend humming cannot run: {reason}")
+        log.info("routed INT4 experts on moeserve's Triton kernels (humming: %s)", reason)
+        return "triton"
+    for m in int4[1:]:
+        m.method.use_humming(m)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the packed words' memory, for the KV cache sized next
+    log.info("routed INT4 experts on humming (humming-kernels), %d layers", len(int4))
+    return "humming"
 
 
 def experts_method(config: ModelConfig) -> ExpertsMethod:
