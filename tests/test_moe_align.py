@@ -65,6 +65,9 @@ def check_against_ref(ids, E, first, bm):
         (257, 6, 384, 0, 64, 384),  # Kimi-sized expert count: many experts get no pair
         (500, 8, 48, 96, 128, 384),  # EP rank in the middle: most pairs belong elsewhere
         (130, 4, 16, 0, 32, 16),
+        (77, 8, 24, 0, 40, 24),  # tiles that are not a power of two (humming picks 40, 48, ...)
+        (33, 6, 12, 12, 48, 48),
+        (5, 2, 3, 0, 24, 3),
     ],
 )
 def test_random_routing_matches_reference(T, K, E, first, bm, num_global):

@@ -4,7 +4,7 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 out=${1:?output dir}
 work=$(mktemp -d)
-export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # wheels installed with --target stay on the path
 step() {  # name, seconds, command...: run with a time limit, log to $work/name.log, one summary line
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS

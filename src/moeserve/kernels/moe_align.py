@@ -2,7 +2,7 @@
 
 Contract of :func:`align_pairs_by_expert` (and of its torch reference
 :func:`align_pairs_by_expert_ref`): for ``topk_ids [T, K]``, ``E`` local experts starting at
-global id ``first_expert`` and a block of ``block_m`` rows it returns
+global id ``first_expert`` and a block of ``block_m`` rows (any positive size) it returns
 
 * ``sorted_pairs [capacity]`` int32: the flattened pair id ``t * K + k`` of each row; the pairs
   of local expert e fill the start of e's run, padding rows hold ``T * K``;
@@ -189,6 +189,7 @@ def _scatter_kernel(
     num_blocks,
     SUB_: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    BLOCK_M_P: tl.constexpr,  # BLOCK_M rounded up to a power of two (humming's tiles include 40, 48, ...)
     BINS: tl.constexpr,
     EXPERTS_B: tl.constexpr,
     BLOCKS: tl.constexpr,
@@ -210,7 +211,7 @@ def _scatter_kernel(
             tl.store(SortedPairs + row, offs, mask=valid)
 
     # blocks pid, pid + grid, ...: their expert, and T*K in their padding rows
-    in_block = tl.arange(0, BLOCK_M)
+    in_block = tl.arange(0, BLOCK_M_P)
     for step in range(pid, tl.cdiv(num_blocks, BLOCKS), tl.num_programs(0)):
         blocks = step * BLOCKS + tl.arange(0, BLOCKS)
         block_mask = blocks < num_blocks
@@ -226,8 +227,8 @@ def _scatter_kernel(
         run_start = tl.load(PadStart + expert, mask=used & block_mask, other=0)
         run_count = tl.load(Count + expert, mask=used & block_mask, other=0)  # 0 for unused: all padding
         rows = first_row[:, None] + in_block[None, :]
-        padding = (rows - run_start[:, None]) >= run_count[:, None]
-        tl.store(SortedPairs + rows, tl.zeros([BLOCKS, BLOCK_M], dtype=tl.int32) + num_pairs, mask=padding & block_mask[:, None])
+        padding = ((rows - run_start[:, None]) >= run_count[:, None]) & (in_block < BLOCK_M)[None, :]
+        tl.store(SortedPairs + rows, tl.zeros([BLOCKS, BLOCK_M_P], dtype=tl.int32) + num_pairs, mask=padding & block_mask[:, None])
 
 
 def align_pairs_by_expert(
@@ -240,7 +241,7 @@ def align_pairs_by_expert(
     E = num_local_experts
     P = topk_ids.numel()
     device = topk_ids.device
-    assert block_m >= 1 and block_m & (block_m - 1) == 0, f"block_m ({block_m}) must be a power of two"
+    assert block_m >= 1, f"block_m ({block_m}) must be positive"
     capacity = align_capacity(P, E, block_m)
     num_blocks = capacity // block_m
     if P == 0:
@@ -278,6 +279,7 @@ def align_pairs_by_expert(
         num_blocks,
         SUB_=SUB,
         BLOCK_M=block_m,
+        BLOCK_M_P=triton.next_power_of_2(block_m),
         BINS=bins,
         EXPERTS_B=min(bins, 128),
         BLOCKS=BLOCKS_PER_STEP,
