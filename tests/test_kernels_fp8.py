@@ -365,6 +365,81 @@ def test_fp8_moe_gemv_matches_reference(T, K, E, first, shared, s_start, s_full,
         assert rel_error(out, ref) < BF16_TWICE
 
 
+def ep_routing(T, K, E, first, total, local, gen):
+    """Ids with exactly ``local[t]`` of token t's K experts in this rank's [first, first + E), at
+    random slots; the rest other ranks' experts."""
+    others = torch.tensor([e for e in range(total) if not first <= e < first + E])
+    rows = []
+    for n in local:
+        mine = first + torch.randperm(E, generator=gen)[:n]
+        row = torch.cat([mine, others[torch.randperm(len(others), generator=gen)[: K - n]]])
+        rows.append(row[torch.randperm(K, generator=gen)])
+    return (torch.rand(T, K, generator=gen) + 0.1).to(DEV), torch.stack(rows).to(DEV)
+
+
+SPREAD_CASES = [
+    # K, E_local, total experts, first, local slots per token, I, I shard start, full I, shared width, dtype
+    pytest.param(4, 2, 8, 2, [1], 100, 0, None, None, F32, id="ep4-1local-t1-fp32"),
+    pytest.param(4, 2, 8, 2, [1], 100, 0, None, None, BF16, id="ep4-1local-t1-bf16"),
+    pytest.param(4, 2, 8, 6, [2, 1, 0], 100, 0, None, None, F32, id="ep4-2-1-0local-fp32"),
+    pytest.param(4, 2, 8, 0, [1, 2], 100, 0, None, 136, F32, id="ep4-shared-partial-slot-fp32"),
+    pytest.param(4, 2, 8, 2, [2, 1], 100, 100, 200, None, F32, id="ep4-tp-shard-off-grid-fp32"),
+    pytest.param(4, 4, 8, 4, [3, 1], 100, 0, None, 40, F32, id="ep2-3-1local-shared-fp32"),
+    pytest.param(4, 4, 8, 4, [3, 1], 100, 0, None, 40, BF16, id="ep2-3-1local-shared-bf16"),
+]
+
+
+@pytest.mark.parametrize("K,E,total,first,local,I,start,full_i,shared,dtype", SPREAD_CASES)
+def test_fp8_moe_gemv_spread_on_ep_ranks(K, E, total, first, local, I, start, full_i, shared, dtype):
+    """An EP rank's grid (``num_experts_total``): fewer routed groups a token, narrower tiles
+    (here 25 rows of 100 a tile: the slice does not divide it), a token with more local slots
+    than expected, none, or the shared experts beside them; against the reference and the
+    unspread grid."""
+    from moeserve.kernels.fp8_moe import gemv_configs, gemv_spread
+
+    g = torch.Generator().manual_seed(sum(local) * 31 + E + I)
+    H, T = 200, len(local)
+    groups, spread = gemv_spread(K, E, total)
+    assert groups < K and spread > 1
+    gu, dn = gemv_configs(I, spread)
+    assert gu["BLOCK_N"] < 128 and dn["BLOCK_N"] < 128 and I % gu["BLOCK_N"] and H % dn["BLOCK_N"]
+    x = torch.randn(T, H, generator=g).to(DEV, dtype)
+    w = expert_weights(E, H, I, g, start, full_i)
+    weights, ids = ep_routing(T, K, E, first, total, local, g)
+    sh = shared_weights(H, shared, g) if shared else ()
+    out = fp8_moe_gemv(x, *w, weights, ids, first, *sh, num_experts_total=total)
+    ref = fp8_moe_ref(x.float(), *w, weights, ids, first, *sh)
+    if dtype == torch.float32:  # float32 rounding apart (outputs reach ~500 here)
+        atol = 1e-6 * ref.abs().max().item()
+        torch.testing.assert_close(out, ref, atol=atol, rtol=1e-5)
+        torch.testing.assert_close(out, fp8_moe_gemv(x, *w, weights, ids, first, *sh), atol=atol, rtol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=2e-2)
+        assert rel_error(out, ref) < BF16_TWICE
+    if not shared:
+        assert torch.count_nonzero(out[[t for t, n in enumerate(local) if n == 0]]) == 0
+        fused = fp8_fused_moe(x, *w, weights, ids, first, num_experts_total=total)
+        torch.testing.assert_close(fused, out, atol=0, rtol=0)
+
+
+def test_fp8_moe_gemv_grid_by_layout(monkeypatch):
+    """DeepSeek-V3 (8 of 256 experts, I 2048): a TP rank keeps 8 groups a token and the swept
+    tiles; an EP8 rank gets one group and tiles of 4x fewer rows."""
+    import moeserve.kernels.fp8_moe as m
+
+    monkeypatch.setattr(m, "interpreting", lambda: False)
+    assert m.gemv_spread(8, 256, 256) == m.gemv_spread(8, 256, None) == (8, 1)
+    assert m.gemv_spread(8, 32, 256) == (1, 8)
+    assert m.gemv_spread(8, 64, 256) == (2, 4)
+    assert m.gemv_spread(8, 128, 256) == (4, 2)
+    assert m.gemv_spread(8, 16, 256) == (1, 8)  # EP16: half a slot expected, still one group
+    assert m.gemv_spread(8, 224, 256) == (7, 1)  # not a power of two: 7 groups, TP tiles
+    assert m.gemv_configs(2048) == (m.FP8_GATE_UP_CONFIG, m.FP8_DOWN_CONFIG)
+    gu, dn = m.gemv_configs(2048, 8)
+    assert (gu["BLOCK_N"], dn["BLOCK_N"]) == (2, 8)
+    assert (2048 // gu["BLOCK_N"], 7168 // dn["BLOCK_N"]) == (1024, 896)  # EP8, one token: programs
+
+
 # Two roundings to bf16 (the GEMV's intermediate, its output). On the GPU each is to nearest
 # (~0.1% RMS); Triton's interpreter truncates fp32 -> bf16, which biases each by ~2^-9 (measured
 # 0.6-0.7% overall there).

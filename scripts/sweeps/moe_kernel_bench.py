@@ -42,6 +42,7 @@ import triton.testing
 
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
 from moeserve.kernels.int4_moe import int4_fused_moe, int4_moe_gemv, int4_moe_ref
+from moeserve.kernels.limits import GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS
 from moeserve.quant.int4 import checkpoint_words
 
 H, I_FULL, TOPK = 7168, 2048, 8
@@ -94,6 +95,7 @@ def routing(case: Case, T: int, gen: torch.Generator) -> tuple[torch.Tensor, tor
 
 class Int4:
     name = "int4"
+    gemv_max_pairs = INT4_GEMV_MAX_PAIRS
     gemv_grid = [
         dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, STAGES=3),
         dict(BLOCK_N=8, BLOCK_K=512, num_warps=4, STAGES=4),
@@ -159,6 +161,7 @@ class Int4:
 
 class Fp8:
     name = "fp8"
+    gemv_max_pairs = GEMV_MAX_PAIRS
     gemv_grid = [
         dict(BLOCK_N=16, BLOCK_K=256, num_warps=8, STAGES=3),
         dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, STAGES=4),
@@ -166,6 +169,10 @@ class Fp8:
         dict(BLOCK_N=16, BLOCK_K=512, num_warps=8, STAGES=2),
         dict(BLOCK_N=32, BLOCK_K=256, num_warps=8, STAGES=3),
         dict(BLOCK_N=4, BLOCK_K=512, num_warps=4, STAGES=4),
+        # an EP rank's spread tiles (FP8_GATE_UP_SPREAD_CONFIGS) and around them
+        dict(BLOCK_N=2, BLOCK_K=512, num_warps=2, STAGES=4),
+        dict(BLOCK_N=2, BLOCK_K=1024, num_warps=4, STAGES=4),
+        dict(BLOCK_N=1, BLOCK_K=2048, num_warps=4, STAGES=3),
     ]
     down_grid = [
         dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, STAGES=3),
@@ -174,6 +181,8 @@ class Fp8:
         dict(BLOCK_N=4, BLOCK_K=1024, num_warps=4, STAGES=3),
         dict(BLOCK_N=16, BLOCK_K=1024, num_warps=8, STAGES=2),
         dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, STAGES=4),
+        dict(BLOCK_N=8, BLOCK_K=256, num_warps=4, STAGES=4),
+        dict(BLOCK_N=4, BLOCK_K=256, num_warps=2, STAGES=4),
     ]
     gemm_grid = [
         dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
@@ -200,13 +209,15 @@ class Fp8:
     def bytes_per_expert(w) -> int:
         return sum(t[0].numel() * t.element_size() for t in w)
 
+    # The model's 256 experts: an EP rank's GEMV grid is sized by its expected local slots
+    # (fp8_moe.gemv_spread; ep8-1local at 1-4 tokens runs the spread GEMV, not the GEMMs).
     @staticmethod
     def default(x, w, tw, ids, first):
-        return fp8_fused_moe(x, *w, tw, ids, first)
+        return fp8_fused_moe(x, *w, tw, ids, first, num_experts_total=256)
 
     @staticmethod
     def gemv(x, w, tw, ids, first, gu, dn):
-        return fp8_moe_gemv(x, *w, tw, ids, first, gate_up_config=gu, down_config=dn)
+        return fp8_moe_gemv(x, *w, tw, ids, first, gate_up_config=gu, down_config=dn, num_experts_total=256)
 
     @staticmethod
     def gemm(x, w, tw, ids, first, cfg):
@@ -323,7 +334,8 @@ def main() -> int:
                     inputs.append((x, w, tw, ids, case.first))
                     moved += len({e for e in ids.flatten().tolist() if case.first <= e < case.first + case.e_local}) * per_expert
                 moved /= args.rotate
-                base = dict(format=fmt_name, case=case.name, tokens=T, inter=case.inter, local_experts=case.e_local, bytes=moved)
+                path = "gemv" if T * TOPK <= fmt.gemv_max_pairs else "gemm"  # the default's
+                base = dict(format=fmt_name, case=case.name, tokens=T, inter=case.inter, local_experts=case.e_local, bytes=moved, path=path)
 
                 def point(variant: str, fn, config=None, against=None) -> float | None:
                     try:
@@ -343,7 +355,7 @@ def main() -> int:
                 us = point("default", fmt.default)
                 rows[-1]["rel_err_vs_ref"] = ref_err
                 eff = moved / ((us or 1e9) * 1e-6) / bw
-                line = f"{fmt_name} {case.name:11s} T={T:<4d} default {us or float('nan'):9.1f} us {100 * eff:5.1f} %"
+                line = f"{fmt_name} {case.name:11s} T={T:<4d} default ({path}) {us or float('nan'):9.1f} us {100 * eff:5.1f} %"
                 if ref_err is not None:
                     line += f"  err vs ref {ref_err:.2e}"
                 if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:

@@ -20,6 +20,17 @@ The shared experts (FP8 too in DeepSeek-V3) come the same way without the expert
 * ``fp8_moe_gemv`` (decode): ``kernels.moe_gemv``'s two GEMV kernels reading fp8 weights, each
   128-column piece scaled by its block scale in fp32; activations stay in bf16. The shared
   experts are extra width-I slots, their scales indexed by the global shared row / column.
+  Given ``num_experts_total``, an EP rank's grid is sized by the token's expected local slots
+  (``gemv_spread``: K * E_local / E_total, 1 at EP8; from the layout, so no host sync and a
+  CUDA-graph-capturable grid) with narrower tiles, so its one or two local experts are spread over
+  the GPU (on an H200, DeepSeek-V3 EP8, one token: 1,024 gate/up and 896 down programs instead
+  of 256 and 224 working ones; the rest of the old grid was other ranks' slots returning at once).
+  Every output element is still written by one program, in a fixed order: deterministic, no
+  split-K partial buffer or atomics (N is 2 x 2048 gate/up rows and 7168 down rows: enough).
+  Prediction, not yet measured: an EP8 rank's lone expert at one token moves 44.05 MB (w13
+  29.36 MB + w2 14.68 MB of e4m3, 10.8 kB of scales), 10.2 us at 4.3 TB/s; the spread grid should
+  take it from 78.3 us (13 %) to about 17 us (~60 %, TP1's efficiency; <= 20.5 us is the 50 %
+  target). TP ranks (all experts local) keep their grid, tiles and code paths.
 
 Numerics against ``fp8_moe_ref`` (dequantize each expert in the activation dtype, then
 ``moe_experts_ref``): the GEMM path rounds the tokens and the intermediate to e4m3 per 128
@@ -322,9 +333,11 @@ def fp8_fused_moe(
     first_expert: int,
     config: dict | None = None,
     small_batch_gemv: bool = True,
+    num_experts_total: int | None = None,
 ) -> torch.Tensor:
     """Routed experts (``fp8_moe_ref`` without shared experts): few pairs go to
-    :func:`fp8_moe_gemv` unless ``small_batch_gemv`` is off, the rest to the grouped GEMMs."""
+    :func:`fp8_moe_gemv` unless ``small_batch_gemv`` is off, the rest to the grouped GEMMs.
+    ``num_experts_total`` (the model's routed experts) sizes the GEMV's grid for an EP rank."""
     T, hidden = x.shape
     E = w13.shape[0]
     K = topk_ids.shape[1]
@@ -334,7 +347,9 @@ def fp8_fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     if small_batch_gemv and num_pairs <= GEMV_MAX_PAIRS and config is None:
-        return fp8_moe_gemv(x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, first_expert)
+        return fp8_moe_gemv(
+            x, w13, w13_scale_inv, w2, w2_scale_inv, topk_weights, topk_ids, first_expert, num_experts_total=num_experts_total
+        )
     cfg = {**fp8_moe_config(num_pairs, E), **(config or {})}
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     assert GROUP % bk == 0, cfg
@@ -416,6 +431,92 @@ def fp8_fused_moe(
 
 
 @triton.jit
+def _fp8_gate_up_rows(
+    x_row,
+    w_gate,
+    up_offset,
+    s_gate,
+    s_up_offset,
+    mask_n,
+    hidden,
+    GROUP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """``silu(gate) * up`` of ``BLOCK_N`` fp8 rows with one token's activations. ``w_gate`` /
+    ``s_gate``: ``[BLOCK_N]`` pointers to the gate rows' first weight / block scale; the up rows
+    sit ``up_offset`` (``s_up_offset``) further on. Zero on masked rows."""
+    # Per-thread partial sums over the whole K loop ([BLOCK_N, BLOCK_K], each weight scaled by
+    # its block's scale on the way in), reduced across threads once at the end: a reduction per
+    # 128-column group inside the loop cost warp shuffles every iteration (7.6 instructions a
+    # weight on sm_90, 3.5 this way).
+    G: tl.constexpr = BLOCK_K // GROUP_K
+    gate2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    # Software pipelined STAGES deep (asynchronous copies): several chunks in flight a program.
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < hidden
+        x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        m = mask_n[:, None] & mask_k[None, :]
+        groups = k0 // GROUP_K + tl.arange(0, G)
+        ms = mask_n[:, None] & (groups * GROUP_K < hidden)[None, :]
+        sg = tl.load(s_gate[:, None] + groups[None, :], mask=ms, other=0.0)
+        su = tl.load(s_gate[:, None] + s_up_offset + groups[None, :], mask=ms, other=0.0)
+        sg = tl.reshape(tl.broadcast_to(sg[:, :, None], [BLOCK_N, G, GROUP_K]), [BLOCK_N, BLOCK_K])
+        su = tl.reshape(tl.broadcast_to(su[:, :, None], [BLOCK_N, G, GROUP_K]), [BLOCK_N, BLOCK_K])
+        wg = tl.load(w_gate[:, None] + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(w_gate[:, None] + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
+        gate2 += wg * sg * x[None, :]
+        up2 += wu * su * x[None, :]
+    gate = tl.sum(gate2, axis=1)
+    up = tl.sum(up2, axis=1)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
+def _fp8_gate_up_ptrs(
+    W13,
+    S13,
+    SW13,
+    SS13,
+    e,
+    slot,
+    offs_n,
+    inter_size,
+    shared_size,
+    half_s,
+    half_ss,
+    stride_we,
+    stride_wn,
+    stride_se,
+    stride_sn,
+    stride_sw,
+    stride_ssn,
+    TOPK: tl.constexpr,
+    SCALE_BN: tl.constexpr,
+    SHARED_SCALE_BN: tl.constexpr,
+):
+    """(gate row pointers, up offset, gate scale pointers, up scale offset, rows) of a routed slot
+    (expert ``e``) or, from ``TOPK`` on, slice ``slot - TOPK`` of the shared experts."""
+    if slot < TOPK:
+        rows = inter_size
+        w_gate = W13 + e * stride_we + offs_n * stride_wn
+        up_offset = inter_size * stride_wn
+        s_gate = S13 + e * stride_se + (offs_n // SCALE_BN) * stride_sn
+        s_up_offset = half_s * stride_sn
+    else:  # slice j of the shared experts: their rows [j * I, (j + 1) * I), scales by global row
+        row0 = (slot - TOPK) * inter_size
+        rows = tl.minimum(inter_size, shared_size - row0)
+        w_gate = SW13 + (row0 + offs_n) * stride_sw
+        up_offset = shared_size * stride_sw
+        s_gate = SS13 + ((row0 + offs_n) // SHARED_SCALE_BN) * stride_ssn
+        s_up_offset = half_ss * stride_ssn
+    return w_gate, up_offset, s_gate, s_up_offset, rows
+
+
+@triton.jit
 def _fp8_gate_up_gemv(
     X,
     W13,
@@ -440,6 +541,7 @@ def _fp8_gate_up_gemv(
     stride_ssn,
     stride_i,
     TOPK: tl.constexpr,
+    GROUPS: tl.constexpr,
     SHARED_SLOTS: tl.constexpr,
     SCALE_BN: tl.constexpr,
     SHARED_SCALE_BN: tl.constexpr,
@@ -448,55 +550,72 @@ def _fp8_gate_up_gemv(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    pair = tl.program_id(0)
+    # Axis 0: a token's GROUPS routed groups, then its shared slots. GROUPS = TOPK (a TP rank):
+    # group g is slot g, another rank's expert returns at once. GROUPS < TOPK (an EP rank, the
+    # token's expected local slots: 1 at EP8; see ``gemv_spread``): the token's local slots are
+    # listed in registers and group g computes those of rank g, g + GROUPS, ... The TP form is
+    # kept apart: listing the slots there cost ptxas 72 -> 127 registers a thread (sm_90).
+    pid = tl.program_id(0)
     pid_n = tl.program_id(1)
-    token = pair // (TOPK + SHARED_SLOTS)
-    slot = pair % (TOPK + SHARED_SLOTS)
-    e = tl.load(Ids + token * TOPK + tl.minimum(slot, TOPK - 1)).to(tl.int64) - first_expert
-    if (slot < TOPK) & ((e < 0) | (e >= num_local)):
-        return  # another rank's expert: nothing to compute (the down kernel skips the slot)
+    token = pid // (GROUPS + SHARED_SLOTS)
+    group = pid % (GROUPS + SHARED_SLOTS)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if slot < TOPK:
-        rows = inter_size
-        w_gate = W13 + e * stride_we + offs_n[:, None] * stride_wn
-        up_offset = inter_size * stride_wn
-        s_gate = S13 + e * stride_se + (offs_n // SCALE_BN) * stride_sn
-        s_up_offset = half_s * stride_sn
-    else:  # slice j of the shared experts: their rows [j * I, (j + 1) * I), scales by global row
-        row0 = (slot - TOPK) * inter_size
-        rows = tl.minimum(inter_size, shared_size - row0)
-        w_gate = SW13 + (row0 + offs_n[:, None]) * stride_sw
-        up_offset = shared_size * stride_sw
-        s_gate = SS13 + ((row0 + offs_n) // SHARED_SCALE_BN) * stride_ssn
-        s_up_offset = half_ss * stride_ssn
-    mask_n = offs_n < rows
-    # Per-thread partial sums over the whole K loop ([BLOCK_N, BLOCK_K], each weight scaled by
-    # its block's scale on the way in), reduced across threads once at the end: a reduction per
-    # 128-column group inside the loop cost warp shuffles every iteration (7.6 instructions a
-    # weight on sm_90, 3.5 this way).
-    G: tl.constexpr = BLOCK_K // GROUP_K
-    gate2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    # Software pipelined STAGES deep (asynchronous copies): several chunks in flight a program.
-    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < hidden
-        x = tl.load(X + token * stride_x + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mask_k[None, :]
-        groups = k0 // GROUP_K + tl.arange(0, G)
-        ms = mask_n[:, None] & (groups * GROUP_K < hidden)[None, :]
-        sg = tl.load(s_gate[:, None] + groups[None, :], mask=ms, other=0.0)
-        su = tl.load(s_gate[:, None] + s_up_offset + groups[None, :], mask=ms, other=0.0)
-        sg = tl.reshape(tl.broadcast_to(sg[:, :, None], [BLOCK_N, G, GROUP_K]), [BLOCK_N, BLOCK_K])
-        su = tl.reshape(tl.broadcast_to(su[:, :, None], [BLOCK_N, G, GROUP_K]), [BLOCK_N, BLOCK_K])
-        wg = tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        wu = tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32)
-        gate2 += wg * sg * x[None, :]
-        up2 += wu * su * x[None, :]
-    gate = tl.sum(gate2, axis=1)
-    up = tl.sum(up2, axis=1)
-    act = gate / (1.0 + tl.exp(-gate)) * up  # zero past ``rows``: the down kernel may read it
-    tl.store(Inter + pair * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
+    x_row = X + token.to(tl.int64) * stride_x
+    inter_row = Inter + (token * (TOPK + SHARED_SLOTS)).to(tl.int64) * stride_i
+    if GROUPS == TOPK or group >= GROUPS:
+        slot = group - GROUPS + TOPK
+        e = tl.load(Ids + token * TOPK + tl.minimum(slot, TOPK - 1)).to(tl.int64) - first_expert
+        if (slot < TOPK) & ((e < 0) | (e >= num_local)):
+            return  # another rank's expert: nothing to compute (the down kernel skips the slot)
+        w_gate, up_offset, s_gate, s_up_offset, rows = _fp8_gate_up_ptrs(
+            W13,
+            S13,
+            SW13,
+            SS13,
+            e,
+            slot,
+            offs_n,
+            inter_size,
+            shared_size,
+            half_s,
+            half_ss,
+            stride_we,
+            stride_wn,
+            stride_se,
+            stride_sn,
+            stride_sw,
+            stride_ssn,
+            TOPK,
+            SCALE_BN,
+            SHARED_SCALE_BN,
+        )
+        act = _fp8_gate_up_rows(x_row, w_gate, up_offset, s_gate, s_up_offset, offs_n < rows, hidden, GROUP_K, BLOCK_N, BLOCK_K, STAGES)
+        tl.store(inter_row + slot * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=offs_n < inter_size)
+    else:
+        SLOTS_P2: tl.constexpr = triton.next_power_of_2(TOPK)
+        offs_s = tl.arange(0, SLOTS_P2)
+        local_e = tl.load(Ids + token * TOPK + offs_s, mask=offs_s < TOPK, other=-1).to(tl.int64) - first_expert
+        mine = (offs_s < TOPK) & (local_e >= 0) & (local_e < num_local)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
+        mask_n = offs_n < inter_size
+        for j in tl.range(group, tl.sum(mine.to(tl.int32), 0), GROUPS):
+            pick = mine & (rank == j)
+            slot = tl.sum(tl.where(pick, offs_s, 0), 0)
+            e = tl.sum(tl.where(pick, local_e, 0), 0)
+            act = _fp8_gate_up_rows(
+                x_row,
+                W13 + e * stride_we + offs_n * stride_wn,
+                inter_size * stride_wn,
+                S13 + e * stride_se + (offs_n // SCALE_BN) * stride_sn,
+                half_s * stride_sn,
+                mask_n,
+                hidden,
+                GROUP_K,
+                BLOCK_N,
+                BLOCK_K,
+                STAGES,
+            )
+            tl.store(inter_row + slot * stride_i + offs_n, act.to(Inter.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
@@ -526,33 +645,52 @@ def _fp8_down_gemv(
     INTER: tl.constexpr,
     TOPK: tl.constexpr,
     SHARED_SLOTS: tl.constexpr,
+    LIST_LOCAL: tl.constexpr,
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     # One pipelined loop (STAGES deep) over (routed slot, K chunk), then one over the shared
-    # slots' chunks, one reduction at the end. BLOCK_N divides 128, so a tile's rows share one
-    # row block of w2's scales, and a chunk's block scales fold into the intermediate vector
-    # before the weight tile multiplies it. A slot of another rank's expert loads nothing (its
-    # inter row was never written).
+    # slots' chunks, one reduction at the end. On an EP rank (LIST_LOCAL) the token's slots of
+    # this rank's experts are listed first (in registers, as the INT4 down GEMV does), so a rank
+    # holding one of the 8 chosen experts runs one slot's chunks, not eight masked ones; a TP
+    # rank keeps the plain loop over its TOPK slots (all local). BLOCK_N divides 128, so a
+    # tile's rows share one row block of w2's scales, and a chunk's block scales fold into the
+    # intermediate vector before the weight tile multiplies it.
     CHUNKS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
+    SLOTS_P2: tl.constexpr = triton.next_power_of_2(TOPK)
     token = tl.program_id(0)
     pid_n = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     n_block = (pid_n * BLOCK_N) // GROUP_K
+    if LIST_LOCAL:
+        offs_s = tl.arange(0, SLOTS_P2)
+        local_e = tl.load(Ids + token * TOPK + offs_s, mask=offs_s < TOPK, other=-1).to(tl.int64) - first_expert
+        mine = (offs_s < TOPK) & (local_e >= 0) & (local_e < num_local)
+        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
+    inter_rows = Inter + (token * (TOPK + SHARED_SLOTS)).to(tl.int64) * stride_i
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for it in tl.range(0, TOPK * CHUNKS, num_stages=STAGES):
-        slot = it // CHUNKS
+    if LIST_LOCAL:
+        n_routed = tl.sum(mine.to(tl.int32), 0)
+    else:
+        n_routed = TOPK
+    for it in tl.range(0, n_routed * CHUNKS, num_stages=STAGES):
+        if LIST_LOCAL:
+            pick = mine & (rank == it // CHUNKS)
+            slot = tl.sum(tl.where(pick, offs_s, 0), 0)
+            e = tl.sum(tl.where(pick, local_e, 0), 0)
+            mask_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K) < INTER
+        else:  # every slot in turn, another rank's expert's masked (a TP rank: all are local)
+            slot = it // CHUNKS
+            e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
+            local = (e >= 0) & (e < num_local)
+            mask_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K) < tl.where(local, INTER, 0)
+            e = tl.where(local, e, 0)
         offs_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
-        e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-        mine = (e >= 0) & (e < num_local)
-        mask_k = offs_k < tl.where(mine, INTER, 0)
-        e = tl.where(mine, e, 0)
         scale = tl.load(Weights + token * TOPK + slot).to(tl.float32)
-        inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        v = tl.load(inter_row + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
+        v = tl.load(inter_rows + slot * stride_i + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
         v = v * tl.load(S2 + e * stride_se + n_block * stride_sh + (k_pad + offs_k) // GROUP_K, mask=mask_k, other=0.0)
         m = mask_n[:, None] & mask_k[None, :]
         acc += (
@@ -565,8 +703,7 @@ def _fp8_down_gemv(
         start = slot * INTER
         mask_k = offs_k < tl.minimum(INTER, shared_size - start)
         col0 = start + shared_k_pad
-        inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + TOPK + slot) * stride_i
-        v = tl.load(inter_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(inter_rows + (TOPK + slot) * stride_i + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         v = v * tl.load(SS2 + n_block * stride_ssh + (col0 + offs_k) // GROUP_K, mask=mask_k, other=0.0)
         m = mask_n[:, None] & mask_k[None, :]
         acc += tl.load(SW2 + offs_n[:, None] * stride_sw + col0 + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
@@ -585,12 +722,52 @@ FP8_DOWN_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "STAGES": 4}
 INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 128, "BLOCK_K": GROUP, "num_warps": 1, "STAGES": 1}
 
 
-def gemv_configs(inter: int) -> tuple[dict, dict]:
-    """(gate/up, down) tiles of the GEMV kernels for experts ``inter`` wide (on this rank)."""
+# An EP rank's tiles (``gemv_spread``), by spread factor: fewer rows a program, so a lone local
+# expert's 2 x 2048 gate/up rows and 7168 down rows are streamed by ~1,000 programs each. 16 fp8
+# weights a thread a load as above; ptxas (sm_90) gives gate/up 103 registers (9 programs an SM,
+# all 1,024 of EP8's gate/up programs resident in one wave), down 80 (6 an SM). Chosen on paper
+# with ptxas, not yet swept on the H200 (``moe_kernel_bench.py --sweep`` times tiles around them).
+FP8_GATE_UP_SPREAD_CONFIGS = {
+    2: {"BLOCK_N": 4, "BLOCK_K": 512, "num_warps": 4, "STAGES": 4},
+    4: {"BLOCK_N": 2, "BLOCK_K": 512, "num_warps": 2, "STAGES": 4},
+}
+FP8_DOWN_SPREAD_CONFIGS = {
+    2: {"BLOCK_N": 16, "BLOCK_K": 256, "num_warps": 4, "STAGES": 4},
+    4: {"BLOCK_N": 8, "BLOCK_K": 256, "num_warps": 4, "STAGES": 4},
+}
+# Under the interpreter: the narrower tile of the same kind (the tests reach several N tiles).
+INTERPRETER_SPREAD_N = {2: 64, 4: 32}
+
+
+def gemv_spread(topk: int, num_local: int, num_experts_total: int | None) -> tuple[int, int]:
+    """(routed groups a token, spread factor) of the GEMV grid, from the layout alone (no sync).
+
+    A token's expected local slots are ``topk * num_local / num_experts_total`` (uniform routing,
+    the grouped path's estimate), rounded up: 8 on a TP rank, 1 on an EP8 rank of DeepSeek-V3.
+    The gate/up kernel gives each token that many routed groups instead of ``topk`` (a group runs
+    the local slots of ranks g, g + groups, ...: a token with more local slots than expected
+    takes longer, none is lost), and both kernels take narrower tiles for the spread factor (the
+    largest power of two <= topk / groups; ``FP8_*_SPREAD_CONFIGS``): an EP8 rank's lone expert
+    is streamed by 1,024 gate/up and 896 down programs at one token, not 256 and 224."""
+    if not num_experts_total or num_experts_total <= num_local:
+        return topk, 1
+    groups = max(1, min(topk, -(-topk * num_local // num_experts_total)))
+    return groups, 1 << ((topk // groups).bit_length() - 1)
+
+
+def gemv_configs(inter: int, spread: int = 1) -> tuple[dict, dict]:
+    """(gate/up, down) tiles of the GEMV kernels for experts ``inter`` wide (on this rank), for a
+    ``gemv_spread`` factor (1: a TP rank's tiles)."""
+    key = min(spread, 4)
     if interpreting():
-        return dict(INTERPRETER_GEMV_CONFIG), dict(INTERPRETER_GEMV_CONFIG)
-    down = dict(FP8_DOWN_CONFIG, BLOCK_K=min(FP8_DOWN_CONFIG["BLOCK_K"], max(GROUP, triton.next_power_of_2(inter))))
-    return dict(FP8_GATE_UP_CONFIG), down
+        gu, down = dict(INTERPRETER_GEMV_CONFIG), dict(INTERPRETER_GEMV_CONFIG)
+        if spread > 1:
+            gu["BLOCK_N"] = down["BLOCK_N"] = INTERPRETER_SPREAD_N[key]
+        return gu, down
+    gu = dict(FP8_GATE_UP_SPREAD_CONFIGS[key] if spread > 1 else FP8_GATE_UP_CONFIG)
+    down = dict(FP8_DOWN_SPREAD_CONFIGS[key] if spread > 1 else FP8_DOWN_CONFIG)
+    down["BLOCK_K"] = min(down["BLOCK_K"], max(GROUP, triton.next_power_of_2(inter)))
+    return gu, down
 
 
 def fp8_moe_gemv(
@@ -608,8 +785,12 @@ def fp8_moe_gemv(
     shared_w2_scale_inv: torch.Tensor | None = None,
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
+    num_experts_total: int | None = None,
 ) -> torch.Tensor:
-    """``fp8_moe_ref`` for small T*K (``GEMV_MAX_PAIRS``), the shared experts included when given."""
+    """``fp8_moe_ref`` for small T*K (``GEMV_MAX_PAIRS``), the shared experts included when given.
+    ``num_experts_total``: the model's routed experts (None: all are local); fewer local ones
+    spread each local slot over more programs (``gemv_spread``). Two launches, no host sync, no
+    allocation or grid that depends on the routing: CUDA-graph capturable."""
     T, hidden = x.shape
     E = w13.shape[0]
     K = topk_ids.shape[1]
@@ -633,14 +814,15 @@ def fp8_moe_gemv(
     out = torch.empty_like(x)
     if T == 0:
         return out
-    default_gu, default_dn = gemv_configs(inter)
+    groups, spread = gemv_spread(K, E, num_experts_total)
+    default_gu, default_dn = gemv_configs(inter, spread)
     gu, dn = {**default_gu, **(gate_up_config or {})}, {**default_dn, **(down_config or {})}
     assert gu["BLOCK_K"] % GROUP == 0 and GROUP % dn["BLOCK_N"] == 0, (gu, dn)
     slots = K + shared_slots
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
     inter_buf = torch.empty(T * slots, inter, dtype=x.dtype, device=x.device)
-    _fp8_gate_up_gemv[(T * slots, triton.cdiv(inter, gu["BLOCK_N"]))](
+    _fp8_gate_up_gemv[(T * (groups + shared_slots), triton.cdiv(inter, gu["BLOCK_N"]))](
         x,
         w13,
         w13_scale_inv,
@@ -664,6 +846,7 @@ def fp8_moe_gemv(
         ss13.stride(-2),
         inter_buf.stride(0),
         TOPK=K,
+        GROUPS=groups,
         SHARED_SLOTS=shared_slots,
         SCALE_BN=scale_bn,
         SHARED_SCALE_BN=shared_bn,
@@ -696,6 +879,7 @@ def fp8_moe_gemv(
         INTER=inter,
         TOPK=K,
         SHARED_SLOTS=shared_slots,
+        LIST_LOCAL=groups < K,
         GROUP_K=GROUP,
         **dn,
     )
@@ -703,9 +887,9 @@ def fp8_moe_gemv(
 
 
 def selfcheck(device: torch.device) -> bool:
-    """The GEMV (with shared experts, partial edge blocks and another rank's expert id) within
-    float32 rounding of ``fp8_moe_ref``; the grouped GEMMs within float32 rounding of their
-    emulation and ``MOE_REL_TOL`` of the reference."""
+    """The GEMV (with shared experts, partial edge blocks and another rank's expert id; as a TP
+    and as an EP rank) within float32 rounding of ``fp8_moe_ref``; the grouped GEMMs within
+    float32 rounding of their emulation and ``MOE_REL_TOL`` of the reference."""
     from moeserve.kernels.fp8_ref import quantize_fp8_block, quantize_fp8_gate_up
 
     g = torch.Generator().manual_seed(13)
@@ -718,7 +902,11 @@ def selfcheck(device: torch.device) -> bool:
     ids = torch.randint(0, E + 1, (T, K), generator=g).to(device)  # id E: another rank's
     weights = torch.rand(T, K, generator=g).to(device)
     few = (x[:1], w13, s13, w2, s2, weights[:1], ids[:1], 0)
-    ok = torch.allclose(fp8_moe_gemv(*few, sw13, ss13, sw2, ss2).cpu(), fp8_moe_ref(*few, sw13, ss13, sw2, ss2).cpu(), atol=1e-4, rtol=1e-4)
+    ref = fp8_moe_ref(*few, sw13, ss13, sw2, ss2).cpu()
+    ok = torch.allclose(fp8_moe_gemv(*few, sw13, ss13, sw2, ss2).cpu(), ref, atol=1e-4, rtol=1e-4)
+    # as an EP rank with 3 of 12 experts: one routed group a token, tiles narrowed (spread 2)
+    spread = fp8_moe_gemv(*few, sw13, ss13, sw2, ss2, num_experts_total=4 * E).cpu()
+    ok = ok and torch.allclose(spread, ref, atol=1e-4, rtol=1e-4)
     args = (x, w13, s13, w2, s2, weights, ids, 0)
     out = fp8_fused_moe(*args, small_batch_gemv=False)
     return ok and rel_error(out, fp8_moe_emulated(*args)) < 1e-3 and rel_error(out, fp8_moe_ref(*args)) < MOE_REL_TOL
@@ -732,6 +920,9 @@ __all__ = [
     "fp8_moe_emulated",
     "fp8_moe_gemv",
     "fp8_moe_ref",
+    "FP8_DOWN_SPREAD_CONFIGS",
+    "FP8_GATE_UP_SPREAD_CONFIGS",
     "gemv_configs",
+    "gemv_spread",
     "selfcheck",
 ]
