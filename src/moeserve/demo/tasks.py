@@ -2,7 +2,10 @@
 given (``get_weather(city)``, ``get_time(city)``, ``add(a, b)``; several in one turn when asked
 about several cities) and answers from their results. Held out from training: a list of real city
 names, the synthetic names and the numbers ``held_out_*`` pick; ``held_out_tasks`` asks about them
-and ``score`` says whether a reply is right.
+and ``score`` says whether a reply is right. Training cities (``_city``): 30 % real training names,
+25 % spliced ones (``spliced_city``: the head of one joined to the tail of another), 45 % made up
+(``synthetic_city``). The held-out tasks are pinned: changing the training mix does not change them
+(tests/test_demo_tasks_data.py holds their digest).
 
 Everything is drawn from a ``random.Random`` seeded by the caller: the same seed gives the same
 data. Imports nothing but the standard library (the training script runs it on a bare GPU machine).
@@ -105,11 +108,44 @@ def _number(rng: random.Random, held_out: bool) -> int:
             return n
 
 
-def _city(rng: random.Random, held_out: bool) -> str:
+_HELD_OUT_FOLDED = frozenset(c.casefold() for c in _HELD_OUT_CITY_SET)
+_HELD_OUT_REAL_FOLDED = tuple(c.casefold() for c in HELD_OUT_CITIES)
+
+
+def spliced_city(rng: random.Random) -> str:
+    """The head of one training city joined to the tail of another, each cut at a random
+    character so that both parts are non-empty ("Canb" + "erra" is how a held-out name looks to
+    the model: known BPE pieces in an order it never saw), capitalised like a name. Teaches
+    copying a name piece by piece, not recalling it. Never a held-out city, in any case, nor a
+    name holding a real held-out one ("Berne", "Dilisi": about one draw in 4,000 is drawn again)."""
+    while True:
+        head, tail = rng.sample(TRAIN_CITIES, 2)
+        head, tail = head[: rng.randint(1, len(head) - 1)], tail[rng.randint(1, len(tail) - 1) :]
+        if head.endswith(" ") or tail.startswith(" "):  # the tail starts a word of its own
+            tail = tail.strip()
+            name = f"{head.strip()} {tail[0].upper()}{tail[1:]}"
+        else:  # one word across the cut
+            name = head + tail[0].lower() + tail[1:]
+        name = name[0].upper() + name[1:]
+        folded = name.casefold()
+        if folded not in _HELD_OUT_FOLDED and not any(c in folded for c in _HELD_OUT_REAL_FOLDED):
+            return name
+
+
+def _city(rng: random.Random, held_out: bool, pinned: bool = False) -> str:
+    """A city to ask about. Held out: a real held-out name or a held-out synthetic one. Training:
+    30 % a training city, 25 % a spliced one (``spliced_city``), 45 % a synthetic one. ``pinned``:
+    the earlier turns of held-out samples keep the training mix they were first drawn with (40 %
+    training cities, 60 % synthetic), so that ``held_out_tasks`` and ``held_out_text`` stay the same
+    tasks whatever the training mix (evaluations of retrained models stay comparable)."""
     if held_out:
         return rng.choice(HELD_OUT_CITIES) if rng.random() < 0.5 else rng.choice(HELD_OUT_SYNTHETIC)
     while True:
-        name = rng.choice(TRAIN_CITIES) if rng.random() < 0.4 else synthetic_city(rng)
+        if pinned:
+            name = rng.choice(TRAIN_CITIES) if rng.random() < 0.4 else synthetic_city(rng)
+        else:
+            r = rng.random()
+            name = rng.choice(TRAIN_CITIES) if r < 0.3 else spliced_city(rng) if r < 0.55 else synthetic_city(rng)
         if name not in _HELD_OUT_CITY_SET:
             return name
 
@@ -321,11 +357,12 @@ def _run_tool(rng: random.Random, name: str, args: dict) -> dict:
     return {"result": args["a"] + args["b"]}
 
 
-def _request(rng: random.Random, held_out: bool) -> tuple[str, list[tuple[str, dict]], str]:
-    """A user request that needs tools: (text, the calls it needs in order, the reasoning)."""
+def _request(rng: random.Random, held_out: bool, pinned: bool = False) -> tuple[str, list[tuple[str, dict]], str]:
+    """A user request that needs tools: (text, the calls it needs in order, the reasoning);
+    ``pinned``: its cities in the pinned training mix (``_city``)."""
     kind = rng.choices(["weather", "time", "add", "multi_weather", "multi_time", "both"], [6, 4, 6, 3, 2, 1])[0]
     if kind in ("weather", "time"):
-        c = _city(rng, held_out)
+        c = _city(rng, held_out, pinned)
         asks, name = (WEATHER_ASKS, "get_weather") if kind == "weather" else (TIME_ASKS, "get_time")
         what = "weather" if kind == "weather" else "time"
         return rng.choice(asks).format(c=c), [(name, {"city": c})], f"The user wants the {what} in {c}. I will call {name}."
@@ -333,7 +370,7 @@ def _request(rng: random.Random, held_out: bool) -> tuple[str, list[tuple[str, d
         a, b = _number(rng, held_out), _number(rng, held_out)
         return rng.choice(ADD_ASKS).format(a=a, b=b), [("add", {"a": a, "b": b})], f"The user wants {a} plus {b}. I will call add."
     if kind == "both":
-        c = _city(rng, held_out)
+        c = _city(rng, held_out, pinned)
         calls = [("get_time", {"city": c}), ("get_weather", {"city": c})]
         return (
             rng.choice(BOTH_ASKS).format(c=c),
@@ -342,7 +379,7 @@ def _request(rng: random.Random, held_out: bool) -> tuple[str, list[tuple[str, d
         )
     cities: list[str] = []
     while len(cities) < rng.choice([2, 2, 3]):
-        c = _city(rng, held_out)
+        c = _city(rng, held_out, pinned)
         if c not in cities:
             cities.append(c)
     name, asks, what = ("get_weather", MULTI_WEATHER_ASKS, "weather") if kind == "multi_weather" else ("get_time", MULTI_TIME_ASKS, "time")
@@ -369,12 +406,13 @@ def _tools_for(rng: random.Random, needed: set[str]) -> list[dict] | None:
     return tools or None
 
 
-def _history(rng: random.Random, conv: _Conversation, tools: list[dict] | None) -> list[dict]:
-    """Earlier turns of the conversation: small talk or a finished tool exchange."""
+def _history(rng: random.Random, conv: _Conversation, tools: list[dict] | None, pinned: bool = False) -> list[dict]:
+    """Earlier turns of the conversation: small talk or a finished tool exchange (about training
+    cities and numbers; ``pinned`` for a held-out sample: its cities in the pinned mix, ``_city``)."""
     history: list[dict] = []
     for _ in range(rng.choice([1, 1, 2])):
         declared = {t["function"]["name"] for t in tools or []}
-        text, calls, reasoning = _request(rng, held_out=False)
+        text, calls, reasoning = _request(rng, held_out=False, pinned=pinned)
         if rng.random() < 0.5 and all(n in declared for n, _ in calls):
             tool_calls = [conv.call(n, a) for n, a in calls]
             history += [{"role": "user", "content": text}, _assistant("", reasoning, tool_calls)]
@@ -409,17 +447,17 @@ def make_sample(rng: random.Random, held_out: bool = False) -> Sample:
         args = calls[0][1]
         r, a = _NO_TOOL[name]
         fmt = {"c": args.get("city", ""), "a": args.get("a", ""), "b": args.get("b", "")}
-        messages = _history(rng, conv, tools) if rng.random() < 0.2 else []
+        messages = _history(rng, conv, tools, pinned=held_out) if rng.random() < 0.2 else []
         messages.append({"role": "user", "content": text})
         return Sample(messages, tools, thinking, _assistant(a, r.format(**fmt)), "no_tool")
     if kind == "chat":
         text, reasoning, answer = _small_talk(rng)
         tools = tools if rng.random() < 0.7 else None
-        messages = _history(rng, conv, tools) if rng.random() < 0.2 else []
+        messages = _history(rng, conv, tools, pinned=held_out) if rng.random() < 0.2 else []
         messages.append({"role": "user", "content": text})
         return Sample(messages, tools, thinking, _assistant(answer, reasoning), "chat")
     tools = [t for t in tools or []] + [TOOLS[n] for n in sorted(needed) if TOOLS[n] not in (tools or [])]
-    messages = _history(rng, conv, tools) if rng.random() < 0.25 else []
+    messages = _history(rng, conv, tools, pinned=held_out) if rng.random() < 0.25 else []
     messages.append({"role": "user", "content": text})
     tool_calls = [conv.call(n, a) for n, a in calls]
     call_message = _assistant("", reasoning, tool_calls)
