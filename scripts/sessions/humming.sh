@@ -3,14 +3,15 @@
 # on the GPU, the INT4 routed experts at every layout's K2.6 shape (ours beside the humming backend,
 # same weights, routings and CUDA-graph harness), then the K2.6 shape (8 layers, dummy INT4) decoding
 # at batch 1 and 64 on the backend `auto` picks. humming's JIT cache is packed apart (hcache.tgz):
-# carried back in as .hcache, it spares the next call the nvcc compiles.
+# carried back in as .hcache/cache.tgz, it spares the next call the nvcc compiles.
 #   needs: humming-kernels (scripts/fetch_server_wheels.sh, .whl carried and installed first)
 #   run: bash scripts/gpu_session.sh humming $OUT
 source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
-export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-$PWD/.hcache}
+export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-$work/hcache}
 mkdir -p "$HUMMING_CACHE_DIR"
+[ -f .hcache/cache.tgz ] && tar xzf .hcache/cache.tgz -C "$HUMMING_CACHE_DIR"  # an earlier call's hcache.tgz
 step tests ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_humming_moe.py tests/test_moe_align.py -x
 step int4_kernels ${KERNELS_S:-270} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/kernels" --formats int4 --humming \
   --cases ${CASES:-tp1,tp2,tp4,tp8,ep8-1local,ep8-2local,ep2-4local} --tokens ${TOKENS:-1,2,4,8,16,32,64,128,256} \

@@ -335,8 +335,9 @@ class Fp8Experts(ExpertsMethod):
     name = "fp8"
     kernels = ("fp8_moe",)
 
-    def __init__(self, block: tuple[int, int]) -> None:
+    def __init__(self, block: tuple[int, int], num_experts: int | None = None) -> None:
         self.block = block
+        self.num_experts = num_experts  # the model's routed experts: sizes the GEMV's grid on an EP rank
         self.fused = False  # kernels.fp8_moe grouped GEMMs
         self.gemv = False  # kernels.fp8_moe GEMV (decode), with the shared experts
 
@@ -417,7 +418,15 @@ class Fp8Experts(ExpertsMethod):
         if self.fused:
             from moeserve.kernels.fp8_moe import fp8_fused_moe
 
-            return fp8_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, small_batch_gemv=self.gemv)
+            return fp8_fused_moe(
+                x,
+                *self._weights(layer),
+                topk_weights,
+                topk_ids,
+                layer.first_expert,
+                small_batch_gemv=self.gemv,
+                num_experts_total=self.num_experts,
+            )
         from moeserve.quant.fp8 import dequantize_fp8_block, dequantize_fp8_gate_up
 
         w13, s13, w2, s2 = self._weights(layer)
@@ -440,7 +449,7 @@ class Fp8Experts(ExpertsMethod):
         from moeserve.kernels.fp8_moe import fp8_moe_gemv
 
         if shared is None:
-            return fp8_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
+            return fp8_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, num_experts_total=self.num_experts)
         gu, down = shared.gate_up_proj, shared.down_proj
         if not (gu.method.name == down.method.name == "fp8"):
             return None  # shared experts stored plain: the two run apart
@@ -454,6 +463,7 @@ class Fp8Experts(ExpertsMethod):
             gu.weight_scale_inv,
             down.weight,
             down.weight_scale_inv,
+            num_experts_total=self.num_experts,
         )
 
 
@@ -532,7 +542,7 @@ def experts_method(config: ModelConfig) -> ExpertsMethod:
     if q is not None and q.method == "fp8" and routed_experts_quantized(config):
         from moeserve.quant.fp8 import check_fp8_config
 
-        return Fp8Experts(check_fp8_config(q))
+        return Fp8Experts(check_fp8_config(q), config.n_routed_experts)
     return UnquantizedExperts()
 
 
