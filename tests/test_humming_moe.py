@@ -214,3 +214,19 @@ def test_engine_on_humming_gives_the_triton_paths_prompt_logprobs(tmp_path):
         got[backend] = [[lp[t] for lp, t in zip(o.prompt_logprobs[1:], p["prompt_token_ids"][1:])] for o, p in zip(outs, prompts)]
     for a, b in zip(got["humming"], got["triton"]):
         assert a == pytest.approx(b, abs=0.05)
+
+
+def test_a_layer_that_humming_cannot_take_keeps_its_own_words(emulated, monkeypatch):
+    """Past the first (checked) layer the words are reordered in place for humming: a failure there
+    puts them back in the kernels' order, so moeserve's kernels still read them right."""
+    layer = int4_layer(2, 64, 32, 2, 0, torch.Generator().manual_seed(4))
+    before = layer.w13_packed.data.clone(), layer.w2_packed.data.clone()
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel for this shape")
+
+    monkeypatch.setattr(humming_moe, "HummingInt4Experts", broken)
+    with pytest.raises(RuntimeError, match="no kernel"):
+        layer.method.use_humming(layer)
+    assert torch.equal(layer.w13_packed.data, before[0]) and torch.equal(layer.w2_packed.data, before[1])
+    assert layer.method.humming is None

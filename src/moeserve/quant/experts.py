@@ -264,20 +264,33 @@ class Int4Experts(ExpertsMethod):
     def use_humming(self, layer: nn.Module, check: bool = False) -> str | None:
         """Hand this layer's experts to humming (``kernels.humming_moe``, in its own layout) and drop
         the packed words: from here on every call runs humming's GEMMs. ``check``: first compare
-        humming's result with this method's current path on random batches of 1, 8 and 64 tokens;
-        on a mismatch nothing changes and the reason is returned. None when switched."""
+        humming's result with this method's current path on random batches of 1, 8 and 64 tokens
+        (the words are then copied to the checkpoint's nibble order, not reordered in place); on a
+        mismatch nothing changes and the reason is returned. None when switched."""
         from moeserve.kernels.humming_moe import HummingInt4Experts
-        from moeserve.quant.int4 import checkpoint_words
 
         w13p, w13s, w2p, w2s = (t.data for t in self._weights(layer))
         total = self.num_experts or w13p.shape[0]
-        humming = HummingInt4Experts(checkpoint_words(w13p), w13s, checkpoint_words(w2p), w2s, total_experts=total)
+        if check:
+            w13c, w2c = _checkpoint_order(w13p.clone()), _checkpoint_order(w2p.clone())
+        else:  # in place: a layer's experts are too large for a second copy (and int64 temporaries)
+            w13c, w2c = _checkpoint_order(w13p), _checkpoint_order(w2p)
+        try:
+            humming = HummingInt4Experts(w13c, w13s, w2c, w2s, total_experts=total)
+        except BaseException:
+            if not check:  # the layer's own kernels read the words: back to their order
+                _checkpoint_order(w13p, to_kernel=True), _checkpoint_order(w2p, to_kernel=True)
+            raise
+        del w13c, w2c
         if check and (problem := _compare_experts(self, layer, humming)):
             return problem
         self.humming = humming
         for name in ("w13_packed", "w13_scale", "w2_packed", "w2_scale"):
             old = getattr(layer, name)
             setattr(layer, name, nn.Parameter(old.new_empty((0,) * old.dim()), requires_grad=False))
+        del w13p, w13s, w2p, w2s, old
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # hand the packed words' memory back before the next layer's copies
         self.fused = self.gemv = False
         return None
 
@@ -468,6 +481,18 @@ class Fp8Experts(ExpertsMethod):
 
 
 MOE_BACKENDS = ("auto", "triton", "humming")  # --moe-backend: who runs INT4 routed experts
+
+
+def _checkpoint_order(words: torch.Tensor, experts_at_once: int = 4, to_kernel: bool = False) -> torch.Tensor:
+    """``words`` (``[E, rows, cols]``, the kernels' nibble order) reordered to the checkpoint's (or,
+    ``to_kernel``, back), in place, a few experts at a time: the reorder works in int64, which for a
+    whole layer would need several times its packed size in temporaries."""
+    from moeserve.quant.int4 import checkpoint_words, kernel_words
+
+    reorder = kernel_words if to_kernel else checkpoint_words
+    for e0 in range(0, words.shape[0], experts_at_once):
+        words[e0 : e0 + experts_at_once] = reorder(words[e0 : e0 + experts_at_once])
+    return words
 
 
 def _compare_experts(method: ExpertsMethod, layer: nn.Module, other, tolerance: float = 2e-2) -> str | None:
