@@ -59,3 +59,17 @@ def test_mtp_forward_matches_the_torch_oracle(mtp_checkpoint, own_embedding):
         ref = oracle.mtp_logits(ref_hidden[None], ids[None])[0]
     torch.testing.assert_close(hidden, ref_hidden, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_dummy_fp8_checkpoint_with_mtp_starts():
+    """``--load-format dummy`` on DeepSeek-V3's FP8 config with its MTP layer (benchmarks do this): the
+    MTP layer's first parameter is an FP8 projection, and its norms must still come in the activation
+    dtype (they came as float8 and the load refused them)."""
+    from moeserve import LLM, SamplingParams
+
+    small = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8)
+    small |= dict(num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=128, kv_lora_rank=128, num_attention_heads=2)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    with LLM("deepseek-v3", load_format="dummy", hf_overrides=small | dict(vocab_size=512), device="cpu", speculative_config=spec) as llm:
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert len(out.outputs[0].token_ids) == 3

@@ -125,7 +125,9 @@ def load_model_weights(
     model: DeepseekForCausalLM, model_dir: str | Path | None, load_format: str, seed: int = 0, device: torch.device | str = "cpu"
 ) -> None:
     if load_format == "dummy":
-        dtype = next(model.parameters()).dtype
+        # The activation dtype: not an FP8 weight's, which can come first (an MTP layer without its
+        # own embedding starts with its FP8 attention projections).
+        dtype = next(p.dtype for p in model.parameters() if p.dtype.is_floating_point and p.element_size() > 1)
         used = model.load_weights(_progress(iter_dummy(model, seed, device, dtype), model, "making dummy weights"))
     elif load_format in ("auto", "safetensors"):
         if model_dir is None:
