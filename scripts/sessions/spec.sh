@@ -21,7 +21,7 @@ for mode in plain mtp2; do
     step "demo_${mode}_c$c" 40 python3 -m moeserve bench --url $URL --dataset "$work/demo_prompts.jsonl" \
       --concurrency $c --num-prompts $((c == 1 ? 16 : 64)) --output-len 64 --result-dir "$work/demo_${mode}_c$c"
   done
-  curl -s $URL/metrics | grep "^moeserve_spec\|^spec" > "$work/metrics_$mode.txt"
+  curl -s $URL/metrics | grep "spec_decode" | grep -v "^#" > "$work/metrics_$mode.txt"
   kill -TERM $server; wait $server
 done
 step mtp_v3 ${MTP_S:-150} python3 -m moeserve bench --offline --model deepseek-v3 --load-format dummy \
