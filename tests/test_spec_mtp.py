@@ -73,3 +73,18 @@ def test_dummy_fp8_checkpoint_with_mtp_starts():
     with LLM("deepseek-v3", load_format="dummy", hf_overrides=small | dict(vocab_size=512), device="cpu", speculative_config=spec) as llm:
         out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=3))[0]
     assert len(out.outputs[0].token_ids) == 3
+
+
+def test_mtp_layer_is_built_on_the_targets_device_and_dtype():
+    """The MTP layer was built after the target's device/dtype defaults were gone: on the GPU its
+    parameters stayed on the CPU (the first Triton norm refused them), in float32."""
+    from moeserve import LLM
+
+    small = dict(num_hidden_layers=2, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8)
+    small |= dict(num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=128, kv_lora_rank=128, num_attention_heads=2)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    small |= dict(vocab_size=512)
+    with LLM("deepseek-v3", load_format="dummy", hf_overrides=small, device="cpu", dtype="bfloat16", speculative_config=spec) as llm:
+        runner = llm.engine.executor.runner
+        layer = runner.drafter.model.layer
+        assert layer.enorm.weight.dtype == layer.hnorm.weight.dtype == torch.bfloat16  # (eh_proj is FP8 here)

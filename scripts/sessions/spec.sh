@@ -6,13 +6,13 @@
 #     acceptance near zero, so the figure is a verify step's cost against a plain step);
 #   - tests/test_humming_moe.py's engine test (humming vs Triton prompt logprobs).
 #   needs: the server wheels, humming-kernels, compressed-tensors (.whl carried and installed first)
-#   run: bash scripts/gpu_session.sh spec $OUT
+#   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts)
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 URL=http://127.0.0.1:8014
 python3 -c "import json; from moeserve.demo.tasks import held_out_tasks
 for s in held_out_tasks(64): print(json.dumps({'prompt': s.prompt()}))" > "$work/demo_prompts.jsonl"
-for mode in plain mtp2; do
+for mode in ${MODES:-plain mtp2}; do
   flags=(); [ $mode = mtp2 ] && flags=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}')
   python3 -m moeserve serve "${flags[@]}" --host 127.0.0.1 --port 8014 > "$work/server_$mode.log" 2>&1 &
   server=$!
@@ -27,7 +27,7 @@ done
 step mtp_v3 ${MTP_S:-150} python3 -m moeserve bench --offline --model deepseek-v3 --load-format dummy \
   --hf-overrides '{"num_hidden_layers": 5}' --batch-sizes 1,8,32 --input-len 512 --output-len 64 \
   --speculative-config '{"method": "mtp"}' --num-speculative-tokens 0,1,2,3 --result-dir "$work/mtp"
-step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/test_humming_moe.py -k engine
+[ -n "${SKIP_HUMMING:-}" ] || step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/test_humming_moe.py -k engine
 for f in "$work"/demo_*.log; do echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"; done
 cat "$work"/metrics_*.txt >> "$work/summary.txt"
 grep -h "accepted\|^│\|^┃" "$work/mtp_v3.log" | tail -30 >> "$work/summary.txt"

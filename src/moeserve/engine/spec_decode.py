@@ -51,7 +51,10 @@ class MTPDrafter:
         self.k = num_speculative_tokens
         # A last pipeline stage after the first has no embedding: it reads the MTP layer's own copy
         # of the embedding and lm_head (DeepSeek-V3 checkpoints hold them).
-        self.model = DeepseekMTP(runner.model_config, runner.model if runner.is_first else None)
+        from moeserve.engine.model_runner import build_defaults
+
+        with build_defaults(runner.device, runner.dtype):  # on the target's device, in its dtype
+            self.model = DeepseekMTP(runner.model_config, runner.model if runner.is_first else None)
         self.model.eval()
         cfg = runner.config
         load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
