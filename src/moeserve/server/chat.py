@@ -1,13 +1,13 @@
 """``/v1/chat/completions``: messages through the chat template (the checkpoint's, or
 ``--chat-template``), with ``tools`` and ``chat_template_kwargs``, then generation; each choice's
-text through its ``ChoiceStream`` (``moeserve.parsers``: reasoning, content and tool calls, as
-``--reasoning-parser`` and ``--tool-call-parser`` say); logprobs as
-``logprobs.content[{token, logprob, bytes, top_logprobs}]``."""
+text through its ``ChoiceOutput`` (as completions'), configured with the choice's ``ChoiceStream``
+(``moeserve.parsers``: reasoning, content and tool calls, as ``--reasoning-parser`` and
+``--tool-call-parser`` say); logprobs as ``logprobs.content[{token, logprob, bytes, top_logprobs}]``."""
 
 from __future__ import annotations
 
 import functools
-from typing import AsyncIterator, Callable, Iterator, NamedTuple
+from typing import Callable, NamedTuple
 
 from fastapi import Request
 
@@ -15,14 +15,15 @@ from moeserve.chat_template import render_chat
 from moeserve.parsers import ChoiceStream, history_tool_calls
 from moeserve.server.chat_constraints import chat_constraint, check_tool_choice
 from moeserve.server.chat_settings import ChatSettings
+from moeserve.server.choice_output import ChatLogprobs, ChoiceOutput, stream_chunks
+from moeserve.server.choice_output import lazy_logprobs_content as _lazy_logprobs_content  # noqa: F401 - its former name, still imported
+from moeserve.server.choice_output import logprobs_content as _logprobs_content  # noqa: F401 - its former name, still imported
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, ChatMessage
 from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
-    JSON_PIECE_ITEMS,
     SSEResponse,
     ServerContext,
-    cached_tokens,
     answer_weight,
     collect_while_connected,
     json_answer,
@@ -32,7 +33,6 @@ from moeserve.server.openai_shared import (
     sampling_kwargs,
     sse_events,
     submit,
-    top_logprobs,
     usage,
 )
 
@@ -161,23 +161,6 @@ def _streams(req: ChatCompletionRequest, settings: ChatSettings, prompt: ChatPro
     )
 
 
-def _logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int, as_ids: bool = False) -> list:
-    """One entry per token, each with the token's own bytes: exact even where tokens share a text."""
-
-    def entry(tid: int, lp: float | None) -> dict:
-        return {"token": ctx.token_str(tid, as_ids), "logprob": lp, "bytes": ctx.token_bytes(tid)}
-
-    return [
-        {**entry(tid, row.get(tid)), "top_logprobs": [entry(t, v) for t, v in top_logprobs(row, n)]} for tid, row in zip(token_ids, rows)
-    ]
-
-
-def _lazy_logprobs_content(ctx: ServerContext, token_ids: list[int], rows: list[dict[int, float]], n: int, as_ids: bool) -> Iterator:
-    """``_logprobs_content``, built ``JSON_PIECE_ITEMS`` tokens at a time as it is written."""
-    for i in range(0, len(token_ids), JSON_PIECE_ITEMS):
-        yield from _logprobs_content(ctx, token_ids[i : i + JSON_PIECE_ITEMS], rows[i : i + JSON_PIECE_ITEMS], n, as_ids)
-
-
 async def create_chat_completion(raw: Request, ctx: ServerContext):
     req = await ctx.parse(raw, ChatCompletionRequest, chat_prompt, {"messages": []})
     model = ctx.check_model(req.model)
@@ -202,61 +185,22 @@ async def create_chat_completion(raw: Request, ctx: ServerContext):
     group = await submit(ctx, raw, cid, [(prompt.text, prompt.ids)], kwargs, {"prompt": "messages"}, req.cache_salt, req.priority)
     head = {"id": cid, "object": "chat.completion", "created": now(), "model": model}
 
+    def new_choice(_: int, i: int) -> ChoiceOutput:
+        lp = ChatLogprobs(ctx, n_top, as_ids) if req.logprobs else None
+        return ChoiceOutput(i, lp, parser=new_stream(), show=functools.partial(_shown, req))
+
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         head["object"] = "chat.completion.chunk"
-        extra = {"usage": None} if include_usage else {}
-
-        async def chunks() -> AsyncIterator[dict]:
-            completion_tokens = 0
-            for i in range(req.n):
-                yield {
-                    **head,
-                    "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
-                    **extra,
-                }
-            streams: dict[int, ChoiceStream] = {}
-            cached: dict[str, int] = {}
-            async for rid, update in group.updates():
-                cached_tokens(cached, update, rid)
-                choices = []
-                for seq in update.seqs:
-                    completion_tokens += len(seq.token_ids)
-                    stream = streams.get(seq.index) or streams.setdefault(seq.index, new_stream())
-                    step = _shown(req, stream.step(seq.text, seq.finish_reason).to_openai())
-                    finish_reason = stream.finish_reason if seq.finish_reason else None
-                    lp = {"content": _logprobs_content(ctx, seq.token_ids, seq.logprobs or [], n_top, as_ids)} if req.logprobs else None
-                    if step or lp or finish_reason:
-                        delta = step or ({} if finish_reason else {"content": ""})
-                        choices.append({"index": seq.index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason})
-                if choices:
-                    yield {**head, "choices": choices, **extra}
-            if include_usage:
-                yield {**head, "choices": [], "usage": usage(len(prompt.ids), completion_tokens, sum(cached.values()))}
-
-        return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
+        chunks = stream_chunks(group, head, new_choice, len(prompt.ids), include_usage, opening=req.n)
+        return SSEResponse(sse_events(chunks, group), on_close=group.abort_unfinished)
 
     results = await collect_while_connected(raw, group, req.n)
     completion_tokens = sum(len(r.token_ids) for r in results.values())
-
-    def choices() -> Iterator[dict]:
-        for (_, i), r in sorted(results.items()):
-            lp = {"content": _lazy_logprobs_content(ctx, r.token_ids, r.logprobs, n_top, as_ids)} if req.logprobs else None
-            stream = new_stream()
-            stream.feed(r.text)
-            stream.finish(r.finish_reason)
-            parsed = stream.result()
-            yield {
-                "index": i,
-                "message": _shown(req, parsed.message()),
-                "logprobs": lp,
-                "finish_reason": parsed.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
-
+    choices = (new_choice(p, i).answer(r) for (p, i), r in sorted(results.items()))
     cached = results[(0, 0)].cached_tokens if results else 0
     tail = {"usage": usage(len(prompt.ids), completion_tokens, cached)}
     if req.prompt_logprobs is not None:  # vLLM's, beside usage
         rows = results[(0, 0)].prompt_logprobs or []
         tail["prompt_logprobs"] = prompt_logprobs_json(rows, prompt.ids, req.prompt_logprobs, ctx.token_str)
-    return await json_answer(ctx, head, choices(), tail, answer_weight(completion_tokens, n_top if req.logprobs else None))
+    return await json_answer(ctx, head, choices, tail, answer_weight(completion_tokens, n_top if req.logprobs else None))

@@ -1,30 +1,30 @@
-"""``/v1/completions``: prompts (a string, token ids, or a batch of either) to text, with the
-legacy logprobs format (tokens, token_logprobs, top_logprobs, text_offset)."""
+"""``/v1/completions``: prompts (a string, token ids, or a batch of either) to text, each choice
+through its ``ChoiceOutput`` (as chat's; no parsers: the text as it is, after the prompt's with
+``echo``), with the legacy logprobs format (tokens, token_logprobs, top_logprobs, text_offset)."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Iterator
+from typing import Iterator
 
 from fastapi import Request
 
+from moeserve.server.choice_output import ChoiceOutput, LegacyLogprobs, stream_chunks
+from moeserve.server.choice_output import LegacyLogprobs as _Logprobs  # noqa: F401 - its former name, still imported
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import CompletionRequest
 from moeserve.server.request_fields import prompt_logprobs_json, response_id, truncate
 from moeserve.server.openai_shared import (
     SSEResponse,
     ServerContext,
-    cached_tokens,
     answer_weight,
     collect_while_connected,
     json_answer,
     new_id,
     now,
-    prompt_index,
     reject_unsupported,
     sampling_kwargs,
     sse_events,
     submit,
-    top_logprobs,
     usage,
 )
 
@@ -68,37 +68,6 @@ def _echo(req: CompletionRequest, ctx: ServerContext, prompts: list[tuple[str | 
     return [text if text is not None else ctx.tokenizer.decode(ids) for text, ids in prompts]
 
 
-class _Logprobs:
-    """Legacy completion logprobs, built token by token (text offsets continue across chunks).
-
-    ``top_logprobs`` is keyed by token text, so different tokens with the same text (say, two
-    halves of UTF-8 characters, both shown as U+FFFD) share one key, which keeps the value of
-    the likelier one; ``return_tokens_as_token_ids`` keys them ``token_id:N`` instead."""
-
-    def __init__(self, ctx: ServerContext, n: int, offset: int = 0, as_ids: bool = False):
-        self.ctx, self.n, self.offset, self.as_ids = ctx, n, offset, as_ids
-
-    def block(self, token_ids: list[int], rows: list[dict[int, float] | None], into: dict | None = None) -> dict:
-        """The tokens' entries (``into`` a block started before: echo's prompt, then the output).
-        A row that is None (a prompt's first token) has no logprob and no top logprobs."""
-        out: dict = into or {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for tid, row in zip(token_ids, rows):
-            s = self.ctx.token_str(tid, self.as_ids)
-            out["tokens"].append(s)
-            out["text_offset"].append(self.offset)
-            self.offset += len(self.ctx.token_str(tid))
-            if row is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(row.get(tid))
-            top: dict[str, float] = {}
-            for t, v in top_logprobs(row, self.n) if self.n > 0 else [(tid, row.get(tid))]:
-                top.setdefault(self.ctx.token_str(t, self.as_ids), v)
-            out["top_logprobs"].append(top)
-        return out
-
-
 async def create_completion(raw: Request, ctx: ServerContext):
     req = await ctx.parse(raw, CompletionRequest, _prompts, {"prompt": [0]})
     model = ctx.check_model(req.model)
@@ -128,59 +97,23 @@ async def create_completion(raw: Request, ctx: ServerContext):
     as_ids = req.return_tokens_as_token_ids
     head = {"id": cid, "object": "text_completion", "created": now(), "model": model}
 
+    def new_choice(p: int, i: int) -> ChoiceOutput:
+        lp = None
+        if req.logprobs is not None:
+            lp = LegacyLogprobs(ctx, req.logprobs, as_ids=as_ids, prompt=prompts[p][1] if echo_logprobs else None)
+        return ChoiceOutput(p * req.n + i, lp, echo=echo[p])
+
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-
-        async def chunks() -> AsyncIterator[dict]:
-            logprobs = {}
-            completion_tokens = 0
-            cached: dict[str, int] = {}
-            prompt_rows: dict[int, list] = {}  # the prompts' logprobs (echo), before their first tokens
-            async for rid, delta in group.updates():
-                cached_tokens(cached, delta, rid)
-                p = prompt_index(rid)
-                if delta.prompt_logprobs is not None:
-                    prompt_rows[p] = delta.prompt_logprobs
-                choices = []
-                for seq in delta.seqs:
-                    key = (p, seq.index)
-                    text = seq.text
-                    into = None
-                    if key not in logprobs:
-                        logprobs[key] = _Logprobs(ctx, req.logprobs or 0, 0 if echo_logprobs else len(echo[p]), as_ids)
-                        text = echo[p] + text
-                        if echo_logprobs:
-                            into = logprobs[key].block(prompts[p][1], prompt_rows.get(p) or [None])
-                    completion_tokens += len(seq.token_ids)
-                    lp = logprobs[key].block(seq.token_ids, seq.logprobs or [], into) if req.logprobs is not None else None
-                    # A chunk per step that made tokens, even while their text is held back
-                    # (a partial UTF-8 character, or no tokenizer): clients time tokens by chunks.
-                    if text or lp or seq.finish_reason or seq.token_ids:
-                        choices.append({"index": p * req.n + seq.index, "text": text, "logprobs": lp, "finish_reason": seq.finish_reason})
-                if choices:
-                    yield {**head, "choices": choices, **({"usage": None} if include_usage else {})}
-            if include_usage:
-                yield {**head, "choices": [], "usage": usage(n_prompt, completion_tokens, sum(cached.values()))}
-
-        return SSEResponse(sse_events(chunks(), group), on_close=group.abort_unfinished)
+        chunks = stream_chunks(group, head, new_choice, n_prompt, include_usage)
+        return SSEResponse(sse_events(chunks, group), on_close=group.abort_unfinished)
 
     results = await collect_while_connected(raw, group, req.n)
     completion_tokens = sum(len(r.token_ids) for r in results.values())
 
     def choices() -> Iterator[dict]:
         for (p, i), r in sorted(results.items()):
-            lp = None
-            if req.logprobs is not None:
-                lps = _Logprobs(ctx, req.logprobs, 0, as_ids)
-                into = lps.block(prompts[p][1], r.prompt_logprobs or [None]) if echo_logprobs else None
-                lp = lps.block(r.token_ids, r.logprobs, into)
-            choice = {
-                "index": p * req.n + i,
-                "text": echo[p] + r.text,
-                "logprobs": lp,
-                "finish_reason": r.finish_reason,
-                "stop_reason": r.stop_reason,
-            }
+            choice = new_choice(p, i).answer(r)
             if req.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs_json(r.prompt_logprobs or [], prompts[p][1], req.prompt_logprobs, ctx.token_str)
             yield choice
