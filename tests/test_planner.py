@@ -382,7 +382,20 @@ def test_json_output_keys(capsys):
     out = json.loads(capsys.readouterr().out)
     assert list(out) == ["model", "hardware", "layouts", "recommended"]
     for layout in out["layouts"]:
-        assert list(layout) == ["name", "tp", "pp", "ep", "fits", "why", "weights_gb_per_gpu", "kv_tokens", "predicted", "breakdown"]
+        assert list(layout) == [
+            "name",
+            "tp",
+            "pp",
+            "ep",
+            "fits",
+            "why",
+            "weights_gb_per_gpu",
+            "kv_tokens",
+            "moe_backend",
+            "predicted",
+            "breakdown",
+        ]
+        assert layout["moe_backend"] in ("triton", "humming")  # --moe-backend auto, resolved per layout
         assert list(layout["predicted"]) == ["single_request_tok_s", "aggregate_tok_s", "concurrency"]
         assert len(layout["weights_gb_per_gpu"]) == 8
         assert layout["tp"] * layout["pp"] == 8
@@ -515,6 +528,7 @@ def test_plan_names_the_serve_command_and_calls_a_small_lead_a_tie():
     assert cmd.startswith("moeserve serve --model kimi-k2.6 ") and f"--tp {best.layout.tp}" in cmd
     assert ("--ep" in cmd) == (best.layout.ep > 1) and ("--pp " in cmd) == (best.layout.pp > 1)
     assert f"--max-num-seqs {best.concurrency}" in cmd
+    assert cmd.endswith(f"--moe-backend {best.moe_backend}") and best.moe_backend in ("triton", "humming")
     fitting = [p for p in plan.layouts if p.fits]
     lead = best.aggregate.tok_s / fitting[1].aggregate.tok_s
     assert ("a tie" in plan.reason) == (lead < TIE_LEAD)

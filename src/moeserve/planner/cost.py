@@ -7,7 +7,8 @@ Every kernel of the step (``kernels.py``) costs its latency floor plus its strea
                      FLOPs / (peak x flops_efficiency))
 
 (``peak`` is the FP8 tensor-core peak for FP8 weights), where INT4 routed-expert bytes stream at
-``hbm_efficiency x`` the kernel-shape efficiency of the slice a rank holds (``shape.py``, measured).
+``hbm_efficiency x`` the kernel-shape efficiency of the slice a rank holds (measured: ``shape.py`` for
+moeserve's Triton kernels, ``humming_shape.py`` for its humming backend, ``Hardware.moe_backend``).
 Collectives cost latency + bytes per algorithm (``collectives.py``): per layer with tp > 1 one all-reduce after attention and one
 after the MLP / MoE block, the embedding's all-reduce on stage 0, the logits all-gather on the
 last stage. Stages hand over hidden + residual (bf16) point to point.
@@ -32,7 +33,7 @@ from moeserve.config import ModelConfig
 from moeserve.distributed.partition import stage_layer_ranges
 from moeserve.planner import collectives
 from moeserve.planner.hardware import Hardware
-from moeserve.planner.engines import ENGINES, KERNEL_FLOOR_US, KernelKind
+from moeserve.planner.engines import CONCRETE_MOE_BACKENDS, ENGINES, KERNEL_FLOOR_US, KernelKind
 from moeserve.planner.kernels import (
     ACT_BYTES,
     Kernel,
@@ -147,8 +148,12 @@ def _layer_terms(
     eager: bool,
     tokens_per_seq: int = 1,
 ) -> Terms:
-    work = layer_work(cfg, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes, hw.routing_skew, hw.engine, tokens_per_seq)
-    return work_terms(hw, work, tp, eager)
+    options = []
+    for backend in CONCRETE_MOE_BACKENDS if hw.moe_backend == "auto" else (hw.moe_backend,):
+        work = layer_work(cfg, layer_id, tp, ep, batch, kv_len, kv_dtype_bytes, hw.routing_skew, hw.engine, tokens_per_seq, backend)
+        options.append(work_terms(hw, work, tp, eager))
+    # "auto" here (the partition search, predictions outside plan.evaluate_layout): the faster backend for this step
+    return min(options, key=lambda t: t.total)
 
 
 @lru_cache(maxsize=4096)

@@ -19,6 +19,11 @@ class KernelKind(str, Enum):
     SAMPLING = "sampling"
 
 
+# moeserve's INT4 routed-expert backends (``moeserve serve --moe-backend``, quant/experts.py MOE_BACKENDS):
+# its own Triton kernels (shape.py) or humming's W4A16 MoE GEMMs (humming_shape.py); "auto" in the planner: the faster
+MOE_BACKENDS = ("auto", "triton", "humming")
+CONCRETE_MOE_BACKENDS = ("triton", "humming")
+
 # Latency floor of one kernel inside a CUDA graph, microseconds: what it costs with (almost) no
 # bytes. Measured on our H200 (profile_b1_final.txt in benchmarks/h200-2026-11-29c.tar.xz, batch 1, 5 steps).
 KERNEL_FLOOR_US = {

@@ -44,7 +44,12 @@ def stage_inventory(plan: Plan, lp: LayoutPlan, micro_batch: int) -> list[StageI
     kv_bytes = lp.settings.kv_dtype_bytes
     out = []
     for s, (a, b) in enumerate(stage_layer_ranges(lp.partition)):
-        works = [layer_work(cfg, i, tp, ep, micro_batch, plan.workload.kv_len, kv_bytes, hw.routing_skew, hw.engine) for i in range(a, b)]
+        works = [
+            layer_work(
+                cfg, i, tp, ep, micro_batch, plan.workload.kv_len, kv_bytes, hw.routing_skew, hw.engine, 1, lp.moe_backend or "triton"
+            )
+            for i in range(a, b)
+        ]
         works.append(stage_extras_work(cfg, tp, micro_batch, s == 0, s == lp.layout.pp - 1))
         calls: dict[str, tuple[int, float, str]] = {}
         for w in works:
@@ -86,8 +91,8 @@ def explain_rows(plan: Plan, lp: LayoutPlan, step: StepTime) -> list[tuple[str, 
     routed_equivalent = sum(s.routed_equivalent_bytes for s in path) * times
     shape_note = ""
     if routed and abs(routed_equivalent / routed - 1) > 1e-9:
-        shape_note = (
-            f"; {routed / 1e9:.2f} GB of it routed experts at x {routed / routed_equivalent:.2f} for their kernels' shape (INT4, shape.py)"
+        shape_note = f"; {routed / 1e9:.2f} GB of it routed experts at x {routed / routed_equivalent:.2f} for their kernels' shape " + (
+            "(INT4 on humming, humming_shape.py)" if lp.moe_backend == "humming" else "(INT4, shape.py)"
         )
     kv = sum(s.kv_bytes for s in path) * times
     kernels = sum(s.kernels for s in path) * times
@@ -138,7 +143,7 @@ def _pipeline_line(step: StepTime) -> str:
 
 
 def explain_json(plan: Plan, lp: LayoutPlan) -> dict[str, Any]:
-    out: dict[str, Any] = {"layout": lp.name}
+    out: dict[str, Any] = {"layout": lp.name, "moe_backend": lp.moe_backend}
     for key, step in (("single_request", lp.single), ("aggregate", lp.aggregate)):
         out[key] = {
             "batch": step.batch,
@@ -154,6 +159,11 @@ def render_explain(plan: Plan, lp: LayoutPlan, console: Console) -> None:
     console.print(f"[bold]moeserve plan --explain {lp.name}[/]: {plan.model_name} on {plan.hardware.describe()}")
     console.print(f"workload: {plan.workload.describe()}")
     console.print(f"memory: {lp.why}")
+    if lp.moe_backend is not None:
+        console.print(
+            f"INT4 routed experts: --moe-backend {lp.moe_backend}"
+            + (" (auto: the faster here)" if plan.hardware.moe_backend == "auto" else "")
+        )
     for title, step in (("one request", lp.single), (f"{lp.concurrency} requests", lp.aggregate)):
         table = Table(title=f"{title}: {step.cycle_ms:.2f} ms a step = {step.tok_s:,.1f} tok/s", header_style="bold", title_justify="left")
         table.add_column("term")

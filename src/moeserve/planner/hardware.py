@@ -105,6 +105,9 @@ class Hardware:
     fp8_tflops: float | None = None  # dense FP8 peak; None: FP8 weights compute at the bf16 rate
     engine: str = "moeserve"  # whose kernel choices (kernels.ENGINES): "moeserve" or "vllm"
     routing_skew: float = 0.0  # log-normal expert popularity (routing.py); 0 = uniform routing
+    # moeserve's INT4 routed experts (engines.MOE_BACKENDS): "triton" (shape.py), "humming" (humming_shape.py) or
+    # "auto" (plan.evaluate_layout: the faster at the workload's concurrency, per layout; elsewhere per step)
+    moe_backend: str = "triton"
 
     @property
     def memory_bytes(self) -> float:
@@ -138,11 +141,14 @@ class Hardware:
     def with_constants(self, constants: CostConstants) -> "Hardware":
         return replace(self, constants=constants)
 
+    def _backend_note(self) -> str:
+        return f" (INT4 experts: --moe-backend {self.moe_backend})" if self.engine == "moeserve" else ""
+
     def describe(self) -> str:
         link = "NVLink" if self.interconnect == "nvlink" else "PCIe"
         return (
             f"{self.gpus}x {self.gpu} ({self.memory_gb:g} GB, {self.hbm_tbps:g} TB/s, "
-            f"{self.bf16_tflops:g} TFLOP/s bf16, {link} {self.link_gbps:g} GB/s; {self.engine} kernels, "
+            f"{self.bf16_tflops:g} TFLOP/s bf16, {link} {self.link_gbps:g} GB/s; {self.engine} kernels{self._backend_note()}, "
             f"{self.allreduce} all-reduce)"
         )
 
@@ -171,6 +177,7 @@ def resolve_hardware(
     allreduce: str | None = None,
     engine: str = "moeserve",
     routing_skew: float = 0.0,
+    moe_backend: str = "triton",
 ) -> Hardware:
     """A preset (named or inferred from the memory size) with every given override applied."""
     if not isinstance(gpus, int) or gpus < 1:
@@ -187,7 +194,10 @@ def resolve_hardware(
             notes.append(note)
     if interconnect is None:
         interconnect = "nvlink" if preset.nvlink_gbps else "pcie"
-    from moeserve.planner.engines import ENGINES
+    from moeserve.planner.engines import ENGINES, MOE_BACKENDS
+
+    if moe_backend not in MOE_BACKENDS:
+        raise ValueError(f"--moe-backend must be one of {', '.join(MOE_BACKENDS)}, got {moe_backend!r}")
 
     if engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
@@ -221,6 +231,7 @@ def resolve_hardware(
         fp8_tflops=preset.fp8_tflops,
         engine=engine,
         routing_skew=float(routing_skew),
+        moe_backend=moe_backend,
     )
     for name in ("memory_gb", "hbm_tbps", "bf16_tflops", "link_gbps"):
         if getattr(hw, name) <= 0:

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from moeserve.config import ModelConfig
-from moeserve.planner import shape
+from moeserve.planner import humming_shape, shape
 from moeserve.planner.engines import ENGINES, EngineProfile, KernelKind
 from moeserve.planner.memory import global_sizes, tensor_sizes
 from moeserve.planner.quant import weight_format
@@ -192,7 +192,7 @@ def _attention(
     return ks
 
 
-def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engine: EngineProfile) -> list[Kernel]:
+def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engine: EngineProfile, moe_backend: str) -> list[Kernel]:
     ks = [
         Kernel(
             "router",
@@ -205,7 +205,9 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
     int4 = layer.int4("experts.{e}.gate_proj.weight")
     # The switch looks at all of the step's (token, expert) pairs, local or not, with the limit of the experts'
     # format (kernels/limits.py: GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS)
-    gemv_path = batch * cfg.num_experts_per_tok <= engine.gemv_max_pairs(int4)
+    # moeserve's humming backend (humming_shape.py): no GEMV path, its own three-launch alignment at every step
+    humming = int4 and engine.moe_shape == "moeserve" and moe_backend == "humming"
+    gemv_path = not humming and batch * cfg.num_experts_per_tok <= engine.gemv_max_pairs(int4)
     fused = gemv_path and engine.gemv_path_fuses_shared
     shared = (
         {"gate_up": ("shared_experts.gate_proj.weight", "shared_experts.up_proj.weight"), "down": ("shared_experts.down_proj.weight",)}
@@ -216,7 +218,11 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
         ks += _gemv(layer, "shared gate_up", batch, *shared["gate_up"])
         ks.append(Kernel("shared act", KernelKind.ELEMENTWISE))
         ks += _gemv(layer, "shared down", batch, *shared["down"])
-    if not gemv_path:
+    if humming:
+        ks += [
+            Kernel(f"moe_align {i + 1}/{humming_shape.ALIGN_LAUNCHES}", KernelKind.ELEMENTWISE) for i in range(humming_shape.ALIGN_LAUNCHES)
+        ]
+    elif not gemv_path:
         ks.append(Kernel("moe_align", KernelKind.MOE_ALIGN))
     touched = cov.touched / cov.local_experts
     padded = cov.touched * _padded(cov.tokens_per_expert) / cov.local_experts  # whole tiles per expert
@@ -225,7 +231,10 @@ def _moe(cfg: ModelConfig, layer: _Layer, ep: int, batch: int, skew: float, engi
     efficiency = 1.0
     if int4:  # the kernel-shape term: measured for INT4 experts only
         slice_bytes = layer.bytes(*(f"experts.{{e}}{s}" for _, ss in parts for s in ss)) / cov.local_experts
-        efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cov.pairs, engine.moe_shape, gemv_path)
+        if humming:
+            efficiency = humming_shape.efficiency(slice_bytes, cov.pairs)
+        else:
+            efficiency = shape.expert_efficiency(slice_bytes, batch, cov.touched, cov.pairs, engine.moe_shape, gemv_path)
     for part, suffixes in parts:
         names = [f"experts.{{e}}{s}" for s in suffixes]
         routed, flops = layer.bytes(*names) * touched, 2 * layer.numel(*names) * padded
@@ -253,6 +262,13 @@ def _dense_mlp(layer: _Layer, batch: int) -> list[Kernel]:
     )
 
 
+@lru_cache(maxsize=256)
+def int4_routed_experts(cfg: ModelConfig) -> bool:
+    """Whether the model's routed experts are INT4 (W4A16, grouped): the ones ``--moe-backend`` chooses a kernel for."""
+    moe = [i for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i)]
+    return bool(moe) and cfg.n_routed_experts > 0 and _Layer(cfg, moe[0], 1, 1).int4("experts.{e}.gate_proj.weight")
+
+
 @lru_cache(maxsize=65536)
 def representative_layer(cfg: ModelConfig, layer_id: int) -> int:
     """The first layer of the same kind (dense / MoE): layers of one kind cost the same."""
@@ -272,18 +288,20 @@ def layer_work(
     skew: float = 0.0,
     engine: str = "moeserve",
     tokens_per_seq: int = 1,
+    moe_backend: str = "triton",
 ) -> Work:
     """Kernels and collectives of one decode step of ``batch`` tokens on the busiest rank of a layer,
     ``tokens_per_seq`` of them per sequence (more than one: a speculative verify step).
 
     Every sequence reads its own ``kv_len`` cached tokens, also when requests share a prompt through the
-    prefix cache (one copy in memory, but each sequence's attention streams it: L2 reuse is not modelled)."""
+    prefix cache (one copy in memory, but each sequence's attention streams it: L2 reuse is not modelled).
+    ``moe_backend`` ("triton" or "humming") runs moeserve's INT4 routed experts (other engines ignore it)."""
     layer_id = representative_layer(cfg, layer_id)
     layer = _Layer(cfg, layer_id, tp, ep)
     kernels = _attention(cfg, layer, tp, batch, kv_len, kv_dtype_bytes, tokens_per_seq)
     kernels.append(Kernel("mlp_norm", KernelKind.ELEMENTWISE))
     if cfg.is_moe_layer(layer_id):
-        kernels += _moe(cfg, layer, ep, batch, skew, ENGINES[engine])
+        kernels += _moe(cfg, layer, ep, batch, skew, ENGINES[engine], moe_backend)
     else:
         kernels += _dense_mlp(layer, batch)
     hidden = batch * cfg.hidden_size * ACT_BYTES

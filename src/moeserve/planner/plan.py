@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from moeserve.config import ModelConfig
 from moeserve.distributed.layout import Layout
 from moeserve.distributed.partition import default_layer_partition, stage_layer_ranges
 from moeserve.planner.balance import best_partition
 from moeserve.planner.cost import StepTime, decode_step
+from moeserve.planner.engines import CONCRETE_MOE_BACKENDS, ENGINES
 from moeserve.planner.hardware import Hardware
+from moeserve.planner.kernels import int4_routed_experts
 from moeserve.planner.layout_names import enumerate_layouts
 from moeserve.planner.limits import not_modelled
 from moeserve.planner.memory import (
@@ -45,6 +47,9 @@ class LayoutPlan:
     single: StepTime
     aggregate: StepTime
     settings: EngineSettings = field(default_factory=EngineSettings)
+    # moeserve's INT4 routed-expert backend the predictions ran ("triton" or "humming"; for --moe-backend auto the
+    # faster at the planned concurrency); None where it does not apply (another engine, no INT4 experts)
+    moe_backend: str | None = None
 
     @property
     def name(self) -> str:
@@ -132,14 +137,29 @@ def evaluate_layout(
         if note:
             why += f"; {note}"
     kv_bytes = settings.kv_dtype_bytes
-    if settings.speculative is None:
-        single = decode_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, kv_bytes)
-        aggregate = decode_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, kv_bytes)
-    else:
-        spec = settings.speculative
-        single = speculative_step(cfg, hw, tp, pp, ep, partition, 1, workload.kv_len, spec, kv_bytes)
-        aggregate = speculative_step(cfg, hw, tp, pp, ep, partition, concurrency, workload.kv_len, spec, kv_bytes)
-    return LayoutPlan(layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single, aggregate, settings)
+
+    def step(h: Hardware, batch: int) -> StepTime:
+        if settings.speculative is None:
+            return decode_step(cfg, h, tp, pp, ep, partition, batch, workload.kv_len, kv_bytes)
+        return speculative_step(cfg, h, tp, pp, ep, partition, batch, workload.kv_len, settings.speculative, kv_bytes)
+
+    backend = moe_backend_of(cfg, hw)
+    if backend == "auto":  # as a user would pick it: the faster of the two at the planned concurrency, for both columns
+        backend = max(CONCRETE_MOE_BACKENDS, key=lambda b: step(replace(hw, moe_backend=b), concurrency).tok_s)
+    if backend is not None or hw.moe_backend == "auto":
+        hw = replace(hw, moe_backend=backend or "triton")
+    single, aggregate = step(hw, 1), step(hw, concurrency)
+    return LayoutPlan(
+        layout, partition, problems, weights, reserve, free, kv_tokens, fits, why, concurrency, single, aggregate, settings, backend
+    )
+
+
+def moe_backend_of(cfg: ModelConfig, hw: Hardware) -> str | None:
+    """The ``--moe-backend`` the plan's predictions run ("auto" still to resolve), None where there is no choice:
+    another engine's kernels (``moe_shape`` not moeserve's) or a model without INT4 routed experts."""
+    if ENGINES[hw.engine].moe_shape != "moeserve" or not int4_routed_experts(cfg):
+        return None
+    return hw.moe_backend
 
 
 def _balanced_variant(

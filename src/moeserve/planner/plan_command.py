@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 
 from moeserve.console import wide_console
 
@@ -16,7 +17,7 @@ from moeserve.planner.calibrate import calibrate_from_files
 from moeserve.planner.collectives import ALLREDUCE_IMPLS
 from moeserve.planner.explain import explain_json, render_explain
 from moeserve.planner.hardware import GPU_PRESETS, INTERCONNECTS, resolve_hardware
-from moeserve.planner.engines import ENGINES
+from moeserve.planner.engines import ENGINES, MOE_BACKENDS
 from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.plan import plan_layouts
 from moeserve.planner.report import plan_json, render_plan
@@ -41,6 +42,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         choices=sorted(ENGINES),
         default="moeserve",
         help="whose kernels: moeserve (default; measured) or vllm (vLLM/SGLang/TensorRT-LLM: fused MoE, custom all-reduce)",
+    )
+    hw.add_argument(
+        "--moe-backend",
+        choices=MOE_BACKENDS,
+        default="auto",
+        help="moeserve's INT4 routed experts (moeserve serve --moe-backend): triton (its own kernels), humming "
+        "(humming-kernels' W4A16 MoE GEMMs) or auto (default: for each layout the faster at the workload's concurrency)",
     )
     hw.add_argument(
         "--allreduce",
@@ -154,6 +162,7 @@ def run_plan(args: argparse.Namespace) -> int:
             allreduce=args.allreduce,
             engine=args.engine,
             routing_skew=args.routing_skew,
+            moe_backend=getattr(args, "moe_backend", "auto"),
         )
         workload = workload_from_args(args)
         speculative = None
@@ -168,7 +177,9 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.holdout and not args.calibrate:
             raise ValueError("--holdout needs --calibrate (it checks the calibrated constants)")
         if args.calibrate:
-            calibration = calibrate_from_files(args.calibrate, hw, cfg, args.model, workload.kv_len, args.holdout)
+            # bench results of runs on moeserve's Triton experts unless --moe-backend names humming
+            measured_on = replace(hw, moe_backend="triton") if hw.moe_backend == "auto" else hw
+            calibration = calibrate_from_files(args.calibrate, measured_on, cfg, args.model, workload.kv_len, args.holdout)
             hw = hw.with_constants(calibration.after)
         plan = plan_layouts(cfg, hw, workload, args.model, layouts, settings)
         explained = _explained(plan, args.explain) if args.explain else None

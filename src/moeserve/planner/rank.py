@@ -26,7 +26,8 @@ TIE_LEAD = 1.05  # a predicted lead under 5 % is within what the cost model can 
 
 def serve_flags(plan: LayoutPlan, model: str) -> str:
     """The ``moeserve serve`` command line of one evaluated layout (its partition when the
-    planner balanced it, the concurrency it was planned for, the memory share)."""
+    planner balanced it, the concurrency it was planned for, the memory share, the INT4 experts' backend
+    the prediction ran on)."""
     lay, s = plan.layout, plan.settings
     flags = [f"moeserve serve --model {model}", f"--tp {lay.tp}"]
     if lay.pp > 1:
@@ -37,6 +38,8 @@ def serve_flags(plan: LayoutPlan, model: str) -> str:
         flags.append(f"--ep {lay.ep}")
     flags.append(f"--max-num-seqs {plan.concurrency}")
     flags.append(f"--gpu-memory-utilization {s.gpu_memory_utilization:g}")
+    if plan.moe_backend is not None:
+        flags.append(f"--moe-backend {plan.moe_backend}")
     return " ".join(flags)
 
 

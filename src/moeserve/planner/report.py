@@ -58,6 +58,7 @@ def hardware_summary(plan: Plan, calibration: Calibration | None = None) -> dict
         "link_gbps": hw.link_gbps,
         "constants": hw.constants.as_dict(),
         "allreduce": hw.allreduce,
+        "moe_backend": hw.moe_backend,
         "workload": {
             "input_len": plan.workload.input_len,
             "output_len": plan.workload.output_len,
@@ -147,6 +148,7 @@ def layout_json(lp: LayoutPlan) -> dict[str, Any]:
         "why": lp.why,
         "weights_gb_per_gpu": [round(x, 3) for x in lp.weights_gb_per_gpu],
         "kv_tokens": lp.kv_tokens,
+        "moe_backend": lp.moe_backend,
         "predicted": {
             "single_request_tok_s": round(lp.single.tok_s, 2),
             "aggregate_tok_s": round(lp.aggregate.tok_s, 2),
@@ -204,11 +206,13 @@ def memory_bar(lp: LayoutPlan, memory_gb: float) -> Text:
     return bar
 
 
-def _notes(lp: LayoutPlan, requested: int) -> str:
+def _notes(lp: LayoutPlan, requested: int, auto_backend: bool = False) -> str:
     if not lp.fits:
         return lp.why
     name, ms = lp.aggregate.dominant()
     note = f"{name} {ms:.1f}/{lp.aggregate.cycle_ms:.1f} ms a step"
+    if auto_backend and lp.moe_backend is not None:
+        note = f"{lp.moe_backend}; {note}"
     if lp.concurrency < requested:
         note += f"; KV holds {lp.concurrency} seqs"
     return note
@@ -230,6 +234,11 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
         f"engine: KV cache {'fp8' if st.kv_dtype_bytes == 1 else 'bf16'}, gpu-memory-utilization {st.gpu_memory_utilization:g}, "
         f"max-num-seqs {st.max_num_seqs}, {hw.allreduce} all-reduce"
     )
+    if hw.moe_backend == "auto" and any(lp.moe_backend for lp in plan.layouts):
+        console.print(
+            "INT4 routed experts: --moe-backend auto: each layout on the faster of moeserve's Triton kernels and humming "
+            "at its planned concurrency (named first in its notes)"
+        )
     for note in plan.notes:
         console.print(f"[yellow]note:[/] {note}")
     if calibration is not None:
@@ -260,7 +269,7 @@ def render_plan(plan: Plan, console: Console, calibration: Calibration | None = 
             f"{lp.kv_tokens:,}",
             f"{lp.single.tok_s:.1f}",
             agg,
-            _notes(lp, wl.concurrency),
+            _notes(lp, wl.concurrency, hw.moe_backend == "auto"),
             style=style,
         )
     console.print(table)
