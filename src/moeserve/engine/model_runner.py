@@ -3,12 +3,10 @@ turns a scheduled batch into one forward pass."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Iterator
 
 import numpy as np
 import torch
@@ -23,7 +21,7 @@ from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, 
 from moeserve.engine.sampling_state import SamplingState
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
-from moeserve.models import model_class
+from moeserve.models import build_defaults, model_class
 
 log = logging.getLogger("moeserve")
 
@@ -41,17 +39,6 @@ class PendingStep:
     prompt: PromptLogprobs | None = None  # the step's prompt logprobs, and their host copy
     prompt_host: torch.Tensor | None = None
     result: SampleResult | None = None  # a step already read back (speculative decoding)
-
-
-@contextlib.contextmanager
-def build_defaults(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    prev = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(prev)
 
 
 def stage_weight_bytes(model_config: ModelConfig, stage: StageRange, is_first: bool, is_last: bool, dtype: torch.dtype) -> int:

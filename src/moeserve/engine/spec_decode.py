@@ -29,6 +29,7 @@ from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_
 from moeserve.engine.spec_accept import accept_drafts
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import load_model_weights
+from moeserve.models import build_defaults
 from moeserve.models.deepseek_mtp import DeepseekMTP
 from moeserve.sampling_params import SamplingParams
 
@@ -51,8 +52,6 @@ class MTPDrafter:
         self.k = num_speculative_tokens
         # A last pipeline stage after the first has no embedding: it reads the MTP layer's own copy
         # of the embedding and lm_head (DeepSeek-V3 checkpoints hold them).
-        from moeserve.engine.model_runner import build_defaults
-
         with build_defaults(runner.device, runner.dtype):  # on the target's device, in its dtype
             self.model = DeepseekMTP(runner.model_config, runner.model if runner.is_first else None)
         self.model.eval()
