@@ -15,6 +15,10 @@ Tokens are padded up to the next captured count; padding tokens (id 0, position 
 KV into the scratch page and no core sees them (a core gets the step's real tokens only). The
 logits of the sampled rows are computed eagerly after the last graph (their count varies).
 
+Speculative decoding (MTP) runs every target step through these graphs (``run_hidden``: the
+final hidden state of every token, which the MTP layer reads): its verify rows of a token and its
+drafts are extend rows to attention, the same core as any other mixed step.
+
 ``emulate=True`` runs the same static-buffer data flow without graphs (CPU tests).
 """
 
@@ -197,6 +201,14 @@ class PiecewiseGraphs:
         return ctx.slot_mapping.numel() <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        hidden = self.run_hidden(input_ids, ctx)
+        return self.runner.model.compute_logits(hidden[ctx.logits_indices])
+
+    def run_hidden(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The stage's final hidden state at the step's ``T`` real tokens, ``[T, H]``. Captured:
+        a view of the graphs' static output, which the next replay overwrites, so a caller
+        copies what it keeps before then (speculative decoding gathers the logits' rows and the
+        MTP layer's positions from it at once)."""
         T = ctx.slot_mapping.numel()
         size = next(s for s in self.sizes if s >= T)
         fill_token_buffers((self.input_ids, self.positions, self.slots), input_ids, ctx, size, self.scratch_page * self.runner.page_size)
@@ -214,4 +226,4 @@ class PiecewiseGraphs:
                 self._run_core(core, ctx, T)
             pieces[-1].replay()
             hidden = self.outputs[size]
-        return self.runner.model.compute_logits(hidden[:T][ctx.logits_indices])
+        return hidden[:T]
