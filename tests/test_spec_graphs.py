@@ -1,5 +1,6 @@
 """Speculative decoding with CUDA graphs: the target's steps (verify rows of a token and its
-drafts, prompt chunks beside them) through the piecewise graphs' static buffers, emulated on CPU
+drafts, prompt chunks beside them) and the MTP layer's passes (over the step's known positions,
+and chained) through piecewise graphs' static buffers, emulated on CPU
 (``MOESERVE_EMULATE_CUDA_GRAPHS=1``, the Triton interpreter): greedy outputs equal those without
 speculation, token for token, with stop strings, max_tokens mid-bundle and prefix caching.
 EAGLE-3 keeps the engine eager."""
@@ -47,6 +48,10 @@ def _graphed(path, spec, monkeypatch, **kw):
     steps: list[list[int]] = []  # each replayed step's query lengths
     run_hidden = pieces.run_hidden
     pieces.run_hidden = lambda ids, ctx: steps.append(list(ctx.query_lens)) or run_hidden(ids, ctx)
+    drafts = runner.drafter.graphs  # the MTP layer's passes
+    assert drafts is not None and drafts.emulate and drafts.sizes == pieces.sizes and drafts.model is runner.drafter.model
+    draft_run = drafts.run_hidden
+    drafts.run_hidden = lambda ids, ctx, prev: steps.append(("mtp", list(ctx.query_lens))) or draft_run(ids, ctx, prev)
     return llm, steps
 
 
@@ -59,9 +64,12 @@ def test_random_model_greedy_equals_plain_through_graphs(random_mtp, plain, monk
     with llm:
         assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
         assert llm.engine.spec_num_draft_tokens > 0
-    assert any(all(n == k + 1 for n in lens) for lens in steps)  # verify steps replayed
-    assert any(len(set(lens)) > 1 for lens in steps)  # verify rows beside a prompt chunk
-    assert any(sum(lens) not in sizes for lens in steps)  # padded to a captured size
+    target = [lens for lens in steps if lens[0] != "mtp"]
+    assert any(all(n == k + 1 for n in lens) for lens in target)  # verify steps replayed
+    assert any(len(set(lens)) > 1 for lens in target)  # verify rows beside a prompt chunk
+    assert any(sum(lens) not in sizes for lens in target)  # padded to a captured size
+    mtp = [s for s in steps if s[0] == "mtp"]  # one pass a step, and k - 1 chained ones
+    assert len(mtp) == len(target) if k == 1 else len(mtp) > len(target)
 
 
 @pytest.mark.triton_on_cpu

@@ -155,7 +155,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.model.bind(self.pool, self.backend)
         if self.drafter is not None:
-            self.drafter.make_pool(self, num_pages)
+            self.drafter.make_pool(self, num_pages + int(self.use_graphs))  # (its scratch page: the same index)
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Before serving: compile the kernel variants that steps choose by their size, then
@@ -191,6 +191,11 @@ class ModelRunner:
         if sizes:
             self.piecewise_graphs = PiecewiseGraphs(self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs)
             self.piecewise_graphs.capture()
+            if self.drafter is not None:  # the MTP layer's passes (the first over the step's known positions, the chained)
+                self.drafter.graphs = PiecewiseGraphs(
+                    self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs, drafter=self.drafter
+                )
+                self.drafter.graphs.capture()
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""

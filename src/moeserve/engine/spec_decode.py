@@ -13,7 +13,8 @@ is written again, from the target's hidden states, when the target has scored th
 Reads its results back at once (no asynchronous scheduling). CUDA graphs: the target's forward
 replays the piecewise graphs (``engine/piecewise_graph.py``, cut at attention; the whole-step
 decode and prefill graphs keep only the sampled rows' logits, not the hidden states of every
-position that the drafter reads) where the step fits them; the MTP layer's passes run eagerly.
+position that the drafter reads) where the step fits them; so do the MTP layer's passes (its own
+piecewise graphs, over its own KV pool with a scratch page of its own: ``MTPDrafter.graphs``).
 """
 
 from __future__ import annotations
@@ -63,9 +64,10 @@ class MTPDrafter:
         cfg = runner.config
         load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
         self.pool: StageKVPool | None = None
+        self.graphs = None  # PiecewiseGraphs of the MTP layer (``ModelRunner.capture_graphs``), or None: eager
         log.info(
             "speculative decoding: the MTP layer drafts %d token(s) a step (async scheduling off; "
-            "the target's steps through the piecewise CUDA graphs where captured, the MTP layer eager)",
+            "the target's steps and the MTP layer's passes through piecewise CUDA graphs where captured)",
             self.k,
         )
 
@@ -234,8 +236,12 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
     )
     mtp_ctx.attn_metadata = runner.backend.prepare(mtp_ctx)
     model = drafter.model
+    pieces = drafter.graphs  # (its output is a static buffer: rows are gathered from it before the next replay)
     with step_context(mtp_ctx):
-        out = model(to_device(next_ids, dev), mtp_ctx.positions, hidden[keep_t])
+        if pieces is not None and keep and pieces.can_run(mtp_ctx):
+            out = pieces.run_hidden(to_device(next_ids, dev), mtp_ctx, hidden[keep_t])
+        else:
+            out = model(to_device(next_ids, dev), mtp_ctx.positions, hidden[keep_t])
         last_hidden = out[mtp_ctx.logits_indices]
         tokens = model.compute_logits(last_hidden).argmax(dim=-1)
     proposals = [[t] for t in tokens.tolist()]
@@ -268,7 +274,10 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
         )
         chain_ctx.attn_metadata = runner.backend.prepare(chain_ctx)
         with step_context(chain_ctx):
-            last_hidden = model(tokens, chain_ctx.positions, last_hidden)
+            if pieces is not None and pieces.can_run(chain_ctx):
+                last_hidden = pieces.run_hidden(tokens, chain_ctx, last_hidden)
+            else:
+                last_hidden = model(tokens, chain_ctx.positions, last_hidden)
             tokens = model.compute_logits(last_hidden).argmax(dim=-1)
         for r, t in zip(active, tokens.tolist()):
             proposals[r].append(t)
