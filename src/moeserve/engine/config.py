@@ -93,12 +93,15 @@ class EngineConfig:
         "where there is one), e.g. '{\"num_hidden_layers\": 8}' for a "
         "short model of real shapes",
     )
-    # vLLM's flag; see docs/speculative.md. Turns CUDA graphs and asynchronous scheduling off.
+    # vLLM's flag; see docs/speculative.md. Turns asynchronous scheduling off; with MTP the
+    # target's steps and the MTP layer's passes replay piecewise CUDA graphs (cut at attention),
+    # EAGLE-3 runs the whole engine eagerly.
     speculative_config: dict | None = setting(
         None,
         'JSON object: speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s '
         'MTP layer drafts on the last pipeline stage), or \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 2}\' '
-        "(an EAGLE-3 draft; one pipeline stage); CUDA graphs and async scheduling off",
+        "(an EAGLE-3 draft; one pipeline stage); async scheduling off; CUDA graphs: piecewise (cut at attention) "
+        "with MTP, none with EAGLE-3",
     )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))

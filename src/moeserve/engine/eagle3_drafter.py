@@ -60,6 +60,9 @@ class Eagle3Drafter:
     """The EAGLE-3 draft beside the target (same interface as ``MTPDrafter``)."""
 
     kv_layers = 0  # its cache is its own, per sequence: no layer in the paged KV pool
+    # No CUDA graphs: the target keeps the aux layers' inputs by storing them in a dict as it runs
+    # (``DeepseekModel.captured``), which a graph's replay would not do again.
+    graph_safe = False
 
     def __init__(self, runner: ModelRunner, spec: SpeculativeConfig):
         self.k = spec.num_speculative_tokens

@@ -115,7 +115,10 @@ class ModelRunner:
             (self.device.type == "cuda" or self.emulate_graphs)
             and not config.enforce_eager
             and self.backend.name != "reference"
-            and self.drafter is None
+            # speculative decoding: its target forwards through the piecewise graphs only
+            # (``capture_graphs``); EAGLE-3 keeps the whole engine eager (its aux-layer captures
+            # are host-side side effects of the forward, which a replay would not repeat)
+            and (self.drafter is None or self.drafter.graph_safe)
         )
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
@@ -139,7 +142,7 @@ class ModelRunner:
         self.num_pages = num_pages
         self.model.bind(self.pool, self.backend)
         if self.drafter is not None:
-            self.drafter.make_pool(self, num_pages)
+            self.drafter.make_pool(self, num_pages + int(self.use_graphs))  # (its scratch page: the same index)
 
     def capture_graphs(self, max_model_len: int) -> None:
         """Before serving: compile the kernel variants that steps choose by their size, then
@@ -156,20 +159,30 @@ class ModelRunner:
 
         self.max_context_len = max_model_len
         pages = -(-max_model_len // self.page_size)
-        self.graphs = DecodeGraphs(self, self.config.max_num_seqs, pages, scratch_page=self.num_pages, emulate=self.emulate_graphs)
-        self.graphs.capture()
-        sizes = prefill_capture_sizes(min(self.config.max_num_batched_tokens, max_model_len))
-        if sizes:
-            self.prefill_graphs = PrefillGraphs(
-                self, sizes, pages, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
-            )
-            self.prefill_graphs.capture()
+        # Speculative decoding needs the final hidden state of every position of a step (the
+        # drafter reads it), which only the piecewise graphs keep: the whole-step graphs, which
+        # keep the sampled rows' logits only, would never run.
+        if self.drafter is None:
+            self.graphs = DecodeGraphs(self, self.config.max_num_seqs, pages, scratch_page=self.num_pages, emulate=self.emulate_graphs)
+            mempool = self.graphs.mempool
+            self.graphs.capture()
+            sizes = prefill_capture_sizes(min(self.config.max_num_batched_tokens, max_model_len))
+            if sizes:
+                self.prefill_graphs = PrefillGraphs(
+                    self, sizes, pages, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs
+                )
+                self.prefill_graphs.capture()
+        else:
+            mempool = None if self.emulate_graphs else torch.cuda.graph_pool_handle()
         sizes = piecewise_capture_sizes(self.config.max_num_batched_tokens)
         if sizes:
-            self.piecewise_graphs = PiecewiseGraphs(
-                self, sizes, scratch_page=self.num_pages, mempool=self.graphs.mempool, emulate=self.emulate_graphs
-            )
+            self.piecewise_graphs = PiecewiseGraphs(self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs)
             self.piecewise_graphs.capture()
+            if self.drafter is not None:  # the MTP layer's passes (the first over the step's known positions, the chained)
+                self.drafter.graphs = PiecewiseGraphs(
+                    self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs, drafter=self.drafter
+                )
+                self.drafter.graphs.capture()
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""

@@ -15,6 +15,12 @@ Tokens are padded up to the next captured count; padding tokens (id 0, position 
 KV into the scratch page and no core sees them (a core gets the step's real tokens only). The
 logits of the sampled rows are computed eagerly after the last graph (their count varies).
 
+Speculative decoding (MTP) runs every target step through these graphs (``run_hidden``: the
+final hidden state of every token, which the MTP layer reads): its verify rows of a token and its
+drafts are extend rows to attention, the same core as any other mixed step. The MTP layer's
+passes replay a second set (``drafter=``): the one-layer model over its own KV pool, with the
+previous hidden state of each token in a static buffer too.
+
 ``emulate=True`` runs the same static-buffer data flow without graphs (CPU tests).
 """
 
@@ -72,7 +78,10 @@ class _CutBackend:
 
 
 class PiecewiseGraphs:
-    def __init__(self, runner, sizes: list[int], scratch_page: int, mempool, emulate: bool = False):
+    def __init__(self, runner, sizes: list[int], scratch_page: int, mempool, emulate: bool = False, drafter=None):
+        """``drafter``: an ``MTPDrafter`` whose one-layer model is captured instead of the stage,
+        over its own KV pool (its scratch page at the same index), reading the previous hidden
+        state of each token from a static buffer too (``run_hidden``'s ``prev_hidden``)."""
         from moeserve.layers.attention import MLAAttention
 
         self.runner = runner
@@ -80,11 +89,16 @@ class PiecewiseGraphs:
         self.sizes = sorted(sizes)
         self.scratch_page = scratch_page
         self.mempool = mempool
-        attn = next(m for m in runner.model.modules() if isinstance(m, MLAAttention))
+        self.drafter = drafter
+        self.model = runner.model if drafter is None else drafter.model
+        attn = next(m for m in self.model.modules() if isinstance(m, MLAAttention))
         dev, N, H = runner.device, self.sizes[-1], attn.num_heads
         self.input_ids = torch.zeros(N, dtype=torch.long, device=dev)
         self.positions = torch.zeros(N, dtype=torch.long, device=dev)
         self.slots = torch.full((N,), scratch_page * runner.page_size, dtype=torch.long, device=dev)
+        self.prev_hidden = None  # the drafter's: padding rows keep whatever (finite) the last step left
+        if drafter is not None:
+            self.prev_hidden = torch.zeros(N, runner.model_config.hidden_size, dtype=runner.dtype, device=dev)
         # Shared by every layer and size: a layer's core reads them before the next graph runs.
         self.q_nope = torch.zeros(N, H, attn.nope_dim, dtype=runner.dtype, device=dev)
         self.q_pe = torch.zeros(N, H, attn.rope_dim, dtype=runner.dtype, device=dev)
@@ -118,23 +132,29 @@ class PiecewiseGraphs:
             context_lens_tensor=torch.tensor([n], dtype=torch.int32, device=r.device),
         )
 
+    @property
+    def pool(self):
+        """The KV pool the captured model writes (read at each call: ``resize_kv`` replaces it)."""
+        return self.runner.pool if self.drafter is None else self.drafter.pool
+
     @contextlib.contextmanager
     def _bound_to_cut(self) -> Iterator[None]:
-        r = self.runner
-        r.model.bind(r.pool, _CutBackend(self))
+        self.model.bind(self.pool, _CutBackend(self))
         try:
             yield
         finally:
-            r.model.bind(r.pool, r.backend)
+            self.model.bind(self.pool, self.runner.backend)
 
     def _stage_forward(self, n: int, ctx: StepContext) -> torch.Tensor:
         with step_context(ctx):
-            out, _ = self.runner.model(self.input_ids[:n], self.positions[:n])
+            if self.prev_hidden is not None:  # the MTP layer: its output hidden state
+                return self.model(self.input_ids[:n], self.positions[:n], self.prev_hidden[:n])
+            out, _ = self.model(self.input_ids[:n], self.positions[:n])
         return out
 
     def _run_core(self, core: AttentionCore, ctx: StepContext, tokens: int) -> None:
         r = self.runner
-        out = r.backend.forward(core.layer_id, self.q_nope[:tokens], self.q_pe[:tokens], core.weights, r.pool, ctx, core.scale)
+        out = r.backend.forward(core.layer_id, self.q_nope[:tokens], self.q_pe[:tokens], core.weights, self.pool, ctx, core.scale)
         self.attn_out[:tokens].copy_(out)
 
     def _cut(self, core: AttentionCore, q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
@@ -188,8 +208,9 @@ class PiecewiseGraphs:
                     g.replay()
             torch.cuda.synchronize(r.device)
         log.info(
-            "captured piecewise %sgraphs (cut at attention) for %s tokens",
+            "captured piecewise %sgraphs (cut at attention) of the %s for %s tokens",
             "(emulated) " * self.emulate,
+            "stage" if self.drafter is None else "MTP layer",
             self.sizes,
         )
 
@@ -197,9 +218,19 @@ class PiecewiseGraphs:
         return ctx.slot_mapping.numel() <= self.sizes[-1]
 
     def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        hidden = self.run_hidden(input_ids, ctx)
+        return self.model.compute_logits(hidden[ctx.logits_indices])
+
+    def run_hidden(self, input_ids: torch.Tensor, ctx: StepContext, prev_hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage's final hidden state at the step's ``T`` real tokens, ``[T, H]``. Captured:
+        a view of the graphs' static output, which the next replay overwrites, so a caller
+        copies what it keeps before then (speculative decoding gathers the logits' rows and the
+        MTP layer's positions from it at once)."""
         T = ctx.slot_mapping.numel()
         size = next(s for s in self.sizes if s >= T)
         fill_token_buffers((self.input_ids, self.positions, self.slots), input_ids, ctx, size, self.scratch_page * self.runner.page_size)
+        if self.prev_hidden is not None:
+            self.prev_hidden[:T].copy_(prev_hidden, non_blocking=True)
         if self.emulate:
             self._size, self._step = size, ctx
             try:
@@ -214,4 +245,4 @@ class PiecewiseGraphs:
                 self._run_core(core, ctx, T)
             pieces[-1].replay()
             hidden = self.outputs[size]
-        return self.runner.model.compute_logits(hidden[:T][ctx.logits_indices])
+        return hidden[:T]

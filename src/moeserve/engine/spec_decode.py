@@ -10,7 +10,11 @@ its output at a sampling row's last position gives the first draft of the next s
 drafts chain the layer on itself, one token per row at a time, at the positions after (their KV
 is written again, from the target's hidden states, when the target has scored them).
 
-Runs eagerly and reads its results back at once (no CUDA graphs, no asynchronous scheduling).
+Reads its results back at once (no asynchronous scheduling). CUDA graphs: the target's forward
+replays the piecewise graphs (``engine/piecewise_graph.py``, cut at attention; the whole-step
+decode and prefill graphs keep only the sampled rows' logits, not the hidden states of every
+position that the drafter reads) where the step fits them; so do the MTP layer's passes (its own
+piecewise graphs, over its own KV pool with a scratch page of its own: ``MTPDrafter.graphs``).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class MTPDrafter:
     """The MTP layer of the checkpoint beside the target, with its own one-layer KV pool."""
 
     kv_layers = 1  # its layer in the paged KV cache
+    graph_safe = True  # the target's forwards may replay the piecewise graphs (it reads their output only)
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         self.k = num_speculative_tokens
@@ -58,7 +63,12 @@ class MTPDrafter:
         cfg = runner.config
         load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
         self.pool: StageKVPool | None = None
-        log.info("speculative decoding: the MTP layer drafts %d token(s) a step (CUDA graphs and async scheduling off)", self.k)
+        self.graphs = None  # PiecewiseGraphs of the MTP layer (``ModelRunner.capture_graphs``), or None: eager
+        log.info(
+            "speculative decoding: the MTP layer drafts %d token(s) a step (async scheduling off; "
+            "the target's steps and the MTP layer's passes through piecewise CUDA graphs where captured)",
+            self.k,
+        )
 
     def make_pool(self, runner: ModelRunner, num_pages: int) -> None:
         self.model.bind(None, runner.backend)
@@ -97,12 +107,20 @@ def run_speculative_step(
     ``prepared``: ``runner.prepare(step)`` if done; ``hidden_in``/``residual_in``: the previous
     pipeline stage's activations."""
     ids, ctx = prepared if prepared is not None else runner.prepare(step)
-    with step_context(ctx):
-        hidden, _ = runner.model(ids, ctx.positions, hidden_in, residual_in)
-        prompt = None
-        if ctx.prompt_logprobs is not None:
-            prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
-        logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
+    pieces = runner.piecewise_graphs  # None on pipeline stages, eager runners and EAGLE-3
+    prompt = None
+    if pieces is not None and hidden_in is None and ctx.prompt_logprobs is None and pieces.can_run(ctx):
+        # The graphs' static output: read (the logits' rows, the drafter's positions) before any
+        # other replay; the drafter's own forwards replay none of the target's graphs.
+        hidden = pieces.run_hidden(ids, ctx)
+        with step_context(ctx):
+            logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
+    else:
+        with step_context(ctx):
+            hidden, _ = runner.model(ids, ctx.positions, hidden_in, residual_in)
+            if ctx.prompt_logprobs is not None:
+                prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
+            logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
     result = SampleResult([], [], [], counts=[], drafts=[])
     if logits is not None:
         tp = tp_group()
@@ -217,8 +235,12 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
     )
     mtp_ctx.attn_metadata = runner.backend.prepare(mtp_ctx)
     model = drafter.model
+    pieces = drafter.graphs  # (its output is a static buffer: rows are gathered from it before the next replay)
     with step_context(mtp_ctx):
-        out = model(to_device(next_ids, dev), mtp_ctx.positions, hidden[keep_t])
+        if pieces is not None and keep and pieces.can_run(mtp_ctx):
+            out = pieces.run_hidden(to_device(next_ids, dev), mtp_ctx, hidden[keep_t])
+        else:
+            out = model(to_device(next_ids, dev), mtp_ctx.positions, hidden[keep_t])
         last_hidden = out[mtp_ctx.logits_indices]
         tokens = model.compute_logits(last_hidden).argmax(dim=-1)
     proposals = [[t] for t in tokens.tolist()]
@@ -251,7 +273,10 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
         )
         chain_ctx.attn_metadata = runner.backend.prepare(chain_ctx)
         with step_context(chain_ctx):
-            last_hidden = model(tokens, chain_ctx.positions, last_hidden)
+            if pieces is not None and pieces.can_run(chain_ctx):
+                last_hidden = pieces.run_hidden(tokens, chain_ctx, last_hidden)
+            else:
+                last_hidden = model(tokens, chain_ctx.positions, last_hidden)
             tokens = model.compute_logits(last_hidden).argmax(dim=-1)
         for r, t in zip(active, tokens.tolist()):
             proposals[r].append(t)

@@ -1,0 +1,125 @@
+"""Speculative decoding with CUDA graphs: the target's steps (verify rows of a token and its
+drafts, prompt chunks beside them) and the MTP layer's passes (over the step's known positions,
+and chained) through piecewise graphs' static buffers, emulated on CPU
+(``MOESERVE_EMULATE_CUDA_GRAPHS=1``, the Triton interpreter): greedy outputs equal those without
+speculation, token for token, with stop strings, max_tokens mid-bundle and prefix caching.
+EAGLE-3 keeps the engine eager."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeserve.llm import LLM
+from moeserve.sampling_params import SamplingParams
+
+from spec_checkpoints import make_mtp_checkpoint
+
+pytest.importorskip("triton")
+
+PROMPTS = [[5, 9, 33, 2, 7], list(range(40, 61)), [100, 3, 3, 3, 17, 200, 11, 12, 13]]
+# Few, short graphs: their emulated capture runs the interpreter over every size.
+SETTINGS = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=16, page_size=4, max_num_seqs=4, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def random_mtp(tmp_path_factory):
+    return str(make_mtp_checkpoint(tmp_path_factory.mktemp("mtp_graphs"))[0])
+
+
+def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
+    return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def plain(random_mtp):
+    """The same model and backend, eager, without speculation."""
+    with LLM(random_mtp, **SETTINGS) as llm:
+        assert llm.engine.executor.runner.piecewise_graphs is None
+        yield llm
+
+
+def _graphed(path, spec, monkeypatch, **kw):
+    monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+    llm = LLM(path, speculative_config=spec, **{**SETTINGS, **kw})
+    runner = llm.engine.executor.runner
+    pieces = runner.piecewise_graphs
+    assert runner.use_graphs and pieces is not None and pieces.emulate and pieces.sizes[-1] == llm.engine.config.max_num_batched_tokens
+    assert runner.graphs is None and runner.prefill_graphs is None  # they keep no hidden states
+    steps: list[list[int]] = []  # each replayed step's query lengths
+    run_hidden = pieces.run_hidden
+    pieces.run_hidden = lambda ids, ctx: steps.append(list(ctx.query_lens)) or run_hidden(ids, ctx)
+    drafts = runner.drafter.graphs  # the MTP layer's passes
+    assert drafts is not None and drafts.emulate and drafts.sizes == pieces.sizes and drafts.model is runner.drafter.model
+    draft_run = drafts.run_hidden
+    drafts.run_hidden = lambda ids, ctx, prev: steps.append(("mtp", list(ctx.query_lens))) or draft_run(ids, ctx, prev)
+    return llm, steps
+
+
+@pytest.mark.triton_on_cpu
+@pytest.mark.parametrize("k", [1, 3])
+def test_random_model_greedy_equals_plain_through_graphs(random_mtp, plain, monkeypatch, k):
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    llm, steps = _graphed(random_mtp, {"method": "mtp", "num_speculative_tokens": k}, monkeypatch)
+    sizes = llm.engine.executor.runner.piecewise_graphs.sizes
+    with llm:
+        assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
+        assert llm.engine.spec_num_draft_tokens > 0
+    target = [lens for lens in steps if lens[0] != "mtp"]
+    assert any(all(n == k + 1 for n in lens) for lens in target)  # verify steps replayed
+    assert any(len(set(lens)) > 1 for lens in target)  # verify rows beside a prompt chunk
+    assert any(sum(lens) not in sizes for lens in target)  # padded to a captured size
+    mtp = [s for s in steps if s[0] == "mtp"]  # one pass a step, and k - 1 chained ones
+    assert len(mtp) == len(target) if k == 1 else len(mtp) > len(target)
+
+
+@pytest.mark.triton_on_cpu
+def test_random_model_stops_lengths_and_prefix_cache_through_graphs(random_mtp, plain, monkeypatch):
+    llm, steps = _graphed(random_mtp, {"method": "mtp", "num_speculative_tokens": 2}, monkeypatch)
+    with llm:
+        for n in (1, 2, 5):  # max_tokens inside a bundle
+            params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+            assert _tokens(llm, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
+        full = plain.generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0].text
+        assert len(full) >= 4, full
+        mid = len(full) // 2
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[full[mid : mid + 2]])
+        want = plain.generate(PROMPTS[1], params)[0].outputs[0]
+        got = llm.generate(PROMPTS[1], params)[0].outputs[0]
+        assert want.finish_reason == "stop", (full, want.text)
+        assert (got.text, list(got.token_ids), got.finish_reason) == (want.text, list(want.token_ids), want.finish_reason)
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        prompts = [PROMPTS[1] + [7, 8], PROMPTS[1] + [9]]  # the second finds the first's pages cached
+        want = _tokens(plain, prompts, params)
+        hits = llm.engine.prefix_cache_hits
+        assert _tokens(llm, prompts[:1], params) == want[:1]
+        assert _tokens(llm, prompts[1:], params) == want[1:]
+        assert llm.engine.prefix_cache_hits > hits
+    assert steps
+
+
+@pytest.mark.triton_on_cpu
+def test_demo_model_greedy_equal_and_accepts_drafts_through_graphs(monkeypatch):
+    from moeserve.demo import chat_format as cf
+
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    kw = dict(max_num_batched_tokens=32, max_model_len=40)
+    with LLM(None, **{**SETTINGS, **kw}) as llm:
+        want = _tokens(llm, [prompt], params)
+    llm, steps = _graphed(None, {"method": "mtp", "num_speculative_tokens": 2}, monkeypatch, **kw)
+    with llm:
+        assert _tokens(llm, [prompt], params) == want
+        assert llm.engine.spec_num_accepted_tokens > 0
+    assert [3] in steps  # a verify row (its token and two drafts) replayed
+
+
+def test_eagle3_keeps_the_engine_eager(monkeypatch):
+    """EAGLE-3's aux-layer states are kept by the forward as a host-side side effect, which a
+    graph's replay would not repeat: no graphs with it."""
+    from moeserve.demo import EAGLE3_DIR
+
+    monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+    spec = {"method": "eagle3", "model": str(EAGLE3_DIR), "num_speculative_tokens": 2}
+    with LLM(None, speculative_config=spec, **SETTINGS) as llm:
+        runner = llm.engine.executor.runner
+        assert not runner.use_graphs and runner.piecewise_graphs is None and runner.graphs is None
