@@ -17,7 +17,7 @@ mkdir -p "$HUMMING_CACHE_DIR"
 [ -f .hcache/cache.tgz ] && tar xzf .hcache/cache.tgz -C "$HUMMING_CACHE_DIR"  # an earlier call's hcache.tgz
 K26='{"num_hidden_layers": 8}'
 V3='{"num_hidden_layers": 5}'
-step tests ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/test_humming_moe.py -x
+step tests ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py -x
 step fp8_kernels ${FP8_S:-70} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/fp8" --formats fp8 \
   --cases tp1,tp8,ep8-1local,ep8-2local --tokens 1,2,4 --time-limit $(( ${FP8_S:-70} - 10 ))
 for backend in ${E2E_BACKENDS:-auto triton}; do

@@ -40,8 +40,8 @@ if [ "${CLIENT:-0}" = 1 ]; then
   kill $stub
 fi
 if [ "${PYTEST:-0}" = 1 ]; then
-  step pytest_cuda ${PYTEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/test_kernels_lse_merge.py tests/test_kernels_mla.py \
-    tests/test_fast_path.py -k "real or lse or merge or cuda"
+  step pytest_cuda ${PYTEST_LIMIT:-150} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_lse_merge.py tests/kernels/test_kernels_mla.py \
+    tests/model/test_fast_path.py -k "real or lse or merge or cuda"
   tail -3 "$work/pytest_cuda.log" >> "$work/summary.txt"
 fi
 if [ "${PROFILE:-0}" = 1 ]; then

@@ -6,7 +6,7 @@
 source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
-step fp8_kernels 170 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fp8.py
+step fp8_kernels 170 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_fp8.py
 step bench_v3 230 python3 scripts/gpu_check.py --model deepseek-v3 --hf-overrides '{"num_hidden_layers": 5}' \
   --out "$work/v3" --batch-sizes 1,8,64,256 --input-len 1024 --output-len 128 --profile 1 --check-prompt-lens 7,300
 step exact_v3_fp32 120 python3 scripts/gpu_check.py --model deepseek-v3 --hf-overrides '{"num_hidden_layers": 4}' \

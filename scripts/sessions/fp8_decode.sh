@@ -7,7 +7,7 @@ source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format='commit %H %s' > "$work/commit.txt" 2>/dev/null
 step fp8_sweep 360 python3 scripts/sweeps/fp8_sweep.py --out "$work/fp8_sweep.json"
-step fp8_kernels 200 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_fp8.py
+step fp8_kernels 200 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_fp8.py
 sed -n '/^shape /,$p' "$work/fp8_sweep.log" >> "$work/summary.txt"
 tail -n 6 "$work/fp8_kernels.log" >> "$work/summary.txt"
 pack

@@ -15,9 +15,9 @@ if ls .whl/*.whl > /dev/null 2>&1; then
 fi
 # Last, with what is left of the call: the kernel tests compile a kernel per shape (slow).
 # The real shapes of every kernel (the tiny ones run in CI), newest kernels first.
-step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_router_hidden.py \
-  tests/test_gemv.py tests/test_sampling_kernel.py tests/test_attention_fusions.py tests/test_kernels_moe.py -k "real or shared" \
-  tests/test_kernels_mla.py tests/test_kernels_misc.py
+step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/model/test_router_hidden.py \
+  tests/kernels/test_gemv.py tests/kernels/test_sampling_kernel.py tests/kernels/test_attention_fusions.py tests/kernels/test_kernels_moe.py -k "real or shared" \
+  tests/kernels/test_kernels_mla.py tests/kernels/test_kernels_misc.py
 grep -h "^ *[0-9]* \+[0-9,]* \+[0-9.]* \+[0-9,.]* \|CHECK" "$work/bench_bf16.log" "$work/exact_fp32.log" \
   >> "$work/summary.txt" 2>/dev/null
 tail -3 "$work/kernel_tests.log" >> "$work/summary.txt" 2>/dev/null

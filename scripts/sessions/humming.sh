@@ -12,7 +12,7 @@ cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" >
 export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-$work/hcache}
 mkdir -p "$HUMMING_CACHE_DIR"
 [ -f .hcache/cache.tgz ] && tar xzf .hcache/cache.tgz -C "$HUMMING_CACHE_DIR"  # an earlier call's hcache.tgz
-step tests ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/test_humming_moe.py tests/test_moe_align.py -x
+step tests ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py tests/kernels/test_moe_align.py -x
 step int4_kernels ${KERNELS_S:-270} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/kernels" --formats int4 --humming \
   --cases ${CASES:-tp1,tp2,tp4,tp8,ep8-1local,ep8-2local,ep2-4local} --tokens ${TOKENS:-1,2,4,8,16,32,64,128,256} \
   --time-limit $(( ${KERNELS_S:-270} - 15 ))

@@ -8,7 +8,7 @@ source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 K26='{"num_hidden_layers": 8}'
-step int4_kernels 90 python3 -m pytest -q -p no:cacheprovider tests/test_kernels_int4.py -x
+step int4_kernels 90 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_int4.py -x
 step bench_k26 230 python3 scripts/gpu_check.py --model kimi-k2.6 --hf-overrides "$K26" --out "$work/k26" \
   --batch-sizes 1,8,64,256 --input-len 1024 --output-len 128 --profile 1,64 --check-prompt-lens 7,300
 step exact_k26_fp32 100 python3 scripts/gpu_check.py --model kimi-k2.6 --hf-overrides '{"num_hidden_layers": 3}' \

@@ -4,7 +4,7 @@
 #     tokens, `moeserve bench --url` at concurrency 1 and 32 on 64 held-out demo chat prompts;
 #   - DeepSeek-V3 (5 layers, dummy FP8) offline at batch 1/8/32 with MTP k = 0..3 (dummy weights:
 #     acceptance near zero, so the figure is a verify step's cost against a plain step);
-#   - tests/test_humming_moe.py's engine test (humming vs Triton prompt logprobs).
+#   - tests/kernels/test_humming_moe.py's engine test (humming vs Triton prompt logprobs).
 #   needs: the server wheels, humming-kernels, compressed-tensors (.whl carried and installed first)
 #   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts)
 source "$(dirname "$0")/steps.sh"
@@ -27,7 +27,7 @@ done
 step mtp_v3 ${MTP_S:-150} python3 -m moeserve bench --offline --model deepseek-v3 --load-format dummy \
   --hf-overrides '{"num_hidden_layers": 5}' --batch-sizes 1,8,32 --input-len 512 --output-len 64 \
   --speculative-config '{"method": "mtp"}' --num-speculative-tokens 0,1,2,3 --result-dir "$work/mtp"
-[ -n "${SKIP_HUMMING:-}" ] || step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/test_humming_moe.py -k engine
+[ -n "${SKIP_HUMMING:-}" ] || step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py -k engine
 for f in "$work"/demo_*.log; do echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"; done
 cat "$work"/metrics_*.txt >> "$work/summary.txt"
 grep -h "accepted\|^│\|^┃" "$work/mtp_v3.log" | tail -30 >> "$work/summary.txt"

@@ -5,7 +5,7 @@ names, the synthetic names and the numbers ``held_out_*`` pick; ``held_out_tasks
 and ``score`` says whether a reply is right. Training cities (``_city``): 30 % real training names,
 25 % spliced ones (``spliced_city``: the head of one joined to the tail of another), 45 % made up
 (``synthetic_city``). The held-out tasks are pinned: changing the training mix does not change them
-(tests/test_demo_tasks_data.py holds their digest).
+(tests/demo/test_demo_tasks_data.py holds their digest).
 
 Everything is drawn from a ``random.Random`` seeded by the caller: the same seed gives the same
 data. Imports nothing but the standard library (the training script runs it on a bare GPU machine).

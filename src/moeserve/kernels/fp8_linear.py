@@ -22,7 +22,7 @@ Numerics against the reference ``fp8_linear_ref`` (dequantize the weight in the 
 dtype, ``F.linear``): the weight is the same exact ``q * s`` in both, so the GEMM differs only by
 the activation rounding to e4m3 (3 mantissa bits: at most 2^-4 relative per element, about 2.5%
 RMS); at random shapes the output's relative Frobenius error measured 2.4-2.6% (float32 and
-bf16, tests/test_kernels_fp8.py bounds it by ``GEMM_REL_TOL``), at every batch size.
+bf16, tests/kernels/test_kernels_fp8.py bounds it by ``GEMM_REL_TOL``), at every batch size.
 
 Under Triton's CPU interpreter the fp8 dot, loads and fp8 -> fp32 conversions are exact, but its
 fp32 -> e4m3 cast rounds wrongly across a power of two (124 -> 64); there the quantizer rounds
@@ -432,7 +432,7 @@ def selfcheck(device: torch.device) -> bool:
     rq, rs = per_token_group_quant_fp8_ref(x, k_pad=k_pad)
     ok = torch.equal(xq.view(torch.uint8).cpu(), rq.view(torch.uint8).cpu()) and torch.equal(xs.cpu(), rs.cpu())
     ref, emulated = fp8_linear_ref(x, w, s, k_pad), fp8_linear_emulated(x, w, s, k_pad)
-    # On Hopper the fp8 MMA accumulates a K step in ~14 mantissa bits (tests/test_kernels_fp8.py).
+    # On Hopper the fp8 MMA accumulates a K step in ~14 mantissa bits (tests/kernels/test_kernels_fp8.py).
     tol = 5e-4 if x.is_cuda else 1e-5
     for scales in (s, s_rows):
         for config in (None, {"SPLIT_K": 2}):

@@ -37,7 +37,7 @@ No atomics and no zero-initialised buffer (every scratch entry is written before
 three launches and two ``torch.empty`` in all. (An atomic-counter version would need a fourth
 launch, the memset of its counters, and its rows within a run would vary from run to run.)
 The torch reference runs 37 aten ops (34 of them device kernels, the 3 others scalar
-wrappers), one of them a stable radix sort of several passes on CUDA; ``tests/test_moe_align.py``
+wrappers), one of them a stable radix sort of several passes on CUDA; ``tests/kernels/test_moe_align.py``
 checks that this wrapper runs no torch op beyond allocations and views.
 
 Compile-time constants depend on ``E`` (histogram bins) and ``block_m`` only, and on the table

@@ -2,7 +2,7 @@
 
 One H200, Moonlight-16B-A3B shape, bf16, dummy weights, ``tp1``, 1024 prompt tokens. Each
 session is one commit; the figures are copied from the files named in ``Session.source``
-(``tests/test_planner_fidelity.py`` reads those files and checks the copies).
+(``tests/planner/test_planner_fidelity.py`` reads those files and checks the copies).
 
 ``held_out(session)`` calibrates on two runs (batch 1 and 256: the extremes) and predicts the
 others with the fitted constants.

@@ -54,7 +54,7 @@ How it applies (``expert_efficiency``), by engine:
   nor does the few-pairs factor, which is our GEMV's grid. Nor, it seems, does all of the shape:
   TP8 slices now stream at 0.92 of whole experts at one token and 0.98 at 32 (the kernels
   before cfa7599: 0.58 and 0.78), and with that the published Kimi TP8 run at 8 and 16 requests
-  is predicted +33 / +34 % (tests/test_planner_fidelity.py).
+  is predicted +33 / +34 % (tests/planner/test_planner_fidelity.py).
 
 INT4 routed experts only: FP8-block and bf16 experts were not measured here and keep the single
 efficiency. The slice is keyed by its bytes, whatever model it comes from.

@@ -3,7 +3,7 @@ every other one is refused with a 400 naming it when it asks for anything but it
 is accepted and ignored (the rule of docs/server.md), so the request models keep unknown fields
 (``extra="allow"``) and this module looks at them.
 
-``tests/test_request_fields.py`` enumerates vLLM's completion and chat request fields and checks
+``tests/server/test_request_fields.py`` enumerates vLLM's completion and chat request fields and checks
 each against this: honoured, or a 400 naming it."""
 
 from __future__ import annotations

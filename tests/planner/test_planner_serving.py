@@ -15,7 +15,7 @@ from moeserve.planner.hardware import resolve_hardware
 from moeserve.planner.layout_names import Layout
 from moeserve.planner.bench_prediction import predict_bench
 
-H200_RUN = Path(__file__).parent.parent / "benchmarks" / "h200-2026-11-29b"
+H200_RUN = Path(__file__).parents[2] / "benchmarks" / "h200-2026-11-29b"
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from server_utils import ServerProcess, assert_openai_error, sse_data
 PROMPT = "Hello there, MoE"
 CHAT = [{"role": "user", "content": "hi there"}]
 MAX_LEN = 512
-TESTS = Path(__file__).parent
+TESTS = Path(__file__).parents[1]  # tests/, whose folders hold the checks named below
 
 
 @pytest.fixture(scope="module")
@@ -341,7 +341,7 @@ FLAG_GATED = {
     "chat": {
         "tools": (
             [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
-            "test_server_agentic.py::test_weather_question_yields_a_get_weather_call",
+            "server/test_server_agentic.py::test_weather_question_yields_a_get_weather_call",
         )
     },
     "completions": {},
@@ -350,40 +350,40 @@ FLAG_GATED = {
 # test that shows its effect (``file::test``; this test checks that it exists and the value is taken).
 HONOURED_COMMON = {
     "model": ("no-such-model", "404"),
-    "frequency_penalty": (1.5, "test_server.py::test_penalties_and_logit_bias_equal_offline_generate"),
-    "presence_penalty": (1.5, "test_server.py::test_penalties_and_logit_bias_equal_offline_generate"),
+    "frequency_penalty": (1.5, "server/test_server.py::test_penalties_and_logit_bias_equal_offline_generate"),
+    "presence_penalty": (1.5, "server/test_server.py::test_penalties_and_logit_bias_equal_offline_generate"),
     "logit_bias": ({"65": 100}, lambda r, base: set(out(r)) == {65}),
     "n": (2, lambda r, base: len(r["choices"]) == 2),
-    "seed": (3, "test_server.py::test_n_seed_and_vllm_extras"),
-    "stop": ("STOP", "test_server.py::test_streaming_equals_non_streaming"),
-    "stream": (True, "test_server.py::test_streaming_equals_non_streaming"),
-    "temperature": (0.5, "test_server_reliability2.py::test_a_tiny_temperature_is_greedy"),
-    "top_p": (0.5, "test_server.py::test_n_seed_and_vllm_extras"),
+    "seed": (3, "server/test_server.py::test_n_seed_and_vllm_extras"),
+    "stop": ("STOP", "server/test_server.py::test_streaming_equals_non_streaming"),
+    "stream": (True, "server/test_server.py::test_streaming_equals_non_streaming"),
+    "temperature": (0.5, "server/test_server_reliability2.py::test_a_tiny_temperature_is_greedy"),
+    "top_p": (0.5, "server/test_server.py::test_n_seed_and_vllm_extras"),
     "top_k": (1, lambda r, base: out(r) == out(base)),  # with temperature 1 (below): greedy
     "min_p": (1.0, lambda r, base: out(r) == out(base)),  # only the likeliest survives
     "stop_token_ids": (
         "from-base",
         lambda r, base: out(r) == out(base)[: out(base).index(out(base)[2]) + 1] and r["choices"][0]["finish_reason"] == "stop",
     ),
-    "include_stop_str_in_output": (True, "test_stop.py::test_streamed_text_releases_what_cutting_the_whole_text_would"),
-    "ignore_eos": (True, "test_server.py::test_n_seed_and_vllm_extras"),
-    "min_tokens": (2, "test_server_reliability.py::test_min_tokens_above_max_tokens_is_a_400"),
-    "skip_special_tokens": (False, "test_parsers.py"),
+    "include_stop_str_in_output": (True, "engine/test_stop.py::test_streamed_text_releases_what_cutting_the_whole_text_would"),
+    "ignore_eos": (True, "server/test_server.py::test_n_seed_and_vllm_extras"),
+    "min_tokens": (2, "server/test_server_reliability.py::test_min_tokens_above_max_tokens_is_a_400"),
+    "skip_special_tokens": (False, "server/test_parsers.py"),
     "truncate_prompt_tokens": (3, lambda r, base: r["usage"]["prompt_tokens"] == 3),
-    "truncation_side": ("right", "test_request_fields.py::test_bad_words_allowed_token_ids_truncation_priority_and_request_id"),
+    "truncation_side": ("right", "server/test_request_fields.py::test_bad_words_allowed_token_ids_truncation_priority_and_request_id"),
     "allowed_token_ids": ([66, 67], lambda r, base: set(out(r)) <= {66, 67}),
     "prompt_logprobs": (
         1,
         lambda r, base: len(r.get("prompt_logprobs") or r["choices"][0]["prompt_logprobs"]) == r["usage"]["prompt_tokens"],
     ),
     "bad_words": ("from-base", lambda r, base: first_char_token(base) not in out(r)),
-    "priority": (-3, "test_scheduler.py::test_priority_orders_the_waiting_queue_and_preempts_the_lowest_first"),
+    "priority": (-3, "engine/test_scheduler.py::test_priority_orders_the_waiting_queue_and_preempts_the_lowest_first"),
     "request_id": ("rid-7", lambda r, base: r["id"].endswith("-rid-7")),
     "return_tokens_as_token_ids": (False, lambda r, base: r["choices"][0]["logprobs"] != base["choices"][0]["logprobs"]),
-    "cache_salt": ("salt", "test_server_reliability2.py::test_cache_salt_keeps_prefix_cache_pages_apart"),
-    "response_format": ({"type": "json_object"}, "test_structured_outputs.py::test_json_schemas_over_http_streamed_and_not"),
+    "cache_salt": ("salt", "server/test_server_reliability2.py::test_cache_salt_keeps_prefix_cache_pages_apart"),
+    "response_format": ({"type": "json_object"}, "server/test_structured_outputs.py::test_json_schemas_over_http_streamed_and_not"),
     "structured_outputs": ({"regex": "[ab]+"}, lambda r, base: re.fullmatch("[ab]+", text_of(r)) is not None),
-    "guided_json": ({"type": "object"}, "test_structured_outputs.py::test_every_field_spelling_reaches_the_engine"),
+    "guided_json": ({"type": "object"}, "server/test_structured_outputs.py::test_every_field_spelling_reaches_the_engine"),
     "guided_regex": ("[ab]+", lambda r, base: re.fullmatch("[ab]+", text_of(r)) is not None),
     "guided_choice": (["yes", "no"], lambda r, base: text_of(r) in ("yes", "no")),
     "guided_grammar": ('root ::= "a" "b"*', lambda r, base: re.fullmatch("ab*", text_of(r)) is not None),
@@ -406,15 +406,15 @@ HONOURED = {
         "max_tokens": (3, lambda r, base: r["usage"]["completion_tokens"] == 3),
         "max_completion_tokens": (3, lambda r, base: r["usage"]["completion_tokens"] == 3),
         "add_generation_prompt": (False, lambda r, base: r["usage"]["prompt_tokens"] < base["usage"]["prompt_tokens"]),
-        "chat_template_kwargs": ({"unused": 1}, "test_chat_template.py"),
-        "continue_final_message": (True, "test_server_agentic.py::test_continue_final_message"),
+        "chat_template_kwargs": ({"unused": 1}, "server/test_chat_template.py"),
+        "continue_final_message": (True, "server/test_server_agentic.py::test_continue_final_message"),
         # tools hidden from the template: the prompt is the one without tools
         "tool_choice": ("none", lambda r, base: r["usage"]["prompt_tokens"] == base["usage"]["prompt_tokens"]),
-        "documents": ([{"title": "t", "text": "x"}], "test_request_fields.py::test_chat_fields_that_reach_the_template"),
-        "reasoning_effort": ("low", "test_request_fields.py::test_chat_fields_that_reach_the_template"),
-        "add_special_tokens": (True, "test_request_fields.py::test_chat_fields_that_reach_the_template"),
-        "include_reasoning": (False, "test_server_agentic.py::test_include_reasoning_and_parallel_tool_calls_false"),
-        "parallel_tool_calls": (False, "test_server_agentic.py::test_include_reasoning_and_parallel_tool_calls_false"),
+        "documents": ([{"title": "t", "text": "x"}], "server/test_request_fields.py::test_chat_fields_that_reach_the_template"),
+        "reasoning_effort": ("low", "server/test_request_fields.py::test_chat_fields_that_reach_the_template"),
+        "add_special_tokens": (True, "server/test_request_fields.py::test_chat_fields_that_reach_the_template"),
+        "include_reasoning": (False, "server/test_server_agentic.py::test_include_reasoning_and_parallel_tool_calls_false"),
+        "parallel_tool_calls": (False, "server/test_server_agentic.py::test_include_reasoning_and_parallel_tool_calls_false"),
     },
 }
 # the body a field is sent with besides the base request's

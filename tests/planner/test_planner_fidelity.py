@@ -16,7 +16,7 @@ from moeserve.planner.hardware import resolve_hardware
 from moeserve.planner.our_runs import SESSIONS, held_out
 from moeserve.planner.published import KV_CAPACITIES, POINTS, RANKINGS, SOURCES
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 # What the priors reach today (docs/planner.md, "Predicted vs published"), with the INT4 kernel-shape term
 # (shape.py): 55 of 58 points within +-25 % (54 before the term; 57 with the shape of our INT4 kernels before

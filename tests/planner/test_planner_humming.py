@@ -18,7 +18,7 @@ from moeserve.planner.plan_command import add_plan_arguments
 from moeserve.planner.rank import serve_flags
 from moeserve.planner.workload import Workload
 
-RUN = Path(__file__).parent.parent / humming_shape.SOURCE
+RUN = Path(__file__).parents[2] / humming_shape.SOURCE
 ROUTED = {"experts gate_up", "experts down", "experts act", "experts combine", "moe_align"}
 
 

@@ -149,7 +149,7 @@ def test_kv_bytes_and_ep_imbalance(kimi):
 
 # ---- kernel shape: INT4 expert slices (shape.py, benchmarks/h200-2026-12-03/kernels_cfa7599) ----
 
-SHAPE_RUN = Path(__file__).parent.parent / shape.SOURCE
+SHAPE_RUN = Path(__file__).parents[2] / shape.SOURCE
 WHOLE, TP8 = 24772608, 3096576
 
 

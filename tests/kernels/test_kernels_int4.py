@@ -117,7 +117,7 @@ def reference(x, experts, weights, ids, first):
 def assert_bf16_close(out, ref):
     """The kernels round the intermediate (and, in the GEMM, the dequantized weights) to bf16
     where the float32 oracle does not: bound the worst element by a few bf16 ulps of the
-    output's magnitude, the relative Frobenius error tighter (as tests/test_kernels_moe.py)."""
+    output's magnitude, the relative Frobenius error tighter (as tests/kernels/test_kernels_moe.py)."""
     out, ref = out.float().cpu(), ref.float().cpu()
     if ref.abs().max() > 0:
         assert out.abs().max() > 0  # a kernel returning zeros must not pass against a tiny reference

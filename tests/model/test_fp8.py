@@ -232,7 +232,7 @@ def test_dummy_fp8_weights_in_the_published_format():
 # compared where the reference's top-1 margin exceeds twice the tolerance (no error within it
 # can flip them); a near tie may flip, after which the continuations differ and that
 # sequence's comparison stops. The kernels themselves are held to their emulation at float32
-# rounding (tests/test_kernels_fp8.py, and the layers' shards below).
+# rounding (tests/kernels/test_kernels_fp8.py, and the layers' shards below).
 FAST_LOGPROB_TOL = 0.1
 
 

@@ -143,7 +143,7 @@ def _with_quantization_config(src, dst, quantization_config):
 def test_fp8_config_over_plain_weights_loads_them_plain(v3_checkpoint, tmp_path):
     """What is FP8 is read from the checkpoint (a weight with a weight_scale_inv beside it): an
     FP8 config over plain tensors loads every linear and expert plain. (FP8 checkpoints
-    themselves: tests/test_fp8.py; this replaces the test that FP8 was refused.)"""
+    themselves: tests/model/test_fp8.py; this replaces the test that FP8 was refused.)"""
     d = _with_quantization_config(v3_checkpoint, tmp_path / "fp8", {"quant_method": "fp8", "weight_block_size": [128, 128]})
     assert generate(d) == generate(v3_checkpoint)
 
