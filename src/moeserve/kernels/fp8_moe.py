@@ -550,11 +550,10 @@ def _fp8_gate_up_gemv_spread(
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    # Axis 0: a token's GROUPS routed groups, then its shared slots. GROUPS = TOPK (a TP rank):
-    # group g is slot g, another rank's expert returns at once. GROUPS < TOPK (an EP rank, the
-    # token's expected local slots: 1 at EP8; see ``gemv_spread``): the token's local slots are
-    # listed in registers and group g computes those of rank g, g + GROUPS, ... The TP form is
-    # kept apart: listing the slots there cost ptxas 72 -> 127 registers a thread (sm_90).
+    # An EP rank's (GROUPS < TOPK: the token's expected local slots, 1 at EP8; see ``gemv_spread``).
+    # Axis 0: a token's GROUPS routed groups, then its shared slots. The token's local slots are
+    # listed in registers and group g computes those of rank g, g + GROUPS, ... (A TP rank runs
+    # ``_fp8_gate_up_gemv``: listing the slots there cost ptxas 72 -> 127 registers a thread.)
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pid // (GROUPS + SHARED_SLOTS)
@@ -562,7 +561,7 @@ def _fp8_gate_up_gemv_spread(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     x_row = X + token.to(tl.int64) * stride_x
     inter_row = Inter + (token * (TOPK + SHARED_SLOTS)).to(tl.int64) * stride_i
-    if GROUPS == TOPK or group >= GROUPS:
+    if group >= GROUPS:  # a slice of the shared experts
         slot = group - GROUPS + TOPK
         e = tl.load(Ids + token * TOPK + tl.minimum(slot, TOPK - 1)).to(tl.int64) - first_expert
         if (slot < TOPK) & ((e < 0) | (e >= num_local)):
@@ -645,17 +644,15 @@ def _fp8_down_gemv_spread(
     INTER: tl.constexpr,
     TOPK: tl.constexpr,
     SHARED_SLOTS: tl.constexpr,
-    LIST_LOCAL: tl.constexpr,
     GROUP_K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
 ):
-    # One pipelined loop (STAGES deep) over (routed slot, K chunk), then one over the shared
-    # slots' chunks, one reduction at the end. On an EP rank (LIST_LOCAL) the token's slots of
-    # this rank's experts are listed first (in registers, as the INT4 down GEMV does), so a rank
-    # holding one of the 8 chosen experts runs one slot's chunks, not eight masked ones; a TP
-    # rank keeps the plain loop over its TOPK slots (all local). BLOCK_N divides 128, so a
+    # An EP rank's: one pipelined loop (STAGES deep) over (local routed slot, K chunk), then one
+    # over the shared slots' chunks, one reduction at the end. The token's slots of this rank's
+    # experts are listed first (in registers, as the INT4 down GEMV does), so a rank holding one
+    # of the 8 chosen experts runs one slot's chunks, not eight masked ones. BLOCK_N divides 128, so a
     # tile's rows share one row block of w2's scales, and a chunk's block scales fold into the
     # intermediate vector before the weight tile multiplies it.
     CHUNKS: tl.constexpr = (INTER + BLOCK_K - 1) // BLOCK_K
@@ -665,29 +662,17 @@ def _fp8_down_gemv_spread(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hidden
     n_block = (pid_n * BLOCK_N) // GROUP_K
-    if LIST_LOCAL:
-        offs_s = tl.arange(0, SLOTS_P2)
-        local_e = tl.load(Ids + token * TOPK + offs_s, mask=offs_s < TOPK, other=-1).to(tl.int64) - first_expert
-        mine = (offs_s < TOPK) & (local_e >= 0) & (local_e < num_local)
-        rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
+    offs_s = tl.arange(0, SLOTS_P2)
+    local_e = tl.load(Ids + token * TOPK + offs_s, mask=offs_s < TOPK, other=-1).to(tl.int64) - first_expert
+    mine = (offs_s < TOPK) & (local_e >= 0) & (local_e < num_local)
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
     inter_rows = Inter + (token * (TOPK + SHARED_SLOTS)).to(tl.int64) * stride_i
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if LIST_LOCAL:
-        n_routed = tl.sum(mine.to(tl.int32), 0)
-    else:
-        n_routed = TOPK
-    for it in tl.range(0, n_routed * CHUNKS, num_stages=STAGES):
-        if LIST_LOCAL:
-            pick = mine & (rank == it // CHUNKS)
-            slot = tl.sum(tl.where(pick, offs_s, 0), 0)
-            e = tl.sum(tl.where(pick, local_e, 0), 0)
-            mask_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K) < INTER
-        else:  # every slot in turn, another rank's expert's masked (a TP rank: all are local)
-            slot = it // CHUNKS
-            e = tl.load(Ids + token * TOPK + slot).to(tl.int64) - first_expert
-            local = (e >= 0) & (e < num_local)
-            mask_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K) < tl.where(local, INTER, 0)
-            e = tl.where(local, e, 0)
+    for it in tl.range(0, tl.sum(mine.to(tl.int32), 0) * CHUNKS, num_stages=STAGES):
+        pick = mine & (rank == it // CHUNKS)
+        slot = tl.sum(tl.where(pick, offs_s, 0), 0)
+        e = tl.sum(tl.where(pick, local_e, 0), 0)
+        mask_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K) < INTER
         offs_k = (it % CHUNKS) * BLOCK_K + tl.arange(0, BLOCK_K)
         scale = tl.load(Weights + token * TOPK + slot).to(tl.float32)
         v = tl.load(inter_rows + slot * stride_i + offs_k, mask=mask_k, other=0.0).to(tl.float32) * scale
@@ -1044,7 +1029,6 @@ def fp8_moe_gemv(
         INTER=inter,
         TOPK=K,
         SHARED_SLOTS=shared_slots,
-        **(dict(LIST_LOCAL=True) if spread_kernels else {}),
         GROUP_K=GROUP,
         **dn,
     )

@@ -548,9 +548,7 @@ def use_moe_backend(layers: list[nn.Module], requested: str, dtype: torch.dtype)
         log.info("routed INT4 experts on moeserve's Triton kernels (humming: %s)", reason)
         return "triton"
     for m in int4[1:]:
-        m.method.use_humming(m)
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the packed words' memory, for the KV cache sized next
+        m.method.use_humming(m)  # (each hands its packed words' memory back: use_humming)
     log.info("routed INT4 experts on humming (humming-kernels), %d layers", len(int4))
     return "humming"
 
