@@ -478,6 +478,22 @@ def _gemv_configs(T: int, inter: int, gate_up_config: dict | None, down_config: 
     return gu, dn
 
 
+def shared_slot_args(
+    x: torch.Tensor, inter_size: int, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None
+) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """(shared width, shared slots of ``inter_size``, gate/up, down) for the GEMV kernels, the
+    shared experts' weights checked against the hidden size (``x`` stands in for absent ones: no
+    shared slot reads them)."""
+    if shared_w13 is None:
+        return 0, 0, x, x
+    hidden = x.shape[1]
+    shared_size = shared_w13.shape[0] // 2
+    if tuple(shared_w13.shape) != (2 * shared_size, hidden) or tuple(shared_w2.shape) != (hidden, shared_size):
+        raise ValueError(f"shared experts of shapes {tuple(shared_w13.shape)}, {tuple(shared_w2.shape)} do not match hidden size {hidden}")
+    assert shared_w13.stride(-1) == 1 and shared_w2.stride(-1) == 1
+    return shared_size, triton.cdiv(shared_size, inter_size), shared_w13, shared_w2
+
+
 def int4_moe_gemv(
     x: torch.Tensor,
     w13_packed: torch.Tensor,
@@ -491,26 +507,28 @@ def int4_moe_gemv(
     shared_w2: torch.Tensor | None = None,
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
+    spread: bool = False,
+    num_experts_total: int | None = None,
 ) -> torch.Tensor:
     """``int4_moe_ref`` for small T*K (meant for T*K <= ``INT4_GEMV_MAX_PAIRS``: each (token, slot)
     reads its expert's words, so tokens sharing an expert read it twice), plus the shared
     experts' output when their weights are given in the activation dtype: ``shared_w13``
     ``[2 * Is, H]`` (gate rows then up rows) and ``shared_w2 [H, Is]``, as ``moe_gemv`` takes
     them. Two launches; no host sync and no allocation whose size depends on the routing, so
-    it can be captured in a CUDA graph."""
+    it can be captured in a CUDA graph.
+
+    ``spread``: the kernels of ``kernels.int4_spread`` instead (not measured yet; for an EP rank's
+    one or two local experts and narrow TP slices), their grid sized by the token's expected
+    local slots out of ``num_experts_total`` (the model's routed experts; None: all local)."""
+    if spread:
+        from moeserve.kernels.int4_spread import int4_moe_gemv_spread
+
+        args = (x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, first_expert, shared_w13, shared_w2)
+        return int4_moe_gemv_spread(*args, gate_up_config, down_config, num_experts_total)
     T = x.shape[0]
     E, hidden, inter_size = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
     K = topk_ids.shape[1]
-    if shared_w13 is None:
-        shared_size, shared_slots, sw13, sw2 = 0, 0, x, x  # never read: no shared slot exists
-    else:
-        shared_size = shared_w13.shape[0] // 2
-        if tuple(shared_w13.shape) != (2 * shared_size, hidden) or tuple(shared_w2.shape) != (hidden, shared_size):
-            raise ValueError(
-                f"shared experts of shapes {tuple(shared_w13.shape)}, {tuple(shared_w2.shape)} do not match hidden size {hidden}"
-            )
-        assert shared_w13.stride(-1) == 1 and shared_w2.stride(-1) == 1
-        shared_slots, sw13, sw2 = triton.cdiv(shared_size, inter_size), shared_w13, shared_w2
+    shared_size, shared_slots, sw13, sw2 = shared_slot_args(x, inter_size, shared_w13, shared_w2)
     out = torch.empty_like(x)
     if T == 0:
         return out
@@ -871,11 +889,12 @@ def int4_fused_moe(
     config: dict | None = None,
     small_batch_gemv: bool = True,
     num_experts_total: int | None = None,
+    gemv_spread: bool = False,
 ) -> torch.Tensor:
     """Drop-in for :func:`int4_moe_ref` at any batch size (routed experts only). At most
     ``INT4_GEMV_MAX_PAIRS`` pairs go to :func:`int4_moe_gemv` (no alignment) unless
-    ``small_batch_gemv`` is off or a ``config`` is given; otherwise the grouped GEMMs run with
-    the tile of ``int4_moe_config`` overridden by ``config``."""
+    ``small_batch_gemv`` is off or a ``config`` is given (``gemv_spread``: its spread kernels);
+    otherwise the grouped GEMMs run with the tile of ``int4_moe_config`` overridden by ``config``."""
     T = x.shape[0]
     E, hidden, inter_size = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
     K = topk_ids.shape[1]
@@ -883,7 +902,8 @@ def int4_fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     if small_batch_gemv and num_pairs <= INT4_GEMV_MAX_PAIRS and config is None:
-        return int4_moe_gemv(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, first_expert)
+        experts = (w13_packed, w13_scale, w2_packed, w2_scale)
+        return int4_moe_gemv(x, *experts, topk_weights, topk_ids, first_expert, spread=gemv_spread, num_experts_total=num_experts_total)
     cfg = fit_int4_shared_memory({**int4_moe_config(num_pairs, num_experts_total or E), **(config or {})}, x.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % GROUP:
