@@ -181,9 +181,7 @@ def _int4_gate_up_range(
 
 
 @triton.jit
-def _dense_gate_up_range(
-    x_row, w_gate, up_offset, mask_n, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr
-):
+def _dense_gate_up_range(x_row, w_gate, up_offset, mask_n, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
     """As :func:`_int4_gate_up_range` for rows in the activation dtype (the shared experts)."""
     gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
