@@ -206,6 +206,129 @@ def test_int4_moe_gemv_explicit_tiles():
         int4_moe_gemv(x, *experts, weights, ids, 0, gate_up_config={"BLOCK_K": 48})
 
 
+# ---- decode GEMV, spread over the GPU (kernels/int4_spread.py) ----
+
+F16 = torch.float16
+SPREAD_DTYPES = DTYPES + [pytest.param(F16, id="fp16")]
+# (gate/up, down) tiles: several row tiles (the last partial where the width does not divide them),
+# several K chunks, split K (3 splits of 3 chunks, 4 of 2: one split empty), slot tiles in a chunk.
+ROWS_AND_CHUNKS = ({"BLOCK_N": 64, "BLOCK_K": 32}, {"BLOCK_N": 64, "BLOCK_K": 32})
+SPLIT_3 = ({"BLOCK_N": 32, "BLOCK_K": 32, "SPLIT_K": 3}, {"BLOCK_N": 32, "BLOCK_K": 64, "SLOT_TILE": 2})
+SPLIT_4 = ({"BLOCK_N": 64, "BLOCK_K": 64, "SPLIT_K": 4}, {"BLOCK_N": 128, "BLOCK_K": 32, "SLOT_TILE": 4})
+
+SPREAD_CASES = [
+    # E_local, first, total experts, local slots a token (None: drawn at random), hidden, inter, shared width, tiles
+    pytest.param(4, 4, 32, [1], 96, 64, 0, None, id="ep8-lone-expert-t1"),
+    pytest.param(4, 4, 32, [2, 1], 96, 64, 0, ROWS_AND_CHUNKS, id="ep8-2-1local-tiles"),
+    pytest.param(4, 8, 32, [1, 0, 2, 1], 96, 96, 48, SPLIT_3, id="ep8-t4-none-local-shared-split3"),
+    pytest.param(8, 0, 8, None, 96, 96, 0, ROWS_AND_CHUNKS, id="tp-slice-96-of-tile-64"),
+    pytest.param(8, 0, 8, None, 64, 32, 80, SPLIT_4, id="tp-narrow-shared-split4-slot-tiles"),
+]
+
+
+def spread_routing(T, K, E, first, total, local, gen):
+    """``local[t]`` of token t's K slots on this rank (``[first, first + E)``), the rest on others;
+    None: all ids drawn from the model's experts. Token 0 repeats an expert (top-k may)."""
+    rows = []
+    for t in range(T):
+        if local is None:
+            row = torch.randperm(total, generator=gen)[:K]
+        else:
+            others = [e for e in torch.randperm(total, generator=gen).tolist() if not first <= e < first + E]
+            row = torch.tensor((first + torch.randperm(E, generator=gen)[: local[t]]).tolist() + others[: K - local[t]])
+        rows.append(row)
+    ids = torch.stack(rows)
+    ids[0, -1] = ids[0, 0]
+    return (torch.rand(T, K, generator=gen) + 0.1).to(DEV), ids.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", SPREAD_DTYPES)
+@pytest.mark.parametrize("E,first,total,local,hidden,inter,shared,tiles", SPREAD_CASES)
+def test_int4_moe_gemv_spread_matches_reference(E, first, total, local, hidden, inter, shared, tiles, dtype):
+    g = torch.Generator().manual_seed(E + first + hidden + inter + shared)
+    K, T = 4, len(local) if local else 3
+    experts = make_experts(E, hidden, inter, g, dtype)
+    x = torch.randn(T, hidden, generator=g).to(DEV, dtype)
+    weights, ids = spread_routing(T, K, E, first, total, local, g)
+    ref = reference(x, experts, weights, ids, first)
+    gu, dn = tiles or (None, None)
+    kw = dict(spread=True, num_experts_total=total, gate_up_config=gu, down_config=dn)
+    sh = ()
+    if shared:
+        sh = (
+            (torch.randn(2 * shared, hidden, generator=g) * hidden**-0.5).to(DEV, dtype),
+            (torch.randn(hidden, shared, generator=g) * shared**-0.5).to(DEV, dtype),
+        )
+        ref = ref + shared_ref(x.float(), sh[0].float(), sh[1].float())
+    out = int4_moe_gemv(x, *experts, weights, ids, first, *sh, **kw)
+    if dtype == F16:  # bf16's bounds hold for fp16 (three more mantissa bits)
+        assert out.dtype == F16
+        assert_bf16_close(out, ref)
+    else:
+        check(out, ref, dtype)
+    if local is not None and not shared:  # a token with no local expert: nothing from this rank
+        assert all(torch.count_nonzero(out[t]) == 0 for t, n in enumerate(local) if n == 0)
+
+
+def test_int4_moe_gemv_spread_equals_the_measured_gemv_in_float32():
+    g = torch.Generator().manual_seed(12)
+    experts = make_experts(4, 64, 32, g, torch.float32)
+    x = torch.randn(2, 64, generator=g).to(DEV)
+    weights, ids = spread_routing(2, 4, 4, 4, 16, [1, 2], g)
+    spread = int4_moe_gemv(x, *experts, weights, ids, 4, spread=True, num_experts_total=16)
+    torch.testing.assert_close(spread, int4_moe_gemv(x, *experts, weights, ids, 4), atol=1e-5, rtol=1e-5)
+
+
+def test_int4_moe_gemv_spread_refuses_what_it_cannot_run():
+    g = torch.Generator().manual_seed(13)
+    p13, s13, p2, s2 = make_experts(4, 64, 32, g, torch.float32)
+    x = torch.randn(1, 64, generator=g).to(DEV)
+    weights, ids = routing(1, 2, 4, g)
+    with pytest.raises(ValueError, match="power of two"):
+        int4_moe_gemv(x, p13, s13, p2, s2, weights, ids, 0, spread=True, gate_up_config={"BLOCK_N": 24})
+    with pytest.raises(ValueError, match="contiguous"):  # row strides are the kernels' constants
+        wide = torch.zeros(4, 64, 16, dtype=torch.int32, device=DEV)[:, :, :8]
+        int4_moe_gemv(x, wide, s13, p2, s2, weights, ids, 0, spread=True)
+
+
+def test_int4_spread_grid_for_kimi_k26(monkeypatch):
+    """K2.6 at one token (132 SMs): an EP8 rank's lone expert and a TP8 slice are 2,048 gate/up rows
+    each, in 512 programs of 4; the 7,168 down rows in 448 programs of 16, a TP8 slice's 256-wide
+    slots four to a chunk; whole experts (TP1) keep 8-row tiles."""
+    import moeserve.kernels.int4_spread as m
+
+    monkeypatch.setattr(m, "interpreting", lambda: False)
+    H = 7168
+    ep8 = m.int4_spread_configs(1, 1, 2048, H)
+    assert (ep8[0]["BLOCK_N"], ep8[0]["SPLIT_K"], ep8[1]["BLOCK_N"], ep8[1]["BLOCK_K"], ep8[1]["SLOT_TILE"]) == (4, 1, 16, 1024, 1)
+    tp8 = m.int4_spread_configs(1, 8, 256, H)
+    assert (tp8[0]["BLOCK_N"], tp8[1]["BLOCK_K"], tp8[1]["SLOT_TILE"]) == (4, 256, 4)
+    assert m.int4_spread_configs(1, 8, 2048, H)[0]["BLOCK_N"] == 8
+    assert m.int4_spread_configs(4, 1, 2048, H)[0]["BLOCK_N"] == 8  # 4 tokens: 1,024 programs of 8
+    for cfg in m.INT4_GATE_UP_SPREAD_CONFIGS + m.INT4_DOWN_SPREAD_CONFIGS:
+        assert cfg["BLOCK_K"] == 256 * cfg["num_warps"]  # one word a row a thread
+
+
+def test_int4_experts_spread_knob(monkeypatch):
+    """MOESERVE_INT4_GEMV=spread selects the spread kernels once their check passed; the default is
+    the measured GEMV."""
+    from moeserve.quant.experts import Int4Experts
+
+    monkeypatch.delenv("MOESERVE_INT4_GEMV", raising=False)
+    method = Int4Experts(32, 384)
+    assert not method.gemv_spread and method.kernels == ("int4_moe",)
+    monkeypatch.setenv("MOESERVE_INT4_GEMV", "spread")
+    method = Int4Experts(32, 384)
+    assert method.kernels == ("int4_moe", "int4_spread")
+    method.use_kernels({"int4_moe", "int4_spread"})
+    assert method.gemv and method.gemv_spread
+    method.use_kernels({"int4_moe"})  # its check failed: the measured GEMV
+    assert method.gemv and not method.gemv_spread
+    monkeypatch.setenv("MOESERVE_INT4_GEMV", "fast")
+    with pytest.raises(ValueError, match="MOESERVE_INT4_GEMV"):
+        Int4Experts(32, 384)
+
+
 # ---- grouped GEMM ----
 
 GEMM_CASES = [
@@ -292,12 +415,13 @@ def test_int4_tile_table():
 
 def test_selfcheck_passes():
     assert selfcheck(torch.device(DEV))
+    assert selfcheck(torch.device(DEV), spread=True)
 
 
 def test_selftest_registers_int4_check():
     from moeserve.kernels.selftest import CHECKS
 
-    assert "int4_moe" in CHECKS
+    assert "int4_moe" in CHECKS and "int4_spread" in CHECKS
 
 
 # ---- Kimi K2.6 shapes (CUDA only) ----

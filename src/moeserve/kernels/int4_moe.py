@@ -973,7 +973,7 @@ def int4_fused_moe(
 # start-up check
 
 
-def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
+def _selfcheck_case(device: torch.device, dtype: torch.dtype, spread: bool) -> bool:
     g = torch.Generator().manual_seed(11)
     T, H, I, E, K, Is, first = 3, 64, 32, 4, 2, 48, 2
     x = torch.randn(T, H, generator=g).to(device, dtype)
@@ -991,22 +991,31 @@ def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
     # The grouped GEMM at the decode-like table row's tile shape (wgmma with 64 weight rows),
     # forced: three tokens would otherwise go to the GEMV.
     tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2)
-    outs = [
-        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
-        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
-        (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref),
-    ]
+    if spread:  # as a rank of 4 of 8 experts: one routed group a token; the split-K pass too
+        kw = dict(spread=True, num_experts_total=2 * E)
+        outs = [
+            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, **kw), ref),
+            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2, **kw), ref + shared),
+            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, gate_up_config={"SPLIT_K": 2}, **kw), ref),
+        ]
+    else:
+        outs = [
+            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
+            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
+            (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref),
+        ]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
 
 
-def selfcheck(device: torch.device) -> bool:
-    """Compile both kernels (GEMV with and without shared experts, grouped GEMM) at a tiny
-    shape on ``device`` and compare them with :func:`int4_moe_ref`: in float32, and on CUDA
-    also in bf16, the dtype the model runs in there (its kernels are separate compilations)."""
+def selfcheck(device: torch.device, spread: bool = False) -> bool:
+    """Compile both kernels (GEMV with and without shared experts, grouped GEMM; ``spread``: the
+    GEMV's spread kernels instead, split K included) at a tiny shape on ``device`` and compare
+    them with :func:`int4_moe_ref`: in float32, and on CUDA also in bf16, the dtype the model
+    runs in there (its kernels are separate compilations)."""
     device = torch.device(device)
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
-    return all(_selfcheck_case(device, dtype) for dtype in dtypes)
+    return all(_selfcheck_case(device, dtype, spread) for dtype in dtypes)
 
 
 __all__ = [

@@ -100,6 +100,12 @@ def check_int4_moe(device: torch.device) -> bool:
     return selfcheck(device)  # the INT4 GEMV (with shared experts) and grouped GEMM, fp32 and bf16
 
 
+def check_int4_spread(device: torch.device) -> bool:
+    from moeserve.kernels.int4_moe import selfcheck
+
+    return selfcheck(device, spread=True)  # the INT4 GEMV's spread kernels (MOESERVE_INT4_GEMV=spread)
+
+
 def check_fp8_linear(device: torch.device) -> bool:
     from moeserve.kernels.fp8_linear import selfcheck
 
@@ -120,6 +126,7 @@ CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "gemv": check_gemv,
     "sampling": check_sampling,
     "int4_moe": check_int4_moe,
+    "int4_spread": check_int4_spread,
     "fp8_linear": check_fp8_linear,
     "fp8_moe": check_fp8_moe,
 }

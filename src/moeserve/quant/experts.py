@@ -10,6 +10,7 @@ A new weight format is a new method here (and its kernels), not a change to the 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -180,6 +181,19 @@ class UnquantizedExperts(ExpertsMethod):
         return moe_gemv(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, *weights)
 
 
+INT4_GEMV_VARIANTS = ("default", "spread")  # MOESERVE_INT4_GEMV: which INT4 decode GEMV kernels run
+
+
+def int4_gemv_spread() -> bool:
+    """``MOESERVE_INT4_GEMV=spread``: the INT4 decode GEMV's spread kernels (``kernels/int4_spread.py``,
+    for an EP rank's one or two local experts and narrow TP slices). Not measured yet: the
+    default (unset, ``default``) stays the measured kernels until the GPU sweep shows they win."""
+    value = os.environ.get("MOESERVE_INT4_GEMV", "default") or "default"
+    if value not in INT4_GEMV_VARIANTS:
+        raise ValueError(f"MOESERVE_INT4_GEMV must be one of {', '.join(INT4_GEMV_VARIANTS)}, not {value!r}")
+    return value == "spread"
+
+
 class Int4Experts(ExpertsMethod):
     """compressed-tensors ``pack-quantized`` INT4 experts (``quant.int4``), kept packed:
     ``w13_packed [E, 2I, H/8]`` int32 + ``w13_scale [E, 2I, H/32]``, ``w2_packed [E, H, I/8]`` +
@@ -189,13 +203,14 @@ class Int4Experts(ExpertsMethod):
     bounded temporary)."""
 
     name = "int4"
-    kernels = ("int4_moe",)
 
     def __init__(self, group_size: int, num_experts: int | None = None) -> None:
         self.group = group_size
         self.num_experts = num_experts  # the model's routed experts: the tile heuristic's rows per expert
         self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
         self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
+        self.gemv_spread = int4_gemv_spread()  # its spread kernels (MOESERVE_INT4_GEMV=spread), once checked
+        self.kernels = ("int4_moe", "int4_spread") if self.gemv_spread else ("int4_moe",)
         self.humming = None  # kernels.humming_moe.HummingInt4Experts once use_humming has run (--moe-backend)
 
     def checkpoint_tensors(self, prefix, out_features, in_features):
@@ -260,6 +275,7 @@ class Int4Experts(ExpertsMethod):
 
     def use_kernels(self, working):
         self.fused = self.gemv = "int4_moe" in working
+        self.gemv_spread = self.gemv_spread and "int4_spread" in working  # else the measured GEMV
 
     def use_humming(self, layer: nn.Module, check: bool = False) -> str | None:
         """Hand this layer's experts to humming (``kernels.humming_moe``, in its own layout) and drop
@@ -310,7 +326,15 @@ class Int4Experts(ExpertsMethod):
         if self.fused:
             from moeserve.kernels.int4_moe import int4_fused_moe
 
-            return int4_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, num_experts_total=self.num_experts)
+            return int4_fused_moe(
+                x,
+                *self._weights(layer),
+                topk_weights,
+                topk_ids,
+                layer.first_expert,
+                num_experts_total=self.num_experts,
+                gemv_spread=self.gemv_spread,
+            )
         from moeserve.quant.int4 import checkpoint_words, dequantize_int4
 
         w13p, w13s, w2p, w2s = self._weights(layer)
@@ -332,7 +356,16 @@ class Int4Experts(ExpertsMethod):
             return None
         from moeserve.kernels.int4_moe import int4_moe_gemv
 
-        return int4_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, *weights)
+        return int4_moe_gemv(
+            x,
+            *self._weights(layer),
+            topk_weights,
+            topk_ids,
+            layer.first_expert,
+            *weights,
+            spread=self.gemv_spread,
+            num_experts_total=self.num_experts,
+        )
 
 
 class Fp8Experts(ExpertsMethod):
