@@ -14,15 +14,20 @@ find the experts in L2. Bytes are the packed words (or fp8 bytes) and scales of 
 local experts each call touches; % of bandwidth is bytes / time over the copy bandwidth measured
 at start (bytes read + written of a 4 GB device copy).
 
+INT4 up to ``INT4_GEMV_MAX_PAIRS`` pairs also times the GEMV's spread kernels (``int4_moe_gemv(spread=True)``,
+``kernels/int4_spread.py``, what ``MOESERVE_INT4_GEMV=spread`` runs; not the default until this
+shows they win) beside the default, checked against it and, at a few token counts, the reference.
+
 ``--sweep`` also times the GEMV and grouped-GEMM tiles around the defaults (coordinate descent for
-the GEMV's two kernels), checks each against the default's output, and prints the best per point;
+the GEMV's two kernels, and for the spread kernels over their tile lists), checks each against the
+default's output, and prints the best per point;
 ``--humming`` times the INT4 experts' humming backend (``kernels.humming_moe``, what ``--moe-backend
 humming`` runs: our Triton alignment, vLLM's W4A16 GEMMs from ``humming-kernels``, humming's fused
 SiLU, the sum) on the same weights, routings and harness, checked against the same reference. The default path
 is checked against the torch reference (``int4_moe_ref`` / ``fp8_moe_ref``) at a few token counts.
 
     python scripts/sweeps/moe_kernel_bench.py --out DIR [--formats int4,fp8] [--tokens 1,2,4,...]
-        [--sweep] [--humming] [--time-limit 500]
+        [--sweep [spread]] [--humming] [--time-limit 500]
 
 Writes ``DIR/moe_kernel_bench.json`` (one row per case, tokens and variant) as it goes.
 """
@@ -42,6 +47,7 @@ import triton.testing
 
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
 from moeserve.kernels.int4_moe import int4_fused_moe, int4_moe_gemv, int4_moe_ref
+from moeserve.kernels.int4_spread import INT4_DOWN_SPREAD_CONFIGS, INT4_GATE_UP_SPREAD_CONFIGS
 from moeserve.kernels.limits import GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS
 from moeserve.quant.int4 import checkpoint_words
 
@@ -125,6 +131,22 @@ class Int4:
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
     ]
 
+    # The spread kernels' tiles (their default lists first) and around them: no L2 prefetch, a
+    # pipelined K loop, 2 and 8 warps, split K.
+    spread_gate_up_grid = INT4_GATE_UP_SPREAD_CONFIGS + [
+        dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, num_warps=4, STAGES=1, PREFETCH=False),
+        dict(BLOCK_N=4, BLOCK_K=1024, SPLIT_K=1, num_warps=4, STAGES=2, PREFETCH=True),
+        dict(BLOCK_N=4, BLOCK_K=512, SPLIT_K=1, num_warps=2, STAGES=1, PREFETCH=True),
+        dict(BLOCK_N=8, BLOCK_K=2048, SPLIT_K=1, num_warps=8, STAGES=1, PREFETCH=True),
+        dict(BLOCK_N=8, BLOCK_K=1024, SPLIT_K=2, num_warps=4, STAGES=1, PREFETCH=False),
+    ]
+    spread_down_grid = INT4_DOWN_SPREAD_CONFIGS + [
+        dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, STAGES=1, PREFETCH=False),
+        dict(BLOCK_N=8, BLOCK_K=1024, num_warps=4, STAGES=2, PREFETCH=True),
+        dict(BLOCK_N=16, BLOCK_K=512, num_warps=2, STAGES=1, PREFETCH=True),
+        dict(BLOCK_N=32, BLOCK_K=1024, num_warps=4, STAGES=1, PREFETCH=True),
+    ]
+
     @staticmethod
     def weights(case: Case, gen: torch.Generator):
         E, inter = case.e_local, case.inter
@@ -153,6 +175,10 @@ class Int4:
     @staticmethod
     def gemm(x, w, tw, ids, first, cfg):
         return int4_fused_moe(x, *w, tw, ids, first, config=cfg, small_batch_gemv=False)
+
+    @staticmethod
+    def spread(x, w, tw, ids, first, gu=None, dn=None):
+        return int4_moe_gemv(x, *w, tw, ids, first, gate_up_config=gu, down_config=dn, spread=True, num_experts_total=384)
 
     @staticmethod
     def ref(x, w, tw, ids, first):
@@ -264,6 +290,25 @@ class Deadline:
         return self.end - time.monotonic()
 
 
+def sweep_spread(fmt, point, against) -> float | None:
+    """Coordinate descent over the spread kernels' tiles: every gate/up tile with the first down
+    tile, then every down tile with the best gate/up one (rows ``spread-tile``); the best µs."""
+    best_gu, best = None, None
+    for gu in fmt.spread_gate_up_grid:
+        t = point(
+            "spread-tile",
+            lambda *a, gu=gu: fmt.spread(*a, gu, fmt.spread_down_grid[0]),
+            dict(gate_up=gu, down=fmt.spread_down_grid[0]),
+            against,
+        )
+        if t is not None and (best is None or t < best):
+            best, best_gu = t, gu
+    for dn in fmt.spread_down_grid[1:]:
+        t = point("spread-tile", lambda *a, dn=dn: fmt.spread(*a, best_gu, dn), dict(gate_up=best_gu, down=dn), against)
+        best = t if t is not None and (best is None or t < best) else best
+    return best
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=".")
@@ -271,7 +316,9 @@ def main() -> int:
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--rotate", type=int, default=4)
-    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument(
+        "--sweep", nargs="?", const="all", choices=("all", "spread"), help="tile sweeps; 'spread': the INT4 spread kernels' alone"
+    )
     ap.add_argument("--sweep-gemv-max-tokens", type=int, default=16)
     ap.add_argument("--sweep-gemm-min-tokens", type=int, default=4)
     ap.add_argument("--compare-paths", action="store_true", help="also both paths at their default tiles from 4 to 32 tokens")
@@ -349,16 +396,23 @@ def main() -> int:
                     return us
 
                 default_out = fmt.default(*inputs[0])
-                ref_err = None
-                if T in CHECK_TOKENS:
-                    ref_err = rel_err(default_out, fmt.ref(*inputs[0]))
+                ref_out = fmt.ref(*inputs[0]) if T in CHECK_TOKENS else None
+                ref_err = rel_err(default_out, ref_out) if ref_out is not None else None
                 us = point("default", fmt.default)
                 rows[-1]["rel_err_vs_ref"] = ref_err
                 eff = moved / ((us or 1e9) * 1e-6) / bw
                 line = f"{fmt_name} {case.name:11s} T={T:<4d} default ({path}) {us or float('nan'):9.1f} us {100 * eff:5.1f} %"
                 if ref_err is not None:
                     line += f"  err vs ref {ref_err:.2e}"
-                if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
+                if hasattr(fmt, "spread") and T * TOPK <= fmt.gemv_max_pairs:
+                    sus = point("spread", fmt.spread, None, default_out)
+                    if sus is not None and ref_out is not None:
+                        rows[-1]["rel_err_vs_ref"] = rel_err(fmt.spread(*inputs[0]), ref_out)
+                    line += f" | spread {sus or float('nan'):8.1f} ({100 * moved / ((sus or 1e9) * 1e-6) / bw:4.1f} %)"
+                    if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
+                        best = sweep_spread(fmt, point, default_out)
+                        line += f" | best spread {best or float('nan'):8.1f}"
+                if args.sweep == "all" and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                     best_gu, best = fmt.gemv_grid[0], None
                     for gu in fmt.gemv_grid:
                         t = point(
@@ -373,7 +427,7 @@ def main() -> int:
                         t = point("gemv", lambda *a, dn=dn: fmt.gemv(*a, best_gu, dn), dict(gate_up=best_gu, down=dn), default_out)
                         best = t if t is not None and (best is None or t < best) else best
                     line += f" | best gemv {best or float('nan'):8.1f}"
-                if args.sweep and T >= args.sweep_gemm_min_tokens and deadline.left() > 30:
+                if args.sweep == "all" and T >= args.sweep_gemm_min_tokens and deadline.left() > 30:
                     best = None
                     for cfg in fmt.gemm_grid:
                         t = point("gemm", lambda *a, cfg=cfg: fmt.gemm(*a, cfg), cfg, default_out)
@@ -399,7 +453,10 @@ def main() -> int:
             torch.cuda.empty_cache()
 
     # the table: per point, the default, the best of each path, and the peer
-    print("\nformat case        T     default us  %bw   best gemv   best gemm   humming  ours/humming", flush=True)
+    print(
+        "\nformat case        T     default us  %bw   best gemv   best gemm   humming  ours/humming   spread  %bw  default/spread",
+        flush=True,
+    )
     keys = sorted({(r["format"], r["case"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
     for k in keys:
         sel = [r for r in rows if (r["format"], r["case"], r["tokens"]) == k and "us" in r]
@@ -411,7 +468,12 @@ def main() -> int:
         d = best("default")
         eff = next((r["efficiency"] for r in sel if r["variant"] == "default"), float("nan"))
         h = best("humming")
-        print(f"{k[0]:6s} {k[1]:11s} {k[2]:4d} {d:10.1f} {100 * eff:5.1f} {best('gemv'):10.1f} {best('gemm'):10.1f} {h:9.1f} {d / h:8.2f}")
+        sp = min((v for v in (best("spread"), best("spread-tile")) if v == v), default=float("nan"))  # v == v: not NaN
+        sp_eff = next((r["efficiency"] for r in sel if r["variant"] in ("spread", "spread-tile") and r["us"] == sp), float("nan"))
+        print(
+            f"{k[0]:6s} {k[1]:11s} {k[2]:4d} {d:10.1f} {100 * eff:5.1f} {best('gemv'):10.1f} {best('gemm'):10.1f} {h:9.1f} {d / h:8.2f}"
+            f" {sp:9.1f} {100 * sp_eff:5.1f} {d / sp:8.2f}"
+        )
     return 0
 
 

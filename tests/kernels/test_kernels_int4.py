@@ -476,6 +476,37 @@ def test_int4_gemv_kimi_k26_decode(T, with_shared):
 
 
 @real
+@pytest.mark.parametrize(
+    "case, local, with_shared",
+    [("ep8", [1], False), ("ep8", [2, 1], True), ("ep8", [1, 0, 2, 1], False), ("tp8", None, True), ("tp1", None, False)],
+)
+def test_int4_gemv_spread_kimi_k26(case, local, with_shared):
+    """The spread kernels at K2.6's one-token shapes (an EP8 rank's 48 experts, a TP8 slice 256 wide,
+    whole experts) with their GPU tiles, L2 prefetch included, against the reference."""
+    g = torch.Generator().manual_seed(len(local or ()) + with_shared)
+    H, K, total = K26["hidden"], K26["K"], K26["total"]
+    if case == "ep8":
+        E, first, I = K26["E"], 3 * K26["E"], K26["inter"]
+    else:  # a TP rank: every expert local (16 of them here: the rank's count does not change the kernels)
+        E, first, I, total = 16, 0, K26["inter"] // int(case[2:]), 16
+    T = len(local) if local else 2
+    experts = random_packed_experts(E, H, I, g, torch.bfloat16)
+    x = torch.randn(T, H, generator=g).to(DEV, torch.bfloat16)
+    weights, ids = spread_routing(T, K, E, first, total, local, g)
+    ref = reference(x, experts, weights, ids, first)
+    sh = ()
+    if with_shared:
+        Is = K26["shared"] // (8 if case == "tp8" else 1)
+        sh = (
+            (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(DEV, torch.bfloat16),
+            (torch.randn(H, Is, generator=g) * Is**-0.5).to(DEV, torch.bfloat16),
+        )
+        ref = ref + shared_ref(x.float(), sh[0].float(), sh[1].float())
+    out = int4_moe_gemv(x, *experts, weights, ids, first, *sh, spread=True, num_experts_total=total)
+    check(out, ref, torch.bfloat16)
+
+
+@real
 @pytest.mark.parametrize("T", [32, 256, 2048])
 def test_int4_fused_moe_kimi_k26(T):
     g = torch.Generator().manual_seed(T)
