@@ -131,8 +131,10 @@ def _word_dots(words, s0, s1, s2, s3, s4, s5, s6, s7, ASM: tl.constexpr):
 def _chunk_mask(mask_n, k0, k_hi, offs_w, MASKED: tl.constexpr):
     """Which words of the chunk at ``k0`` to load (None: all of them)."""
     if MASKED:
-        return mask_n[:, None] & (offs_w + k0 // _PACK < k_hi // _PACK)[None, :]
-    return None
+        mask = mask_n[:, None] & (offs_w + k0 // _PACK < k_hi // _PACK)[None, :]
+    else:
+        mask = None
+    return mask
 
 
 @triton.jit
@@ -182,16 +184,18 @@ def _int4_gate_up_range(
 
 @triton.jit
 def _dense_gate_up_range(x_row, w_gate, up_offset, mask_n, k_lo, k_hi, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """As :func:`_int4_gate_up_range` for rows in the activation dtype (the shared experts)."""
-    gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    """As :func:`_int4_gate_up_range` for rows in the activation dtype (the shared experts), 8
+    weights a row a thread (a vector load) beside their 8 activations."""
+    offs = tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    gate = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
     for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_hi
-        x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mask_k[None, :]
-        gate += tl.load(w_gate + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :]
-        up += tl.load(w_gate + up_offset + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * x[None, :]
+        mask_k = offs + k0 < k_hi
+        x = tl.load(x_row + k0 + offs, mask=mask_k, other=0.0).to(tl.float32)[None]
+        m = mask_n[:, None, None] & mask_k[None]
+        w = w_gate[:, :, None] + k0 + offs[None]
+        gate += tl.sum(tl.load(w, mask=m, other=0.0).to(tl.float32) * x, axis=2)
+        up += tl.sum(tl.load(w + up_offset, mask=m, other=0.0).to(tl.float32) * x, axis=2)
     return tl.sum(gate, axis=1), tl.sum(up, axis=1)
 
 
@@ -254,9 +258,8 @@ def _int4_gate_up_spread(
     if group >= GROUPS:  # slice j of the shared experts: rows [j * INTER, (j + 1) * INTER) of their gate and up
         row0 = (group - GROUPS) * INTER
         mask_n = offs_n < tl.minimum(INTER, shared_size - row0)
-        # A quarter of BLOCK_K: the same bytes a chunk as the packed rows.
         gate, up = _dense_gate_up_range(
-            x_row, SW13 + (row0 + offs_n[:, None]) * stride_sw, shared_size * stride_sw, mask_n, k_lo, k_hi, BLOCK_N, BLOCK_K // 4, STAGES
+            x_row, SW13 + (row0 + offs_n[:, None]) * stride_sw, shared_size * stride_sw, mask_n, k_lo, k_hi, BLOCK_N, BLOCK_K, STAGES
         )
         _store_gate_up(out_rows + (TOPK + group - GROUPS) * stride_o, offs_n, gate, up, INTER, SPLIT_K)
     else:  # the token's local slots group, group + GROUPS, ...
@@ -393,20 +396,19 @@ def _int4_down_spread(
             words = tl.load(p_rows + w, mask=m, other=0)
             scales = tl.load(s_rows + w // (_GROUP // _PACK), mask=m, other=0.0).to(tl.float32)
             acc += _word_dots(words, s0[None], s1[None], s2[None], s3[None], s4[None], s5[None], s6[None], s7[None], ASM) * scales
-    acc = tl.sum(acc, axis=1)
-    out = tl.sum(acc, axis=1)
-    if SHARED_SLOTS > 0:
-        DENSE_K: tl.constexpr = BLOCK_K // 4  # the packed chunk's bytes
-        DENSE_CHUNKS: tl.constexpr = triton.cdiv(INTER, DENSE_K)
-        offs_d = tl.arange(0, DENSE_K)
-        acc_d = tl.zeros([BLOCK_N, DENSE_K], dtype=tl.float32)
-        for it in tl.range(0, SHARED_SLOTS * DENSE_CHUNKS, num_stages=STAGES):
-            slot = it // DENSE_CHUNKS
-            k = (it % DENSE_CHUNKS) * DENSE_K + offs_d
+    out = tl.sum(tl.sum(acc, axis=1), axis=1)
+    if SHARED_SLOTS > 0:  # 8 weights a row a thread beside their 8 intermediate values, as the gate/up kernel
+        CHUNKS: tl.constexpr = triton.cdiv(INTER, BLOCK_K)
+        offs = tl.arange(0, BLOCK_K // 8)[:, None] * 8 + tl.arange(0, 8)[None, :]
+        acc_d = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        for it in tl.range(0, SHARED_SLOTS * CHUNKS, num_stages=STAGES):
+            slot = it // CHUNKS
+            k = (it % CHUNKS) * BLOCK_K + offs
             mask_k = (k < INTER) & (slot * INTER + k < shared_size)
-            v = tl.load(inter_rows + (TOPK + slot) * stride_i + k, mask=mask_k, other=0.0).to(tl.float32)
-            m = mask_n[:, None] & mask_k[None, :]
-            acc_d += tl.load(SW2 + offs_n[:, None] * stride_sw + slot * INTER + k[None, :], mask=m, other=0.0).to(tl.float32) * v[None, :]
+            v = tl.load(inter_rows + (TOPK + slot) * stride_i + k, mask=mask_k, other=0.0).to(tl.float32)[None]
+            m = mask_n[:, None, None] & mask_k[None]
+            w = SW2 + offs_n[:, None, None] * stride_sw + slot * INTER + k[None]
+            acc_d += tl.sum(tl.load(w, mask=m, other=0.0).to(tl.float32) * v, axis=2)
         out += tl.sum(acc_d, axis=1)
     tl.store(Out + token * stride_o + offs_n, out.to(Out.dtype.element_ty), mask=mask_n)
 
