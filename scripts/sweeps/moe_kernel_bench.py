@@ -290,21 +290,16 @@ class Deadline:
         return self.end - time.monotonic()
 
 
-def sweep_spread(fmt, point, against) -> float | None:
-    """Coordinate descent over the spread kernels' tiles: every gate/up tile with the first down
-    tile, then every down tile with the best gate/up one (rows ``spread-tile``); the best µs."""
-    best_gu, best = None, None
-    for gu in fmt.spread_gate_up_grid:
-        t = point(
-            "spread-tile",
-            lambda *a, gu=gu: fmt.spread(*a, gu, fmt.spread_down_grid[0]),
-            dict(gate_up=gu, down=fmt.spread_down_grid[0]),
-            against,
-        )
+def coordinate_descent(variant: str, run, gate_up_grid: list[dict], down_grid: list[dict], point, against) -> float | None:
+    """Two-kernel tiles, one kernel at a time: every gate/up tile with the first down tile, then
+    every down tile with the best gate/up one (``run(*inputs, gate_up, down)``); the best µs."""
+    best_gu, best = gate_up_grid[0], None
+    for gu in gate_up_grid:
+        t = point(variant, lambda *a, gu=gu: run(*a, gu, down_grid[0]), dict(gate_up=gu, down=down_grid[0]), against)
         if t is not None and (best is None or t < best):
             best, best_gu = t, gu
-    for dn in fmt.spread_down_grid[1:]:
-        t = point("spread-tile", lambda *a, dn=dn: fmt.spread(*a, best_gu, dn), dict(gate_up=best_gu, down=dn), against)
+    for dn in down_grid[1:]:
+        t = point(variant, lambda *a, dn=dn: run(*a, best_gu, dn), dict(gate_up=best_gu, down=dn), against)
         best = t if t is not None and (best is None or t < best) else best
     return best
 
@@ -410,22 +405,12 @@ def main() -> int:
                         rows[-1]["rel_err_vs_ref"] = rel_err(fmt.spread(*inputs[0]), ref_out)
                     line += f" | spread {sus or float('nan'):8.1f} ({100 * moved / ((sus or 1e9) * 1e-6) / bw:4.1f} %)"
                     if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
-                        best = sweep_spread(fmt, point, default_out)
+                        best = coordinate_descent(
+                            "spread-tile", fmt.spread, fmt.spread_gate_up_grid, fmt.spread_down_grid, point, default_out
+                        )
                         line += f" | best spread {best or float('nan'):8.1f}"
                 if args.sweep == "all" and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
-                    best_gu, best = fmt.gemv_grid[0], None
-                    for gu in fmt.gemv_grid:
-                        t = point(
-                            "gemv",
-                            lambda *a, gu=gu: fmt.gemv(*a, gu, fmt.down_grid[0]),
-                            dict(gate_up=gu, down=fmt.down_grid[0]),
-                            default_out,
-                        )
-                        if t is not None and (best is None or t < best):
-                            best, best_gu = t, gu
-                    for dn in fmt.down_grid[1:]:
-                        t = point("gemv", lambda *a, dn=dn: fmt.gemv(*a, best_gu, dn), dict(gate_up=best_gu, down=dn), default_out)
-                        best = t if t is not None and (best is None or t < best) else best
+                    best = coordinate_descent("gemv", fmt.gemv, fmt.gemv_grid, fmt.down_grid, point, default_out)
                     line += f" | best gemv {best or float('nan'):8.1f}"
                 if args.sweep == "all" and T >= args.sweep_gemm_min_tokens and deadline.left() > 30:
                     best = None

@@ -523,8 +523,9 @@ def int4_moe_gemv(
     if spread:
         from moeserve.kernels.int4_spread import int4_moe_gemv_spread
 
-        args = (x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, first_expert, shared_w13, shared_w2)
-        return int4_moe_gemv_spread(*args, gate_up_config, down_config, num_experts_total)
+        experts = (w13_packed, w13_scale, w2_packed, w2_scale)
+        shared, configs = (shared_w13, shared_w2), (gate_up_config, down_config)
+        return int4_moe_gemv_spread(x, experts, topk_weights, topk_ids, first_expert, shared, configs, num_experts_total)
     T = x.shape[0]
     E, hidden, inter_size = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
     K = topk_ids.shape[1]

@@ -489,26 +489,24 @@ def _prefetchable(*tensors: torch.Tensor) -> bool:
 
 def int4_moe_gemv_spread(
     x: torch.Tensor,
-    w13_packed: torch.Tensor,
-    w13_scale: torch.Tensor,
-    w2_packed: torch.Tensor,
-    w2_scale: torch.Tensor,
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int,
-    shared_w13: torch.Tensor | None = None,
-    shared_w2: torch.Tensor | None = None,
-    gate_up_config: dict | None = None,
-    down_config: dict | None = None,
+    shared: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
+    configs: tuple[dict | None, dict | None] = (None, None),
     num_experts_total: int | None = None,
 ) -> torch.Tensor:
-    """``int4_moe_gemv(..., spread=True)``: the same contract (and CUDA-graph capturable: no host
-    sync, no routing-dependent size), the grid sized by the token's expected local slots out of
-    ``num_experts_total``. Two launches, three with a split-K gate/up tile."""
+    """``int4_moe_gemv(..., spread=True)`` (``experts``: its four packed tensors, ``shared`` its
+    shared experts, ``configs`` its gate/up and down tiles): the same contract, CUDA-graph
+    capturable too (no host sync, no routing-dependent size), the grid sized by the token's
+    expected local slots out of ``num_experts_total``. Two launches, three with split K."""
     from moeserve.kernels.int4_moe import shared_slot_args
 
+    w13_packed, w13_scale, w2_packed, w2_scale = experts
+    (shared_w13, shared_w2), (gate_up_config, down_config) = shared, configs
     T = x.shape[0]
-    E, hidden, inter = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
+    E, hidden, inter = _check_shapes(x, *experts)
     rows = {"w13_packed": (w13_packed, hidden // PACK), "w13_scale": (w13_scale, hidden // GROUP)}
     rows |= {"w2_packed": (w2_packed, inter // PACK), "w2_scale": (w2_scale, inter // GROUP)}
     for name, (t, stride) in rows.items():
