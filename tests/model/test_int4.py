@@ -175,11 +175,14 @@ def test_hf_overrides_apply_to_text_config_and_dummy_int4_runs():
 
 
 @pytest.mark.triton_on_cpu
-def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatch):
-    """The INT4 kernels (GEMV for the decodes, grouped GEMM for the prefill chunks) in the Triton
-    interpreter, with the decode graphs' static buffers emulated: transformers' tokens."""
+@pytest.mark.parametrize("gemv", ["default", "spread"])
+def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatch, gemv):
+    """The INT4 kernels (GEMV for the decodes, or its spread kernels with MOESERVE_INT4_GEMV=spread;
+    grouped GEMM for the prefill chunks) in the Triton interpreter, with the decode graphs' static
+    buffers emulated: transformers' tokens."""
     pytest.importorskip("triton")
     monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
+    monkeypatch.setenv("MOESERVE_INT4_GEMV", gemv)
     with LLM(
         str(ckpts["k2.6"]),
         dtype="float32",
@@ -192,5 +195,6 @@ def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatc
     ) as llm:
         method = llm.engine.executor.runner.model.model.layers["1"].mlp.experts.method
         assert method.fused and method.gemv  # the INT4 kernels passed their start-up check
+        assert method.gemv_spread == (gemv == "spread")
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     _check(outs, ckpts["expected"])
