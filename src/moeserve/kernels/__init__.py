@@ -24,6 +24,10 @@ module                 kernel (wrapper)                            reference
                        (``int4_moe_gemv``) and the grouped GEMMs
                        of ``fused_moe`` (``int4_fused_moe``),
                        nibbles unpacked in registers
+``int4_spread``        the INT4 GEMV spread over the GPU for an EP ``int4_moe_ref``
+                       rank's few local experts and TP slices
+                       (``int4_moe_gemv(spread=True)``; not
+                       measured, not the default)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
 ``router``             expert choice: router GEMV, scores, bias,   ``layers.moe.Router`` (torch)

@@ -1,9 +1,10 @@
 """Decode GEMVs of INT4 (W4A16) routed experts spread over the whole GPU: an EP rank holding one or
-two of a token's 8 experts, and TP slices of the intermediate size (``int4_moe_gemv(spread=True)``).
+two of a token's 8 experts, and TP slices of the intermediate size (``int4_moe_gemv(spread=True)``,
+``MOESERVE_INT4_GEMV=spread`` in the engine).
 
 Not measured yet: the default stays ``int4_moe._int4_gate_up_gemv`` / ``_int4_down_gemv`` (the
 measured kernels, untouched); this variant becomes the default after the GPU sweep shows it wins
-(``scripts/sweeps/moe_kernel_bench.py --formats int4``, the ``int4_spread`` suite).
+(``scripts/sweeps/moe_kernel_bench.py --formats int4 [--sweep spread]``, the ``int4_spread`` suite).
 
 Why. At one token the measured GEMVs give a grid of ``TOPK + shared`` slots by row tiles, and on
 an EP8 rank 7 of a token's 8 slots return at once: a lone local expert is 128 working gate/up
@@ -11,25 +12,32 @@ programs (16 rows each) and 224 down programs on 132 SMs, a TP8 slice 256 and 22
 are in flight per SM, and each program's K loop is mostly pipeline fill. Here:
 
 * **Grid by the token's expected local slots** (``fp8_moe.gemv_spread``, as the FP8 GEMV: ``TOPK *
-  E_local / E_total`` rounded up, from the layout, so no host sync and a CUDA-graph-capturable grid): group g of a
-  token runs its local slots g, g + groups, ... (listed in registers), so none of the grid is spent
-  on other ranks' slots; a token with more local slots than expected takes longer, none is lost.
-* **Narrow row tiles** (``int4_spread_configs``): the largest tile whose grid still reaches
-  ``2 x`` the SM count. K2.6 at one token: a lone local expert (or a TP8 slice of all 8) is 2,048
-  gate/up row pairs (512 programs of 4) and 7,168 down rows (896 programs of 8).
-* **Split K** (``SPLIT_K`` in the gate/up tile, over the hidden size) for a grid still too small:
-  each split writes fp32 partial sums and a second small kernel adds them in split order and
-  applies SiLU. Deterministic (no atomics: a fixed order of additions) and no zeroed buffer; it
-  costs one more launch, so the configs use it only where row tiles alone give too few programs
-  (none of K2.6's decode shapes: its 2,048+ rows fill the grid). The down kernel does not split:
-  its 7,168 output rows always do.
-* **One packed word a row a thread** and that word's 8 activations in the same thread: the
-  measured kernels load 4 words a thread (vector loads), whose activations Triton moved through
-  shared memory with a barrier per chunk, and summed each scale group across threads with
-  shuffles. Compiled for sm_90 on the CPU (Triton's ptxas): see ``SASS`` below.
+  E_local / E_total`` rounded up, from the layout: no host sync, a CUDA-graph-capturable grid).
+  Group g of a token runs its local slots g, g + groups, ... (listed in an int64, 4 bits a slot),
+  so none of the grid is spent on other ranks' slots; a token with more local slots than
+  expected takes longer, none is lost.
+* **Narrow row tiles** (``int4_spread_configs``): the widest tile whose grid still reaches twice
+  the SM count. K2.6 at one token: a lone local expert, or a TP8 slice of all 8, is 2,048 gate/up
+  row pairs (512 programs of 4) and 7,168 down rows (448 programs of 16); a TP8 slice's 256-wide
+  slots share a down chunk four at a time (``SLOT_TILE``).
+* **Split K** (``SPLIT_K`` in the gate/up tile, over the hidden size) where row tiles alone give too
+  few programs: each split writes fp32 partial sums and a second small kernel adds them in split
+  order and applies SiLU. Deterministic (a fixed order of additions, no atomics and no zeroed
+  buffer) at the cost of one more launch, so no default K2.6 decode tile uses it (their 2,048+ rows
+  fill the grid); the sweep tries it. The down kernel does not split: 7,168 output rows suffice.
+* **The whole tile requested at once**: one thread of a program asks for its tile's rows of every
+  local slot with sm_90's L2 bulk prefetch (``PREFETCH``) before the first chunk's loads, so the
+  bytes in flight no longer depend on the programs an SM holds.
+* **One packed word a row a thread**, beside that word's 8 activations: the measured kernels load
+  4 words a thread, whose activations Triton moved through shared memory with a barrier (8 a chunk)
+  and whose scale groups it summed across threads with shuffles. Row strides are compile-time
+  constants (``HIDDEN``, ``INTER``), so a thread's rows are addressed from one register.
 
-Row strides are compile-time constants (``HIDDEN``, ``INTER``: the packed rows are contiguous), so
-a thread's rows of one tile are addressed from one register with immediate offsets.
+Compiled for sm_90 on the CPU (Triton 3.9's ptxas; counted in the SASS of each K loop): the gate/up
+loop 4.1 instructions a weight at 4 rows (3.9 at 8), the down loop 4.0-4.3 (4.4 for a TP8 slice),
+against 5.0-5.8 for the measured kernels; 48-96 registers, no spills, no shared memory in a loop.
+The core, ``int4_moe``'s 3.1-instruction dot product of a word, is unchanged: at ~4 a weight the
+one-token GEMV is still about as much issue time as memory time on an H200.
 """
 
 from __future__ import annotations
