@@ -488,11 +488,11 @@ def _check_tile(cfg: dict, name: str) -> None:
 
 
 def _prefetchable(*tensors: torch.Tensor) -> bool:
-    """The L2 bulk prefetch takes 16-byte aligned addresses and sizes: the tensors' starts, their
-    experts and rows (the kernels prefetch whole rows of a tile) must all be."""
-    return not interpreting() and all(
-        t.is_cuda and t.data_ptr() % 16 == 0 and all(t.stride(d) * t.element_size() % 16 == 0 for d in (0, 1)) for t in tensors
-    )
+    """The L2 bulk prefetch is sm_90's and takes 16-byte aligned addresses and sizes: the tensors'
+    starts, their experts and rows (the kernels prefetch whole rows of a tile) must all be."""
+    if interpreting() or not all(t.is_cuda for t in tensors) or torch.cuda.get_device_capability(tensors[0].device) < (9, 0):
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(t.stride(d) * t.element_size() % 16 == 0 for d in (0, 1)) for t in tensors)
 
 
 def int4_moe_gemv_spread(
