@@ -64,7 +64,7 @@ def _local_slots(Ids, token, first_expert, num_local, TOPK: tl.constexpr):
     e = tl.load(Ids + token * TOPK + offs_s, mask=offs_s < TOPK, other=-1).to(tl.int64) - first_expert
     mine = (offs_s < TOPK) & (e >= 0) & (e < num_local)
     rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
-    listed = tl.sum(tl.where(mine, offs_s.to(tl.int64) << (4 * rank.to(tl.int64)), 0), 0)
+    listed = tl.sum(tl.where(mine, offs_s.to(tl.int64) << (4 * tl.maximum(rank, 0).to(tl.int64)), 0), 0)
     return tl.sum(mine.to(tl.int32), 0), listed
 
 
