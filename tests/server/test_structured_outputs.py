@@ -338,8 +338,9 @@ def test_matchers_are_released_on_abort_and_a_bad_schema_fails_at_add(model_dir)
         params = SamplingParams(temperature=0, max_tokens=32, n=2, structured_outputs={"json_object": True})
         rid = eng.add_request("x", params)
         seqs = eng.requests[rid].seqs
+        while not any(s.num_output_tokens for s in seqs):  # (its grammar compiles first)
+            eng.step()
         assert eng._constrained == 2 and all(s.grammar is not None for s in seqs)
-        eng.step()
         eng.abort_request(rid)
         while eng.has_unfinished_requests():
             eng.step()
