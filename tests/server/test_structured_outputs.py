@@ -2,7 +2,8 @@
 follows its JSON schema, regex or choice; unconstrained rows of the same batch are unaffected;
 preemption and asynchronous scheduling keep the matcher right; over HTTP ``response_format``,
 ``structured_outputs`` and ``guided_*`` on both routes, streamed and not, n > 1, a bad schema a
-400; ``tool_choice`` required / named yields a tool call on the demo model.
+400; ``tool_choice`` required yields one or more tool calls (two for two cities on the demo
+model), named exactly one.
 
 The random test model (``moeserve.demo.random_model``: a byte tokenizer, printable ASCII favoured)
 writes random text, so the grammar alone makes it valid; schemas bound their strings and numbers
@@ -291,6 +292,13 @@ def test_tool_choice_required_and_named_yield_tool_calls_on_the_demo_model(tmp_p
             calls = [tc for ch in chunks for c in ch["choices"] for tc in c["delta"].get("tool_calls") or []]
             assert calls and calls[0]["function"]["name"] == call["function"]["name"]
             assert "".join(tc["function"].get("arguments") or "" for tc in calls) == call["function"]["arguments"]
+        # required forces one or more calls: the demo model calls get_weather for each city
+        ask = [{"role": "user", "content": "What's the weather in Paris and Tokyo?"}]
+        body = {"messages": ask, "tools": tools, "tool_choice": "required", "max_tokens": 160, "temperature": 0, **off}
+        c = post(proc, "/v1/chat/completions", body).json()["choices"][0]
+        calls = [(tc["id"], tc["function"]["name"], json.loads(tc["function"]["arguments"])) for tc in c["message"]["tool_calls"]]
+        assert c["finish_reason"] == "tool_calls", c
+        assert calls == [(f"functions.get_weather:{i}", "get_weather", {"city": city}) for i, city in enumerate(["Paris", "Tokyo"])]
         # thinking on: the reply reasons freely, the grammar starts after </think>
         body = {"messages": msgs, "tools": tools, "tool_choice": "required", "max_tokens": 160, "temperature": 0}
         r = post(proc, "/v1/chat/completions", body)
@@ -303,6 +311,38 @@ def test_tool_choice_required_and_named_yield_tool_calls_on_the_demo_model(tmp_p
         assert_openai_error(post(proc, "/v1/chat/completions", body), 400, "tool_choice")
     finally:
         proc.stop()
+
+
+def test_required_tool_calls_of_random_weights_parse_into_one_or_more_valid_calls():
+    """tool_choice required on the demo model's architecture and tokenizer with random weights (K2's
+    format): every output that stops is one or more calls, each of a declared tool with arguments
+    that follow its schema; some hold several."""
+    from moeserve.parsers import OutputParsers, tool_parser
+    from moeserve.server.chat_constraints import chat_constraint
+    from moeserve.server.chat_settings import ChatSettings
+    from moeserve.server.protocol import ChatCompletionRequest
+
+    schemas = {"get_weather": SCHEMAS[2], "add": SCHEMAS[0]}
+    tools = [{"type": "function", "function": {"name": n, "parameters": p}} for n, p in schemas.items()]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice="required")
+    spec = chat_constraint(req, ChatSettings(OutputParsers.from_names(None, "kimi_k2")), "x", 0, None)
+    params = [
+        SamplingParams(temperature=1.0, seed=i, max_tokens=300, skip_special_tokens=False, structured_outputs=spec) for i in range(12)
+    ]
+    with LLM(str(MODEL_DIR), device="cpu", dtype="float32", load_format="dummy") as llm:
+        outs = llm.generate(["x"] * len(params), params)
+    counts = []
+    for out in outs:
+        c = out.outputs[0]
+        if c.finish_reason != "stop":
+            continue
+        parser = tool_parser("kimi_k2")()
+        rest = [p for p in parser.feed(c.text) + parser.finish() if isinstance(p, str) and p.strip()]
+        assert parser.calls and not rest, c.text
+        for call in parser.calls:
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+        counts.append(len(parser.calls))
+    assert len(counts) >= len(outs) // 2 and max(counts) >= 2, (counts, [o.outputs[0].text for o in outs])
 
 
 def test_a_constraint_after_the_reasoning_starts_at_its_close_tag(model_dir):
@@ -338,8 +378,9 @@ def test_matchers_are_released_on_abort_and_a_bad_schema_fails_at_add(model_dir)
         params = SamplingParams(temperature=0, max_tokens=32, n=2, structured_outputs={"json_object": True})
         rid = eng.add_request("x", params)
         seqs = eng.requests[rid].seqs
+        while not any(s.num_output_tokens for s in seqs):  # (its grammar compiles first)
+            eng.step()
         assert eng._constrained == 2 and all(s.grammar is not None for s in seqs)
-        eng.step()
         eng.abort_request(rid)
         while eng.has_unfinished_requests():
             eng.step()
@@ -349,14 +390,49 @@ def test_matchers_are_released_on_abort_and_a_bad_schema_fails_at_add(model_dir)
 
 
 @pytest.mark.parametrize("name", ["kimi_k2", "deepseek_v3", "deepseek_v31"])
-def test_each_tool_parser_reads_the_call_its_grammar_forces(name):
-    from moeserve.parsers import ToolCallDelta, tool_parser
+def test_each_tool_parser_reads_the_calls_its_grammar_forces(name):
+    """``tool_choice`` required: one or more calls of the request's tools in the parser's format,
+    each with its tool's arguments; named: exactly one call of that tool, numbered after the
+    history's calls. The parser reads them back (K2: the ids the model numbered)."""
+    from xgrammar.testing import _is_grammar_accept_string as accepts
 
-    parser = tool_parser(name)()
-    begin, end = parser.forced_call("get_weather", 3)
-    pieces = parser.feed(begin + '{"city": "Oslo"}' + end) + parser.finish()
-    deltas = [p for p in pieces if isinstance(p, ToolCallDelta)]
-    assert not [p for p in pieces if isinstance(p, str) and p.strip()], pieces
-    assert deltas[0].name == "get_weather" and json.loads("".join(d.arguments for d in deltas)) == {"city": "Oslo"}
-    if name == "kimi_k2":
-        assert deltas[0].id == "functions.get_weather:3"
+    from moeserve.parsers import OutputParsers, ToolCallDelta, tool_parser
+    from moeserve.server.chat_constraints import chat_constraint
+    from moeserve.server.chat_settings import ChatSettings
+    from moeserve.server.protocol import ChatCompletionRequest
+    from moeserve.structured.spec import grammar
+
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    settings = ChatSettings(OutputParsers.from_names(None, name))
+    parser = settings.parsers.tools
+
+    def spec(choice):
+        tools = [{"type": "function", "function": {"name": n, "parameters": city}} for n in ("get_weather", "get_time")]
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tools=tools, tool_choice=choice)
+        return grammar(chat_constraint(req, settings, "x", 3, None))
+
+    def section(calls: list[tuple[str, str]], index: int | None) -> str:
+        texts = []
+        for k, (tool, args) in enumerate(calls):
+            t = parser.call_text(tool, index)
+            number = "" if t.number_then is None else f"{3 + k}{t.number_then}"
+            texts.append(t.before + number + args + t.after)
+        return parser.section_begin[0] + parser.call_separator.join(texts) + parser.section_end[0]
+
+    required, named = spec("required"), spec({"type": "function", "function": {"name": "get_weather"}})
+    two = section([("get_weather", '{"city": "Oslo"}'), ("get_time", '{"city": "Rome"}')], None)
+    assert accepts(required, two) and accepts(required, section([("get_time", '{"city": "Rome"}')], None))
+    assert not accepts(required, section([], None)) and not accepts(required, section([("get_time", '{"town": "Rome"}')], None))
+    one = section([("get_weather", '{"city": "Oslo"}')], 3)
+    assert accepts(named, one) and not accepts(named, section([("get_time", '{"city": "Oslo"}')], 3))
+    assert not accepts(named, section([("get_weather", '{"city": "Oslo"}')] * 2, 3))
+
+    for text, expected in ((two, [("get_weather", "Oslo"), ("get_time", "Rome")]), (one, [("get_weather", "Oslo")])):
+        p = tool_parser(name)(first_index=3)
+        pieces = p.feed(text) + p.finish()
+        assert not [x for x in pieces if isinstance(x, str) and x.strip()], pieces
+        deltas = [x for x in pieces if isinstance(x, ToolCallDelta)]
+        calls = [(c.name, json.loads(c.arguments)["city"]) for c in p.calls]
+        assert calls == expected and deltas[0].name == "get_weather"
+        if name == "kimi_k2":
+            assert [c.id for c in p.calls] == [f"functions.{n}:{3 + k}" for k, (n, _) in enumerate(expected)]

@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 import logging
 import time
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from moeserve.sampling_params import SamplingParams
 log = logging.getLogger("moeserve")
 
 PromptType = str | list[int] | dict[str, Any]
+# An idle engine waits this long for a grammar compile per step (the server reads its commands between)
+GRAMMAR_WAIT_S = 0.01
 
 
 class Executor(Protocol):
@@ -111,6 +114,10 @@ class LLMEngine:
         self.eos_token_ids.update(GenerationDefaults.load(config.model, config.generation_config).eos_token_ids)
         self._grammars: Any = None  # structured.matcher.GrammarCompilers, made with the first constrained request
         self._constrained = 0  # unfinished sequences under a grammar
+        # Requests whose grammar is compiling (on a worker thread), by id: out of the scheduler,
+        # holding no KV, until it is ready (``_start_compiled``); and their sequences
+        self._compiling: dict[str, Future] = {}
+        self._compiling_seqs = 0
 
     # ---- requests ----
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -161,10 +168,11 @@ class LLMEngine:
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need a tokenizer; this model directory has none")
         if params.structured_outputs is not None:
-            self._compiled_grammar(params)
+            self._grammar_compilers(params)
 
-    def _compiled_grammar(self, params: SamplingParams) -> Any:
-        """The request's grammar compiled against the tokenizer (cached; a ValueError naming its field)."""
+    def _grammar_compilers(self, params: SamplingParams) -> Any:
+        """What compiles the request's grammar against the tokenizer (``params.validate`` has
+        parsed it: an invalid one is a ValueError before this), or a ValueError naming its field."""
         spec = params.structured_outputs
         if self.tokenizer is None:
             raise ValueError(f"{spec.field} needs a tokenizer; this model directory has none")
@@ -175,7 +183,7 @@ class LLMEngine:
             from moeserve.structured.matcher import GrammarCompilers
 
             self._grammars = GrammarCompilers(self.tokenizer, self.model_config.vocab_size, sorted(self.eos_token_ids))
-        return self._grammars.compile(spec)
+        return self._grammars
 
     def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word as the token sequences it may take in an output, as vLLM tokenizes them:
@@ -238,7 +246,8 @@ class LLMEngine:
         rid = request_id if request_id is not None else str(next(self._request_ids))
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in use")
-        compiled = self._compiled_grammar(params) if params.structured_outputs is not None else None
+        spec = params.structured_outputs
+        compiling = self._grammar_compilers(params).compile(spec) if spec is not None else None
         seqs = []
         for index in range(params.n):
             seq = Sequence(
@@ -255,19 +264,55 @@ class LLMEngine:
             )
             if self.tokenizer is not None:
                 seq.detok = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
-            if compiled is not None:
-                seq.grammar = self._grammars.matcher(compiled, params.structured_outputs.after)
-                self._constrained += 1
             seqs.append(seq)
-            self.scheduler.add(seq)
-        self.requests[rid] = Request(rid, text, token_ids, params, seqs, prompt_logprobs_owed=params.prompt_logprobs is not None)
+        req = self.requests[rid] = Request(rid, text, token_ids, params, seqs, prompt_logprobs_owed=params.prompt_logprobs is not None)
+        if compiling is None:
+            self._schedule(req)
+        elif compiling.done() and compiling.exception() is None:  # (cached)
+            self._schedule(req, compiling.result())
+        else:
+            self._compiling[rid] = compiling
+            self._compiling_seqs += len(seqs)
         return rid
+
+    def _schedule(self, req: Request, compiled: Any = None) -> None:
+        """Its sequences into the scheduler's queue, each with a matcher of ``compiled`` if it has a grammar."""
+        for seq in req.seqs:
+            if compiled is not None:
+                seq.grammar = self._grammars.matcher(compiled, req.params.structured_outputs.after)
+                self._constrained += 1
+            self.scheduler.add(seq)
+
+    def _start_compiled(self) -> list[tuple[Request, RequestDelta]]:
+        """Schedule the requests whose grammar is compiled now; fail those whose compile failed
+        (their deltas, which say why)."""
+        failed = []
+        for rid, future in list(self._compiling.items()):
+            if not future.done():
+                continue
+            req = self._stop_compiling(rid)
+            error = future.exception()
+            if error is None:
+                self._schedule(req, future.result())
+                continue
+            self._fail_request(req, str(error))
+            if (delta := self._take_delta(req)) is not None:
+                failed.append((req, delta))
+        return failed
+
+    def _stop_compiling(self, rid: str) -> Request:
+        del self._compiling[rid]
+        req = self.requests[rid]
+        self._compiling_seqs -= len(req.seqs)
+        return req
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is None:
             return
         req.aborted = True
+        if request_id in self._compiling:  # the compile goes on (into the cache); its result is not taken
+            self._stop_compiling(request_id)
         for seq in req.seqs:
             if not seq.finished and not seq.in_flight:
                 self._finish(seq, "abort")
@@ -275,7 +320,7 @@ class LLMEngine:
             del self.requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished or bool(self._in_flight)
+        return self.scheduler.has_unfinished or bool(self._in_flight) or bool(self._compiling)
 
     @property
     def num_running(self) -> int:
@@ -283,13 +328,20 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        """Requests with a sequence waiting and none running."""
-        return self.scheduler.num_waiting_requests
+        """Requests with a sequence waiting and none running (those whose grammar compiles too)."""
+        return self.scheduler.num_waiting_requests + len(self._compiling)
 
     @property
     def num_waiting_seqs(self) -> int:
-        """Sequences waiting to be scheduled (each of a request's n counts; preempted ones too)."""
-        return self.scheduler.num_waiting
+        """Sequences waiting to be scheduled (each of a request's n counts; preempted ones and
+        those whose grammar compiles too)."""
+        return self.scheduler.num_waiting + self._compiling_seqs
+
+    def num_waiting_of(self, request_id: str) -> int:
+        """Sequences of this request waiting to be scheduled (or for their grammar)."""
+        if request_id in self._compiling:
+            return len(self.requests[request_id].seqs)
+        return self.scheduler.num_waiting_of(request_id)
 
     @property
     def num_preemptions(self) -> int:
@@ -335,13 +387,16 @@ class LLMEngine:
 
     def _run_step(self, after_launch: Callable[[], None] | None = None) -> list[tuple[Request, RequestDelta]]:
         """Keep up to ``settings.max_in_flight`` batches submitted, then complete the oldest one."""
+        failed = self._start_compiled() if self._compiling else []
         try:
             self._launch()
         finally:
             if after_launch is not None:
                 after_launch()
         if not self._in_flight:
-            return []
+            if self._compiling and not failed:  # nothing else to do: not a busy loop meanwhile
+                wait(set(self._compiling.values()), GRAMMAR_WAIT_S, FIRST_COMPLETED)
+            return failed
         batch, step, handle = self._in_flight.popleft()
         try:
             result = self.executor.wait(handle)
@@ -350,7 +405,7 @@ class LLMEngine:
             raise
         if self._trace is not None:
             self._trace_step(step)
-        return self.process_result(batch, step, result)
+        return failed + self.process_result(batch, step, result)
 
     def _launch(self) -> None:
         """Schedule and submit batches until ``max_in_flight`` are in flight or none is left."""
@@ -475,37 +530,32 @@ class LLMEngine:
             self.request_trace.mark(firsts, "processed")
         changed = []
         for req in touched.values():
-            finished = req.finished
-            prompt_logprobs = None
-            if req.prompt_logprobs_owed:
-                leader = req.seqs[0]
-                if leader.prompt_logprobs_pending and not finished:
-                    continue  # its tokens wait for the prompt's logprobs (they come first)
-                if not leader.prompt_logprobs_pending:
-                    prompt_logprobs = leader.prompt_logprobs
-                req.prompt_logprobs_owed = False
-            seqs = []
-            for seq in req.seqs:
-                if (d := seq.take_delta()) is not None:
-                    seqs.append(d)
-            if seqs or finished or prompt_logprobs is not None:
-                changed.append(
-                    (
-                        req,
-                        RequestDelta(
-                            req.request_id,
-                            seqs,
-                            finished,
-                            req.error,
-                            len(req.prompt_token_ids),
-                            req.seqs[0].num_cached_tokens or 0,
-                            prompt_logprobs,
-                        ),
-                    )
-                )
-            if finished:
-                del self.requests[req.request_id]
+            if (delta := self._take_delta(req)) is not None:
+                changed.append((req, delta))
         return changed
+
+    def _take_delta(self, req: Request) -> RequestDelta | None:
+        """What the request made since its last delta, or None if nothing (or its tokens wait
+        for its prompt's logprobs); a finished request is forgotten."""
+        finished = req.finished
+        prompt_logprobs = None
+        if req.prompt_logprobs_owed:
+            leader = req.seqs[0]
+            if leader.prompt_logprobs_pending and not finished:
+                return None  # its tokens wait for the prompt's logprobs (they come first)
+            if not leader.prompt_logprobs_pending:
+                prompt_logprobs = leader.prompt_logprobs
+            req.prompt_logprobs_owed = False
+        seqs = []
+        for seq in req.seqs:
+            if (d := seq.take_delta()) is not None:
+                seqs.append(d)
+        if finished:
+            del self.requests[req.request_id]
+        if not (seqs or finished or prompt_logprobs is not None):
+            return None
+        cached = req.seqs[0].num_cached_tokens or 0
+        return RequestDelta(req.request_id, seqs, finished, req.error, len(req.prompt_token_ids), cached, prompt_logprobs)
 
     def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None, sampled_logprob: float) -> None:
         seq.token_ids.append(token)
@@ -582,4 +632,6 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self._trace is not None:
             self._trace.close()
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()

@@ -76,6 +76,18 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass(frozen=True, slots=True)
+class CallText:
+    """A tool call's text around its JSON arguments, as a grammar forces it: ``before`` them (its
+    begin marker and head) and ``after`` them (its end marker). With ``number_then``, the model
+    writes the call's number after ``before``, then ``number_then`` (K2: ``functions.NAME:``, the
+    number, ``<|tool_call_argument_begin|>``)."""
+
+    before: str
+    after: str
+    number_then: str | None = None
+
+
 @dataclass(slots=True)
 class CallHead:
     """What a call's head says: its name, the model's own reference for it (K2's id), and
@@ -104,6 +116,7 @@ class ToolParser:
     call_begin: ClassVar[str]
     call_end: ClassVar[str]
     separator: ClassVar[str]  # between a call's head and its arguments
+    call_separator: ClassVar[str] = ""  # between two calls of a section
     trailing: ClassVar[str] = " \t\r\n"  # what may end the arguments' text and is not part of them
 
     def __init__(self, new_id: Callable[[], str] = random_call_id, first_index: int = 0):
@@ -129,12 +142,12 @@ class ToolParser:
     # -- the format --------------------------------------------------------------------------
 
     @classmethod
-    def forced_call(cls, name: str, index: int) -> tuple[str, str]:
-        """The text before and after the JSON arguments of a whole tool-call section holding one
-        call of ``name`` (``index``: the call's number in the conversation), as the model writes
-        it: what a grammar forces for ``tool_choice`` required or named."""
-        begin = f"{cls.section_begin[0]}{cls.call_begin}{cls.call_head(name, index)}"
-        return begin, f"{cls.call_end}{cls.section_end[0]}"
+    def call_text(cls, name: str, index: int | None) -> CallText:
+        """A call of ``name`` as the model writes it, which a grammar forces for ``tool_choice``
+        required or named (in a section between ``section_begin[0]`` and ``section_end[0]``,
+        calls apart by ``call_separator``). ``index``: the call's number in the conversation; None:
+        the model writes it, where the format numbers calls (several calls in one turn)."""
+        return CallText(cls.call_begin + cls.call_head(name, index or 0), cls.call_end)
 
     @classmethod
     def call_head(cls, name: str, index: int) -> str:
@@ -271,7 +284,13 @@ class KimiK2Tools(ToolParser):
 
     @classmethod
     def call_head(cls, name: str, index: int) -> str:
-        return f"functions.{name}:{index}{cls.separator}"
+        return f"{kimi_call_id(name, index)}{cls.separator}"
+
+    @classmethod
+    def call_text(cls, name: str, index: int | None) -> CallText:
+        if index is None:
+            return CallText(f"{cls.call_begin}functions.{name}:", cls.call_end, number_then=cls.separator)
+        return super().call_text(name, index)
 
     def parse_head(self, body: str, complete: bool) -> CallHead | None | str:
         i = body.find(self.separator)
@@ -282,9 +301,10 @@ class KimiK2Tools(ToolParser):
         return CallHead(name, i + len(self.separator), ref) if _is_name(name) else MALFORMED
 
     def call_id(self, head: CallHead, index: int) -> str:
-        """The model's own ``functions.NAME:IDX`` when it wrote one for this name; else one in that form."""
+        """The model's own ``functions.NAME:IDX`` when it wrote one for this name that no earlier call
+        of the reply has; else one in that form."""
         m = self.ID.fullmatch(head.ref)
-        if m and m.group(1) == head.name:
+        if m and m.group(1) == head.name and all(c.id != head.ref for c in self.calls):
             return head.ref
         return kimi_call_id(head.name, self.first_index + index)
 
@@ -338,11 +358,12 @@ class DeepSeekV3Tools(_DeepSeekTools):
 
     name = "deepseek_v3"
     trailing = " \t\r\n`"  # the closing fence
+    call_separator = "\n"
 
     @classmethod
-    def forced_call(cls, name: str, index: int) -> tuple[str, str]:
-        begin, end = super().forced_call(name, index)
-        return begin, "\n```" + end
+    def call_text(cls, name: str, index: int | None) -> CallText:
+        text = super().call_text(name, index)
+        return CallText(text.before, "\n```" + text.after)
 
     @classmethod
     def call_head(cls, name: str, index: int) -> str:

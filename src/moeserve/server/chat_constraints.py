@@ -1,7 +1,8 @@
-"""What constrains a chat reply's tokens: ``tool_choice`` "required" or a named function (a
-grammar that forces one call in the tool-call parser's format, its arguments following the
-tool's parameters schema), or the request's structured outputs. A reply that starts in its
-reasoning is free until the reasoning's close tag and constrained after it."""
+"""What constrains a chat reply's tokens: ``tool_choice`` "required" (a grammar that forces one or
+more calls in the tool-call parser's format, each of one of the request's tools, its arguments
+following that tool's parameters schema) or a named function (one call of it), or the request's
+structured outputs. A reply that starts in its reasoning is free until the reasoning's close tag
+and constrained after it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from moeserve.parsers import thinking_switch
 from moeserve.server.chat_settings import ChatSettings
 from moeserve.server.errors import bad_request
 from moeserve.server.protocol import ChatCompletionRequest, NamedToolChoice
-from moeserve.structured.spec import StructuredOutputs
+from moeserve.structured.spec import StructuredOutputs, ToolCalls
 
 ANY_ARGUMENTS = {"type": "object"}
 
@@ -60,15 +61,21 @@ def chat_constraint(
 
 
 def _tool_call_spec(req: ChatCompletionRequest, settings: ChatSettings, history_calls: int) -> StructuredOutputs:
-    tools = req.tools or []
-    if isinstance(req.tool_choice, NamedToolChoice):
-        tools = [t for t in tools if t.function.name == req.tool_choice.function.name]
+    """A named function: one call of it, numbered after the history's calls. ``required``: one or
+    more calls, each of any of the request's tools (where the format numbers calls, the model
+    writes the numbers: numbered in the grammar, each tool's schema would be copied per call)."""
     parser = settings.parsers.tools
-    options = []
-    for tool in tools:
-        begin, end = parser.forced_call(tool.function.name, history_calls)
-        options.append((begin, _schema_text(tool.function.parameters), end))
-    spec = StructuredOutputs(tagged_json=tuple(options), field="tool_choice", strict=False)
+    named = isinstance(req.tool_choice, NamedToolChoice)
+    tools = [t for t in req.tools or [] if not named or t.function.name == req.tool_choice.function.name]
+    index = history_calls if named else None
+    calls = ToolCalls(
+        parser.section_begin[0],
+        parser.section_end[0],
+        tuple((parser.call_text(t.function.name, index), _schema_text(t.function.parameters)) for t in tools),
+        many=not named,
+        separator=parser.call_separator,
+    )
+    spec = StructuredOutputs(tool_calls=calls, field="tool_choice")
     try:
         spec.validate()
     except ValueError as e:

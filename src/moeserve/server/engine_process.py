@@ -385,7 +385,7 @@ class EngineLoop:
 
     def _refill(self) -> None:
         """Queue the next slice of every request whose previous slice has left the queue."""
-        waiting_of = self.engine.scheduler.num_waiting_of
+        waiting_of = self.engine.num_waiting_of
         for key, backlog in list(self._backlogs.items()):
             if not any(waiting_of(rid) for rid in backlog.queued):
                 self._queue_slice(backlog)
@@ -411,7 +411,7 @@ class EngineLoop:
         exempt = next((b for b in self._backlogs.values() if b.exempt), None)
         waiting = self.engine.num_waiting_seqs + sum(b.seqs for b in self._backlogs.values() if not b.exempt)
         if exempt is not None:
-            waiting -= sum(self.engine.scheduler.num_waiting_of(rid) for rid in exempt.queued)
+            waiting -= sum(self.engine.num_waiting_of(rid) for rid in exempt.queued)
         if waiting + cost <= self.max_waiting:
             return None, False
         if waiting == 0 and exempt is None:

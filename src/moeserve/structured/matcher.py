@@ -1,5 +1,11 @@
-"""The engine's side of constrained decoding: grammars compiled against the tokenizer (cached),
-one matcher per sequence, and each step's token bitmask for the rows that sample under one.
+"""The engine's side of constrained decoding: grammars compiled against the tokenizer (on worker
+threads, cached), one matcher per sequence, and each step's token bitmask for the rows that sample
+under one.
+
+A compile takes from milliseconds to seconds (a large JSON schema against a large vocabulary), so it
+runs on a small thread pool: xgrammar's compile releases the GIL, and the engine loop keeps stepping
+the other requests meanwhile (``LLMEngine`` holds the request out of the scheduler until its grammar
+is ready).
 
 A matcher holds exactly the sequence's output tokens: it is advanced as the engine keeps each
 sampled token (``LLMEngine._append_token``). Preemption recomputes a sequence's KV but keeps its
@@ -7,7 +13,9 @@ tokens, so the matcher needs no rollback; a dropped step never appended its toke
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +25,7 @@ import torch
 from moeserve.structured.spec import StructuredOutputs, grammar
 
 MAX_COMPILED = 128  # compiled grammars kept (a schema used again is not compiled again)
+WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # grammars compiled at once
 
 
 class GrammarCompilers:
@@ -32,24 +41,48 @@ class GrammarCompilers:
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
         except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the request's 400, not a crash
             raise ValueError(f"structured outputs are not available with this tokenizer: {type(e).__name__}: {e}") from None
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # xgrammar's own cache would keep every grammar ever compiled: this one keeps MAX_COMPILED
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
+        self._pending: dict[tuple, Future] = {}  # compiles under way, by spec key
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="moeserve-grammar")
 
-    def compile(self, spec: StructuredOutputs) -> Any:
-        """Its compiled grammar (a ValueError naming the spec's field if it does not compile)."""
+    def compile(self, spec: StructuredOutputs) -> Future:
+        """Its compiled grammar, as a future: done at once when cached, else compiled on a worker
+        thread; requests that ask for one spec while it compiles share its future. A compile that
+        fails sets a ValueError naming the spec's field."""
+        self.collect()
         key = spec.key()
         hit = self._compiled.get(key)
         if hit is not None:
             self._compiled.move_to_end(key)
-            return hit
+            done: Future = Future()
+            done.set_result(hit)
+            return done
+        future = self._pending.get(key)
+        if future is None:
+            future = self._pending[key] = self._pool.submit(self._compile, spec)
+        return future
+
+    def _compile(self, spec: StructuredOutputs) -> Any:
         try:
-            compiled = self._compiler.compile_grammar(grammar(spec))
+            return self._compiler.compile_grammar(grammar(spec))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{spec.field}: cannot compile the {spec.kind} for this tokenizer: {e}") from None
-        self._compiled[key] = compiled
-        if len(self._compiled) > MAX_COMPILED:
-            self._compiled.popitem(last=False)
-        return compiled
+
+    def collect(self) -> None:
+        """Move finished compiles into the cache (the engine's thread: the cache is its alone)."""
+        for key, future in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[key]
+            if future.exception() is None:
+                self._compiled[key] = future.result()
+                if len(self._compiled) > MAX_COMPILED:
+                    self._compiled.popitem(last=False)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def matcher(self, compiled: Any, after: str | None = None) -> "SequenceGrammar":
         import xgrammar as xgr

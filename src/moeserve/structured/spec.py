@@ -9,16 +9,33 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-# Bounds on what a request may ask the engine to compile (the compile runs in the engine loop).
+from moeserve.parsers.tool_calls import CallText
+
+# Bounds on what a request may ask the engine to compile (on its worker threads: seconds at most).
 MAX_SPEC_CHARS = 64 * 1024
 MAX_CHOICES = 256
-KINDS = ("json", "json_object", "regex", "choice", "grammar", "tagged_json")
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "tool_calls")
+CALL_NUMBER = "[0-9]{1,6}"  # a forced call's number, where the model writes it (K2's IDX)
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    """Forced tool calls (``tool_choice``): ``begin``, then one call (``many``: one or more, with
+    ``separator`` between two), then ``end``. Each call is of one of ``tools``: its text and its
+    arguments' JSON schema (as JSON text)."""
+
+    begin: str
+    end: str
+    tools: tuple[tuple[CallText, str], ...]
+    many: bool = False
+    separator: str = ""
 
 
 @dataclass(frozen=True)
 class StructuredOutputs:
     """Exactly one of ``json`` (a JSON schema, as JSON text), ``json_object``, ``regex``,
-    ``choice`` or ``grammar`` (EBNF, xgrammar's dialect, rule ``root``). ``field``: the request
+    ``choice``, ``grammar`` (EBNF, xgrammar's dialect, rule ``root``) or ``tool_calls`` (the
+    server's, for ``tool_choice``). ``field``: the request
     field it came from, which errors name. ``strict``: OpenAI's json_schema flag (xgrammar always
     follows the schema; non-strict only allows extra properties where the schema does not forbid
     them)."""
@@ -28,8 +45,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     grammar: str | None = None
-    # one of these: (text before, a JSON schema as JSON text, text after) - a forced tool call
-    tagged_json: tuple[tuple[str, str, str], ...] | None = None
+    tool_calls: ToolCalls | None = None
     field: str = "structured_outputs"
     strict: bool = True
     # The constraint starts once the output holds this text (the reasoning's end, ``</think>``):
@@ -75,7 +91,7 @@ class StructuredOutputs:
 
     def key(self) -> tuple:
         """What identifies its compiled grammar (the cache's key)."""
-        return (self.json, self.json_object, self.regex, self.choice, self.grammar, self.tagged_json, self.strict)
+        return (self.json, self.json_object, self.regex, self.choice, self.grammar, self.tool_calls, self.strict)
 
     def validate(self) -> None:
         """A ValueError naming ``field`` unless exactly one constraint is set and it compiles."""
@@ -125,9 +141,9 @@ def grammar(spec: StructuredOutputs):
 def _grammar(key: tuple):
     import xgrammar as xgr
 
-    schema, json_object, regex, choice, ebnf, tagged, strict = key
-    if tagged is not None:
-        return xgr.Grammar.union(*(xgr.Grammar.concat(_literal(a), _json(s, strict), _literal(b)) for a, s, b in tagged))
+    schema, json_object, regex, choice, ebnf, tool_calls, strict = key
+    if tool_calls is not None:
+        return xgr.Grammar.from_structural_tag(_structural_tag(tool_calls))
     if schema is not None:
         return _json(schema, strict)
     if json_object:
@@ -146,7 +162,19 @@ def _json(schema: str, strict: bool):
     return xgr.Grammar.from_json_schema(schema, strict_mode=strict, any_whitespace=False)
 
 
-def _literal(text: str):
-    import xgrammar as xgr
+def _structural_tag(calls: ToolCalls) -> str:
+    """The calls as an xgrammar structural tag (JSON text); the arguments' JSON takes at most one
+    whitespace character at a time (a model free to add whitespace can add it forever)."""
 
-    return xgr.Grammar.from_ebnf("root ::= " + json.dumps(text, ensure_ascii=False))
+    def text(value: str) -> dict:
+        return {"type": "const_string", "value": value}
+
+    tags = []
+    for call, schema in calls.tools:
+        content: dict = {"type": "json_schema", "json_schema": json.loads(schema), "max_whitespace_cnt": 1}
+        if call.number_then is not None:
+            content = {"type": "sequence", "elements": [{"type": "regex", "pattern": CALL_NUMBER}, text(call.number_then), content]}
+        tags.append({"type": "tag", "begin": call.before, "content": content, "end": call.after})
+    section = {"type": "tags_with_separator", "tags": tags, "separator": calls.separator, "at_least_one": True}
+    section["stop_after_first"] = not calls.many
+    return json.dumps({"type": "structural_tag", "format": {"type": "sequence", "elements": [text(calls.begin), section, text(calls.end)]}})

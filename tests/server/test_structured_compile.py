@@ -1,0 +1,155 @@
+"""Grammars compile on a worker thread (issue 34): a request waits out of the scheduler, holding no
+KV, while its grammar compiles, and the other requests' tokens keep coming; then it runs as if
+compiled at once. Requests with one spec share one compile, a spec used again is not compiled
+again, an abort while compiling drops the result, a compile that fails fails its request alone.
+The compile is held back by a gate (a monkeypatched ``GrammarCompilers._compile``)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import jsonschema
+import pytest
+
+from moeserve import LLM, SamplingParams
+from moeserve.demo.random_model import ensure_random_model
+from moeserve.structured.matcher import GrammarCompilers
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["a"],
+    "additionalProperties": False,
+}
+PLAIN = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(str(ensure_random_model()), device="cpu", dtype="float32") as llm:
+        yield llm
+
+
+class Gate:
+    """``GrammarCompilers._compile`` held until ``open``; counts the compiles."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False):
+        self.event = threading.Event()
+        self.calls = 0
+        compile_ = GrammarCompilers._compile
+
+        def held(compilers: GrammarCompilers, spec):
+            self.calls += 1
+            assert self.event.wait(60), "the gate was never opened"
+            if fail:
+                raise ValueError(f"{spec.field}: cannot compile the {spec.kind} for this tokenizer: injected")
+            return compile_(compilers, spec)
+
+        monkeypatch.setattr(GrammarCompilers, "_compile", held)
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def constrained(schema: dict, n: int = 1) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=32, n=n, structured_outputs={"json": schema})
+
+
+def run_until_done(eng, rids: list[str], steps: int = 400) -> dict:
+    """Each request's finished-or-not deltas folded: {rid: (texts, finish reasons, error)}."""
+    texts: dict[str, dict[int, str]] = {r: {} for r in rids}
+    reasons: dict[str, dict[int, str]] = {r: {} for r in rids}
+    errors: dict[str, str | None] = {}
+    for _ in range(steps):
+        for d in eng.step_deltas():
+            if d.request_id not in texts:
+                continue
+            for s in d.seqs:
+                texts[d.request_id][s.index] = texts[d.request_id].get(s.index, "") + s.text
+                if s.finish_reason:
+                    reasons[d.request_id][s.index] = s.finish_reason
+            if d.finished:
+                errors[d.request_id] = d.error
+        if len(errors) == len(rids):
+            return {r: (texts[r], reasons[r], errors[r]) for r in rids}
+    raise AssertionError(f"not finished within {steps} steps: {set(rids) - set(errors)}")
+
+
+def test_a_slow_compile_does_not_stop_the_other_requests(llm, monkeypatch):
+    """While a grammar compiles, a plain request gets its tokens and the constrained ones hold no
+    KV; two requests with the same schema share the compile; once it is done they run and follow
+    the schema (n > 1 too), and the schema used again is not compiled again."""
+    eng = llm.engine
+    gate = Gate(monkeypatch)
+    schema = {**SCHEMA, "title": "slow"}  # (not in the cache from another test)
+    plain = eng.add_request("x", PLAIN)
+    first = eng.add_request("y", constrained(schema))
+    second = eng.add_request("z", constrained(schema, n=2))
+    assert eng._compiling[first] is eng._compiling[second]
+    tokens = 0
+    for _ in range(8):
+        for d in eng.step_deltas():
+            assert d.request_id == plain
+            tokens += sum(len(s.token_ids) for s in d.seqs)
+    assert tokens >= 8 and gate.calls == 1
+    waiting = eng.requests[first].seqs + eng.requests[second].seqs
+    assert all(not s.pages and s.grammar is None for s in waiting)
+    assert eng.num_waiting == 2 and eng.num_waiting_seqs == 3 and eng.num_waiting_of(second) == 2
+    gate.open()
+    out = run_until_done(eng, [plain, first, second])
+    for rid in (first, second):
+        texts, reasons, error = out[rid]
+        assert error is None and len(texts) == len(reasons) == (1 if rid == first else 2)
+        for i, text in texts.items():
+            assert reasons[i] == "stop", (text, reasons)
+            jsonschema.validate(json.loads(text), schema)
+    assert out[plain][1] == {0: "length"}
+    again = eng.add_request("y", constrained(schema))
+    assert not eng._compiling and eng.requests[again].seqs[0].grammar is not None  # cached: scheduled at once
+    assert run_until_done(eng, [again])[again] == out[first] and gate.calls == 1
+    assert eng._constrained == 0
+
+
+def test_abort_while_compiling(llm, monkeypatch):
+    """An aborted request leaves at once; its compile finishes into the cache, unused by it."""
+    eng = llm.engine
+    gate = Gate(monkeypatch)
+    schema = {**SCHEMA, "title": "aborted"}
+    rid = eng.add_request("y", constrained(schema, n=2))
+    eng.step_deltas()
+    eng.abort_request(rid)
+    assert rid not in eng.requests and not eng._compiling and not eng.has_unfinished_requests()
+    assert eng.num_waiting_seqs == 0
+    future = eng._grammars._pending[constrained(schema).structured_outputs.key()]
+    gate.open()
+    future.result(timeout=60)
+    assert eng.step_deltas() == [] and eng._constrained == 0
+    later = eng.add_request("y", constrained(schema))
+    assert eng.requests[later].seqs[0].grammar is not None and gate.calls == 1
+    _, reasons, error = run_until_done(eng, [later])[later]
+    assert error is None and reasons == {0: "stop"}
+
+
+def test_a_compile_that_fails_after_submit_fails_its_request_alone(llm, monkeypatch):
+    eng = llm.engine
+    gate = Gate(monkeypatch, fail=True)
+    plain = eng.add_request("x", PLAIN)
+    bad = eng.add_request("y", constrained({**SCHEMA, "title": "fails"}, n=2))
+    eng.step_deltas()
+    gate.open()
+    out = run_until_done(eng, [plain, bad])
+    texts, reasons, error = out[bad]
+    assert reasons == {0: "error", 1: "error"} and "cannot compile the json for this tokenizer: injected" in error
+    assert out[plain][1] == {0: "length"} and out[plain][2] is None
+    assert not eng._compiling and eng._constrained == 0 and not eng.has_unfinished_requests()
+
+
+def test_the_offline_api_waits_for_a_slow_compile(llm, monkeypatch):
+    """``LLM.generate`` simply returns the constrained output (and a plain one beside it)."""
+    gate = Gate(monkeypatch)
+    threading.Timer(0.3, gate.open).start()
+    schema = {**SCHEMA, "title": "offline"}
+    outs = llm.generate(["y", "x"], [constrained(schema), PLAIN])
+    assert outs[0].outputs[0].finish_reason == "stop" and outs[1].outputs[0].finish_reason == "length"
+    jsonschema.validate(json.loads(outs[0].outputs[0].text), schema)
