@@ -7,64 +7,16 @@ configuration errors."""
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from moeserve.engine.config import EngineConfig, SpeculativeConfig
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
-from spec_checkpoints import MTP_CONFIG, make_mtp_checkpoint
+from spec_checkpoints import DRAFT_CONFIG, H, make_mtp_checkpoint, write_random_draft
 
 PROMPTS = [[5, 9, 33, 2, 7], list(range(40, 75)), [100, 3, 3, 3, 17, 200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
-H, V = MTP_CONFIG["hidden_size"], MTP_CONFIG["vocab_size"]
-DRAFT_CONFIG = {
-    "architectures": ["LlamaForCausalLMEagle3"],
-    "hidden_size": H,
-    "intermediate_size": 48,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": V,
-    "draft_vocab_size": 64,
-    "target_hidden_size": H,
-    "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 1]},  # the target has 2 layers
-}
-
-
-def write_random_draft(path, config: dict = DRAFT_CONFIG, seed: int = 0):
-    """A random EAGLE-3 draft in the published layout (reduced vocabulary, shared embedding)."""
-    g = torch.Generator().manual_seed(seed)
-    h, dv, ff = config["hidden_size"], config["draft_vocab_size"], config["intermediate_size"]
-    q, kv = 4 * 8, 2 * 8
-
-    def w(*shape):
-        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
-
-    tensors = {
-        "fc.weight": w(h, 3 * config["target_hidden_size"]),
-        "midlayer.self_attn.q_proj.weight": w(q, 2 * h),
-        "midlayer.self_attn.k_proj.weight": w(kv, 2 * h),
-        "midlayer.self_attn.v_proj.weight": w(kv, 2 * h),
-        "midlayer.self_attn.o_proj.weight": w(h, q),
-        "midlayer.mlp.gate_proj.weight": w(ff, h),
-        "midlayer.mlp.up_proj.weight": w(ff, h),
-        "midlayer.mlp.down_proj.weight": w(h, ff),
-        "midlayer.input_layernorm.weight": torch.ones(h),
-        "midlayer.hidden_norm.weight": torch.ones(h),
-        "midlayer.post_attention_layernorm.weight": torch.ones(h),
-        "norm.weight": torch.ones(h),
-        "lm_head.weight": w(dv, h),
-        "d2t": torch.sort(torch.randperm(V, generator=g)[:dv]).values - torch.arange(dv),
-    }
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config))
-    save_file(tensors, str(path / "model.safetensors"))
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,20 @@
 """Speculative decoding with CUDA graphs: the target's steps (verify rows of a token and its
-drafts, prompt chunks beside them) and the MTP layer's passes (over the step's known positions,
-and chained) through piecewise graphs' static buffers, emulated on CPU
-(``MOESERVE_EMULATE_CUDA_GRAPHS=1``, the Triton interpreter): greedy outputs equal those without
-speculation, token for token, with stop strings, max_tokens mid-bundle and prefix caching.
-EAGLE-3 keeps the engine eager."""
+drafts, prompt chunks beside them) and the drafter's passes (the MTP layer's or the EAGLE-3
+draft's, over the step's known positions, and chained) through graphs' static buffers, emulated
+on CPU (``MOESERVE_EMULATE_CUDA_GRAPHS=1``, the Triton interpreter): greedy outputs equal those
+without speculation, token for token, with stop strings, max_tokens mid-bundle, prefix caching
+and preemption; the EAGLE-3 aux states the target's replays leave equal those of eager steps
+(with real graphs too, on a GPU where there is one)."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
-from spec_checkpoints import make_mtp_checkpoint
+from spec_checkpoints import make_mtp_checkpoint, write_random_draft
 
 pytest.importorskip("triton")
 
@@ -24,6 +26,21 @@ SETTINGS = dict(device="cpu", dtype="float32", backend="triton", max_num_batched
 @pytest.fixture(scope="module")
 def random_mtp(tmp_path_factory):
     return str(make_mtp_checkpoint(tmp_path_factory.mktemp("mtp_graphs"))[0])
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    return write_random_draft(tmp_path_factory.mktemp("eagle3_graphs_draft"))
+
+
+def _spec(method: str, k: int, draft: str | None = None) -> dict:
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": k}
+    if draft is None:
+        from moeserve.demo import EAGLE3_DIR
+
+        draft = str(EAGLE3_DIR)
+    return {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
 
 
 def _tokens(llm: LLM, prompts, params) -> list[list[int]]:
@@ -48,33 +65,40 @@ def _graphed(path, spec, monkeypatch, **kw):
     steps: list[list[int]] = []  # each replayed step's query lengths
     run_hidden = pieces.run_hidden
     pieces.run_hidden = lambda ids, ctx: steps.append(list(ctx.query_lens)) or run_hidden(ids, ctx)
-    drafts = runner.drafter.graphs  # the MTP layer's passes
-    assert drafts is not None and drafts.emulate and drafts.sizes == pieces.sizes and drafts.model is runner.drafter.model
-    draft_run = drafts.run_hidden
-    drafts.run_hidden = lambda ids, ctx, prev: steps.append(("mtp", list(ctx.query_lens))) or draft_run(ids, ctx, prev)
+    drafts = runner.drafter.graphs  # the drafter's passes
+    assert drafts is not None and drafts.emulate and drafts.sizes == pieces.sizes
+    if spec["method"] == "mtp":
+        assert drafts.model is runner.drafter.model
+        draft_run = drafts.run_hidden
+        drafts.run_hidden = lambda ids, ctx, prev: steps.append(("draft", list(ctx.query_lens))) or draft_run(ids, ctx, prev)
+    else:
+        assert drafts.draft is runner.drafter.draft
+        layer = drafts.layer
+        drafts.layer = lambda ids, hidden, rows: steps.append(("draft", list(rows.counts))) or layer(ids, hidden, rows)
     return llm, steps
 
 
 @pytest.mark.triton_on_cpu
-@pytest.mark.parametrize("k", [1, 3])
-def test_random_model_greedy_equals_plain_through_graphs(random_mtp, plain, monkeypatch, k):
+@pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 3), ("eagle3", 1), ("eagle3", 3)])
+def test_random_model_greedy_equals_plain_through_graphs(random_mtp, random_draft, plain, monkeypatch, method, k):
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
-    llm, steps = _graphed(random_mtp, {"method": "mtp", "num_speculative_tokens": k}, monkeypatch)
+    llm, steps = _graphed(random_mtp, _spec(method, k, random_draft), monkeypatch)
     sizes = llm.engine.executor.runner.piecewise_graphs.sizes
     with llm:
         assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
         assert llm.engine.spec_num_draft_tokens > 0
-    target = [lens for lens in steps if lens[0] != "mtp"]
+    target = [lens for lens in steps if lens[0] != "draft"]
     assert any(all(n == k + 1 for n in lens) for lens in target)  # verify steps replayed
     assert any(len(set(lens)) > 1 for lens in target)  # verify rows beside a prompt chunk
     assert any(sum(lens) not in sizes for lens in target)  # padded to a captured size
-    mtp = [s for s in steps if s[0] == "mtp"]  # one pass a step, and k - 1 chained ones
-    assert len(mtp) == len(target) if k == 1 else len(mtp) > len(target)
+    drafts = [s for s in steps if s[0] == "draft"]  # one pass a step, and k - 1 chained ones
+    assert len(drafts) == len(target) if k == 1 else len(drafts) > len(target)
 
 
 @pytest.mark.triton_on_cpu
-def test_random_model_stops_lengths_and_prefix_cache_through_graphs(random_mtp, plain, monkeypatch):
-    llm, steps = _graphed(random_mtp, {"method": "mtp", "num_speculative_tokens": 2}, monkeypatch)
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_random_model_stops_lengths_and_prefix_cache_through_graphs(random_mtp, random_draft, plain, monkeypatch, method):
+    llm, steps = _graphed(random_mtp, _spec(method, 2, random_draft), monkeypatch)
     with llm:
         for n in (1, 2, 5):  # max_tokens inside a bundle
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -98,7 +122,8 @@ def test_random_model_stops_lengths_and_prefix_cache_through_graphs(random_mtp, 
 
 
 @pytest.mark.triton_on_cpu
-def test_demo_model_greedy_equal_and_accepts_drafts_through_graphs(monkeypatch):
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_demo_model_greedy_equal_and_accepts_drafts_through_graphs(monkeypatch, method):
     from moeserve.demo import chat_format as cf
 
     prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
@@ -106,20 +131,57 @@ def test_demo_model_greedy_equal_and_accepts_drafts_through_graphs(monkeypatch):
     kw = dict(max_num_batched_tokens=32, max_model_len=40)
     with LLM(None, **{**SETTINGS, **kw}) as llm:
         want = _tokens(llm, [prompt], params)
-    llm, steps = _graphed(None, {"method": "mtp", "num_speculative_tokens": 2}, monkeypatch, **kw)
+    llm, steps = _graphed(None, _spec(method, 2), monkeypatch, **kw)
     with llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
     assert [3] in steps  # a verify row (its token and two drafts) replayed
 
 
-def test_eagle3_keeps_the_engine_eager(monkeypatch):
-    """EAGLE-3's aux-layer states are kept by the forward as a host-side side effect, which a
-    graph's replay would not repeat: no graphs with it."""
-    from moeserve.demo import EAGLE3_DIR
+@pytest.mark.triton_on_cpu
+def test_random_model_preemption_through_graphs(random_mtp, random_draft, plain, monkeypatch):
+    """Too few KV pages for three sequences at once: preempted sequences recompute (EAGLE-3: its
+    draft cache starts again) and give the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [PROMPTS[1] + [7, 8], PROMPTS[1] + [9], PROMPTS[2]]
+    want = _tokens(plain, prompts, params)
+    llm, _ = _graphed(random_mtp, _spec("eagle3", 2, random_draft), monkeypatch, num_kv_pages=10, max_model_len=40)
+    with llm:
+        assert _tokens(llm, prompts, params) == want
+        assert llm.engine.num_preemptions > 0
+        drafter = llm.engine.executor.runner.drafter
+        assert len(drafter.draft.cache.keys) < len(prompts) and set(drafter.offsets) == set(drafter.draft.cache.keys)
 
-    monkeypatch.setenv("MOESERVE_EMULATE_CUDA_GRAPHS", "1")
-    spec = {"method": "eagle3", "model": str(EAGLE3_DIR), "num_speculative_tokens": 2}
-    with LLM(None, speculative_config=spec, **SETTINGS) as llm:
-        runner = llm.engine.executor.runner
-        assert not runner.use_graphs and runner.piecewise_graphs is None and runner.graphs is None
+
+@pytest.mark.triton_on_cpu
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))])
+def test_eagle3_aux_states_after_replays_equal_eager_steps(random_mtp, random_draft, monkeypatch, device):
+    """The target's aux-layer inputs that the EAGLE-3 draft reads, step by step, after piecewise
+    replays (padded to captured sizes; real graphs on a GPU, emulated on CPU) and after the same
+    steps run eagerly (the same prompts again with the graphs set aside): equal, and so are the
+    tokens."""
+    spec = _spec("eagle3", 2, random_draft)
+    kw = dict(enable_prefix_caching=False)  # the second run's steps are the first's
+    if device == "cpu":
+        llm, _ = _graphed(random_mtp, spec, monkeypatch, **kw)
+    else:
+        llm = LLM(random_mtp, speculative_config=spec, **{**SETTINGS, **kw, "device": "cuda", "page_size": 16})
+    runner = llm.engine.executor.runner
+    drafter = runner.drafter
+    seen: list[tuple[list[int], torch.Tensor]] = []
+    propose = drafter.propose
+    drafter.propose = lambda runner, step, ids, *a: (
+        seen.append((list(step.query_lens), drafter.aux_hidden[: ids.numel()].clone())) or propose(runner, step, ids, *a)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with llm:
+        assert runner.piecewise_graphs is not None and drafter.graphs is not None
+        graphed = _tokens(llm, PROMPTS, params)
+        got, seen[:] = list(seen), []
+        sizes = runner.piecewise_graphs.sizes
+        runner.piecewise_graphs = drafter.graphs = None
+        assert _tokens(llm, PROMPTS, params) == graphed
+    assert [lens for lens, _ in got] == [lens for lens, _ in seen]
+    assert any(sum(lens) not in sizes for lens, _ in got)  # padded replays
+    for (_, a), (_, b) in zip(got, seen):
+        torch.testing.assert_close(a, b)

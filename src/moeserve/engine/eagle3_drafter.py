@@ -1,12 +1,15 @@
 """EAGLE-3 speculative decoding: a published EAGLE-3 draft (``models/eagle3.py``) proposes the
 next drafts from the target's residual stream entering three of its layers.
 
-The target keeps the inputs of the draft's aux layers for every position of a step
-(``DeepseekModel.capture_layers``). After acceptance, each row feeds the draft the positions whose
-next token is now known: position ``t`` pairs the aux states at ``t`` with token ``t + 1`` (a
-prompt chunk's positions; a decode row's last token and its accepted drafts). The row writes the
-draft's cache from its first position, which drops what the previous step's chained drafts left
-there; the draft then chains ``k - 1`` more passes on its own outputs.
+The target writes the inputs of the draft's aux layers for every position of a step into a
+buffer of its own (``DeepseekModel.keep_aux``), in its eager forward and in its piecewise CUDA
+graphs' replays alike (the copies are inside the captured pieces). After acceptance, each row
+feeds the draft the positions whose next token is now known: position ``t`` pairs the aux states
+at ``t`` with token ``t + 1`` (a prompt chunk's positions; a decode row's last token and its
+accepted drafts). The row writes the draft's cache from its first position, which drops what the
+previous step's chained drafts left there; the draft then chains ``k - 1`` more passes on its own
+outputs. Its passes replay CUDA graphs of their own around its attention
+(``engine/eagle3_graphs.py``) where captured.
 
 The draft keeps its own per-sequence cache (not the paged KV cache). A sequence whose first
 fed position is not 0 (its prompt prefix found in the prefix cache) starts its draft cache there:
@@ -25,6 +28,7 @@ import torch
 from moeserve.device_copy import to_device
 from moeserve.distributed.tp_collectives import tp_group
 from moeserve.engine.config import SpeculativeConfig
+from moeserve.engine.eagle3_graphs import DraftGraphs
 from moeserve.step_context import StepContext
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
@@ -60,9 +64,6 @@ class Eagle3Drafter:
     """The EAGLE-3 draft beside the target (same interface as ``MTPDrafter``)."""
 
     kv_layers = 0  # its cache is its own, per sequence: no layer in the paged KV pool
-    # No CUDA graphs: the target keeps the aux layers' inputs by storing them in a dict as it runs
-    # (``DeepseekModel.captured``), which a graph's replay would not do again.
-    graph_safe = False
 
     def __init__(self, runner: ModelRunner, spec: SpeculativeConfig):
         self.k = spec.num_speculative_tokens
@@ -71,6 +72,7 @@ class Eagle3Drafter:
         self.runs = tp.rank == 0
         self.draft: Eagle3Draft | None = None
         self.offsets: dict[int, int] = {}  # seq id -> the target position of its draft position 0
+        self.graphs: DraftGraphs | None = None  # the draft's passes through CUDA graphs (``capture_graphs``), or None: eager
         if not self.runs:
             return
         embed = runner.model.model.embed_tokens
@@ -78,12 +80,14 @@ class Eagle3Drafter:
         weight = embed.weight if tp.size == 1 else _checkpoint_embedding(runner.config.model)
         self.draft = Eagle3Draft.load(spec.model, cfg.num_hidden_layers, cfg.hidden_size, weight, runner.dtype, runner.device)
         self.draft.eval()
-        self.aux = self.draft.cfg.aux_layer_ids
-        runner.model.model.capture_layers = frozenset(self.aux)
+        aux = self.draft.cfg.aux_layer_ids
+        # (a step has at most the budget's tokens: the profile run's too)
+        self.aux_hidden = runner.model.model.keep_aux(aux, runner.config.max_num_batched_tokens, runner.dtype, runner.device)
         log.info(
-            "speculative decoding: EAGLE-3 draft %s (aux layers %s) drafts %d token(s) a step (CUDA graphs and async scheduling off)",
+            "speculative decoding: EAGLE-3 draft %s (aux layers %s) drafts %d token(s) a step (async scheduling off; "
+            "the target's steps and the draft's passes through piecewise CUDA graphs where captured)",
             spec.model,
-            list(self.aux),
+            list(aux),
             self.k,
         )
 
@@ -94,6 +98,12 @@ class Eagle3Drafter:
 
     def make_pool(self, runner: ModelRunner, num_pages: int) -> None:
         pass  # no paged KV
+
+    def capture_graphs(self, runner: ModelRunner, sizes: list[int], mempool) -> None:
+        """The draft's passes at the target's piecewise token counts (none on TP ranks but 0)."""
+        if self.draft is not None:
+            self.graphs = DraftGraphs(self.draft, sizes, runner.config.max_num_seqs, mempool, runner.emulate_graphs)
+            self.graphs.capture()
 
     def free(self, seq_id: int) -> None:
         self.offsets.pop(seq_id, None)
@@ -109,9 +119,6 @@ class Eagle3Drafter:
             return []
         for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
             self.free(seq_id)
-        captured = runner.model.model.captured
-        aux = torch.cat([captured[i] for i in self.aux], dim=-1)
-        captured.clear()
         draft = self.draft
         keep: list[int] = []
         next_ids: list[int] = []
@@ -130,7 +137,8 @@ class Eagle3Drafter:
         if not keep:
             return []
         dev = runner.device
-        drafts = draft.propose(to_device(next_ids, dev), aux[to_device(keep, dev)], rows, self.k)
+        # (the target's aux rows [0, T) are the step's tokens, after an eager step or a replay)
+        drafts = draft.propose(to_device(next_ids, dev), self.aux_hidden[to_device(keep, dev)], rows, self.k, self.graphs)
         sampling = [i for i, nxt in enumerate(step.next_token_ids) if nxt < 0]
         return drafts[to_device(sampling, dev)].tolist() if sampling else []
 

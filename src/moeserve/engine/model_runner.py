@@ -112,13 +112,7 @@ class ModelRunner:
         # Tests set MOESERVE_EMULATE_CUDA_GRAPHS=1 to run the graph path's static buffers on CPU.
         self.emulate_graphs = self.device.type != "cuda" and os.environ.get("MOESERVE_EMULATE_CUDA_GRAPHS") == "1"
         self.use_graphs = (
-            (self.device.type == "cuda" or self.emulate_graphs)
-            and not config.enforce_eager
-            and self.backend.name != "reference"
-            # speculative decoding: its target forwards through the piecewise graphs only
-            # (``capture_graphs``); EAGLE-3 keeps the whole engine eager (its aux-layer captures
-            # are host-side side effects of the forward, which a replay would not repeat)
-            and (self.drafter is None or self.drafter.graph_safe)
+            (self.device.type == "cuda" or self.emulate_graphs) and not config.enforce_eager and self.backend.name != "reference"
         )
         num_pages = config.num_kv_pages or self._pages_that_fit()
         self._make_pool(num_pages)
@@ -159,9 +153,10 @@ class ModelRunner:
 
         self.max_context_len = max_model_len
         pages = -(-max_model_len // self.page_size)
-        # Speculative decoding needs the final hidden state of every position of a step (the
-        # drafter reads it), which only the piecewise graphs keep: the whole-step graphs, which
-        # keep the sampled rows' logits only, would never run.
+        # Speculative decoding needs the final hidden state of every position of a step (the MTP
+        # layer reads it; the EAGLE-3 draft reads the aux layers' inputs, which every forward
+        # writes into the target's buffer), which only the piecewise graphs keep: the whole-step
+        # graphs, which keep the sampled rows' logits only, would never run.
         if self.drafter is None:
             self.graphs = DecodeGraphs(self, self.config.max_num_seqs, pages, scratch_page=self.num_pages, emulate=self.emulate_graphs)
             mempool = self.graphs.mempool
@@ -178,11 +173,8 @@ class ModelRunner:
         if sizes:
             self.piecewise_graphs = PiecewiseGraphs(self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs)
             self.piecewise_graphs.capture()
-            if self.drafter is not None:  # the MTP layer's passes (the first over the step's known positions, the chained)
-                self.drafter.graphs = PiecewiseGraphs(
-                    self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs, drafter=self.drafter
-                )
-                self.drafter.graphs.capture()
+            if self.drafter is not None:  # the MTP layer's or the EAGLE-3 draft's passes
+                self.drafter.capture_graphs(self, sizes, mempool)
 
     def _check_host_memory(self) -> None:
         """On CPU, refuse a model that cannot fit in RAM instead of being killed by the OOM killer."""

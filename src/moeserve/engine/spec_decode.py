@@ -29,6 +29,7 @@ from moeserve.device_copy import to_device
 from moeserve.distributed.tp_collectives import TPGroup, tp_group
 from moeserve.step_context import StepContext, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
+from moeserve.engine.piecewise_graph import PiecewiseGraphs
 from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
 from moeserve.engine.spec_accept import accept_drafts
 from moeserve.engine.step_input import StepInput
@@ -51,7 +52,6 @@ class MTPDrafter:
     """The MTP layer of the checkpoint beside the target, with its own one-layer KV pool."""
 
     kv_layers = 1  # its layer in the paged KV cache
-    graph_safe = True  # the target's forwards may replay the piecewise graphs (it reads their output only)
 
     def __init__(self, runner: ModelRunner, num_speculative_tokens: int):
         self.k = num_speculative_tokens
@@ -63,7 +63,7 @@ class MTPDrafter:
         cfg = runner.config
         load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
         self.pool: StageKVPool | None = None
-        self.graphs = None  # PiecewiseGraphs of the MTP layer (``ModelRunner.capture_graphs``), or None: eager
+        self.graphs: PiecewiseGraphs | None = None  # of the MTP layer (``capture_graphs``), or None: eager
         log.info(
             "speculative decoding: the MTP layer drafts %d token(s) a step (async scheduling off; "
             "the target's steps and the MTP layer's passes through piecewise CUDA graphs where captured)",
@@ -76,6 +76,14 @@ class MTPDrafter:
         self.pool = StageKVPool(runner.model_config, self.model.stage, num_pages, runner.page_size, runner.dtype, runner.device)
         self.model.bind(self.pool, runner.backend)
 
+    def capture_graphs(self, runner: ModelRunner, sizes: list[int], mempool) -> None:
+        """The MTP layer's passes (the first over the step's known positions, the chained), over its
+        own KV pool, its scratch page at the same index as the target's."""
+        self.graphs = PiecewiseGraphs(
+            runner, sizes, scratch_page=runner.num_pages, mempool=mempool, emulate=runner.emulate_graphs, drafter=self
+        )
+        self.graphs.capture()
+
     def propose(
         self, runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
     ) -> list[list[int]]:
@@ -86,7 +94,7 @@ class MTPDrafter:
 
 
 def make_drafter(runner: ModelRunner, spec: SpeculativeConfig) -> MTPDrafter | Eagle3Drafter:
-    """The drafter of ``spec.method`` (both: ``kv_layers``, ``make_pool``, ``propose``)."""
+    """The drafter of ``spec.method`` (both: ``kv_layers``, ``make_pool``, ``capture_graphs``, ``propose``)."""
     if spec.method == "eagle3":
         from moeserve.engine.eagle3_drafter import Eagle3Drafter
 
@@ -107,7 +115,7 @@ def run_speculative_step(
     ``prepared``: ``runner.prepare(step)`` if done; ``hidden_in``/``residual_in``: the previous
     pipeline stage's activations."""
     ids, ctx = prepared if prepared is not None else runner.prepare(step)
-    pieces = runner.piecewise_graphs  # None on pipeline stages, eager runners and EAGLE-3
+    pieces = runner.piecewise_graphs  # None on pipeline stages and eager runners
     prompt = None
     if pieces is not None and hidden_in is None and ctx.prompt_logprobs is None and pieces.can_run(ctx):
         # The graphs' static output: read (the logits' rows, the drafter's positions) before any

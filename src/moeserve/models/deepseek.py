@@ -53,15 +53,27 @@ class DeepseekModel(nn.Module):
     def __init__(self, config: ModelConfig, stage: StageRange, is_first: bool, is_last: bool):
         super().__init__()
         self.stage = stage
+        self.hidden_size = config.hidden_size
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if is_first else None
         self.rotary = rotary = RotaryEmbedding(config.rope, config.qk_rope_head_dim)
         # ModuleDict keyed by the global layer id keeps checkpoint names (model.layers.<id>.*).
         self.layers = nn.ModuleDict({str(i): DecoderLayer(config, i, rotary) for i in stage.layers()})
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if is_last else None
-        # Opt-in (EAGLE-3 drafts): the residual stream entering these layers, kept per forward in
-        # ``captured`` (layer id -> [T, H]); empty, nothing is kept.
-        self.capture_layers: frozenset[int] = frozenset()
-        self.captured: dict[int, torch.Tensor] = {}
+        # Opt-in (EAGLE-3 drafts, ``keep_aux``): the residual stream entering the aux layers, written
+        # side by side into ``aux_hidden`` rows [0, T) by every forward. A copy into a buffer that
+        # outlives the forward, not a Python-side record, so that a CUDA graph's replay redoes it.
+        self.aux_columns: dict[str, list[slice]] = {}  # layer id -> its columns of ``aux_hidden``
+        self.aux_hidden: torch.Tensor | None = None
+
+    def keep_aux(self, layer_ids: tuple[int, ...], max_tokens: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Keep the input of layers ``layer_ids`` (a layer may repeat) in a ``[max_tokens,
+        len(layer_ids) * H]`` buffer, returned: after a forward of ``T`` tokens its rows ``[0, T)``."""
+        H = self.hidden_size
+        self.aux_columns = {}
+        for j, layer_id in enumerate(layer_ids):
+            self.aux_columns.setdefault(str(layer_id), []).append(slice(j * H, (j + 1) * H))
+        self.aux_hidden = torch.zeros(max_tokens, len(layer_ids) * H, dtype=dtype, device=device)
+        return self.aux_hidden
 
     def forward(
         self,
@@ -74,8 +86,11 @@ class DeepseekModel(nn.Module):
         if self.embed_tokens is not None:
             hidden, residual = self.embed_tokens(input_ids), None
         for layer_id, layer in self.layers.items():
-            if self.capture_layers and int(layer_id) in self.capture_layers:
-                self.captured[int(layer_id)] = hidden if residual is None else hidden + residual
+            columns = self.aux_columns.get(layer_id)
+            if columns:
+                state = hidden if residual is None else hidden + residual
+                for cols in columns:
+                    self.aux_hidden[: state.shape[0], cols].copy_(state)
             hidden, residual = layer(positions, hidden, residual)
         if self.norm is not None:
             return self.norm.add_and_norm(hidden, residual)[0], None

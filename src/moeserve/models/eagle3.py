@@ -28,6 +28,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -133,6 +134,8 @@ class DraftCache:
         if have:
             k = torch.cat([self.keys[seq_id][:, :start], k], dim=1)
             v = torch.cat([self.values[seq_id][:, :start], v], dim=1)
+        else:  # a copy: ``k`` and ``v`` may be views of a CUDA graph's static output
+            k, v = k.clone(), v.clone()
         self.keys[seq_id], self.values[seq_id] = k, v
         return k, v
 
@@ -148,6 +151,19 @@ class DraftRows:
     seq_ids: list[int]
     starts: list[int]  # the draft position of each sequence's first token this pass
     counts: list[int]
+
+
+def draft_positions(rows: DraftRows) -> torch.Tensor:
+    """The draft position of each token of a pass, ``[T]`` (on the host)."""
+    return torch.cat([torch.arange(s, s + n) for s, n in zip(rows.starts, rows.counts)])
+
+
+class DraftPasses(Protocol):
+    """Runs the draft's passes (``Eagle3Draft`` itself, eagerly, or CUDA graphs of it)."""
+
+    def layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, rows: DraftRows) -> torch.Tensor: ...
+
+    def drafts(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 class Eagle3Draft(nn.Module):
@@ -258,6 +274,21 @@ class Eagle3Draft(nn.Module):
         """One pass: ``token_ids`` ``[T]`` and ``hidden`` ``[T, H]`` (fused, or the draft's own), the
         rows' tokens one after another. Returns (draft-vocabulary logits ``[T, V_draft]`` in
         float32, the pre-norm hidden states ``[T, H]`` the next pass chains on)."""
+        out = self.layer(token_ids, hidden, rows)
+        return self.logits(out), out
+
+    def layer(self, token_ids: torch.Tensor, hidden: torch.Tensor, rows: DraftRows) -> torch.Tensor:
+        """The decoder layer's pass (``forward`` without the logits): ``[T, H]``."""
+        q, k, v = self.project(token_ids, hidden, draft_positions(rows).to(token_ids.device))
+        return self.finish(self.attend(q, k, v, rows), hidden)
+
+    # The pass in three parts, so that CUDA graphs can take the two around the attention (which
+    # reads and writes the per-sequence cache on the host's terms).
+
+    def project(
+        self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Before the attention: the queries, keys and values ``[T, heads, head_dim]``, roped."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         embeds = F.embedding(token_ids, self.embed_tokens)
@@ -266,11 +297,16 @@ class Eagle3Draft(nn.Module):
         q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
         v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(rows.starts, rows.counts)]).to(q.device)
         angles = positions[:, None].float() * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :].to(q.dtype), angles.sin()[:, None, :].to(q.dtype)
-        q, k = rotate_half(q, cos, sin), rotate_half(k, cos, sin)
-        out = torch.empty(T, cfg.num_attention_heads, cfg.head_dim, dtype=q.dtype, device=q.device)
+        return rotate_half(q, cos, sin), rotate_half(k, cos, sin), v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: DraftRows, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Writes the rows' keys and values into the cache and attends, one sequence at a time:
+        ``[T, heads, head_dim]`` (into ``out`` if given)."""
+        cfg = self.cfg
+        if out is None:
+            out = torch.empty_like(q)
         at = 0
         group = cfg.num_attention_heads // cfg.num_key_value_heads
         for seq_id, start, n in zip(rows.seq_ids, rows.starts, rows.counts):
@@ -283,29 +319,43 @@ class Eagle3Draft(nn.Module):
             attn = F.scaled_dot_product_attention(qs.float(), keys.float(), values.float(), attn_mask=mask)
             out[at : at + n] = attn.transpose(0, 1).to(out.dtype)
             at += n
-        residual = hidden + self.o_proj(out.reshape(T, -1))
+        return out
+
+    def finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """After the attention: the output projection and the MLP, ``[T, H]``."""
+        eps = self.cfg.rms_norm_eps
+        residual = hidden + self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         normed = rms_norm(residual, self.post_attention_layernorm, eps)
-        residual = residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
-        logits = self.lm_head(rms_norm(residual, self.norm, eps)).float()
-        return logits, residual
+        return residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits ``[T, V_draft]`` in float32."""
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+
+    def drafts(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The greedy draft (a target id) after each of the layer's outputs ``[B, H]``."""
+        return self.to_target_ids(self.logits(hidden).argmax(-1))
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
     @torch.no_grad()
-    def propose(self, token_ids: torch.Tensor, aux_hidden: torch.Tensor, rows: DraftRows, k: int) -> torch.Tensor:
+    def propose(
+        self, token_ids: torch.Tensor, aux_hidden: torch.Tensor, rows: DraftRows, k: int, passes: DraftPasses | None = None
+    ) -> torch.Tensor:
         """Greedy drafts ``[B, k]`` (target ids). ``token_ids``/``aux_hidden``: per row, the tokens
         the target accepted since the row's last pass, each with the target's aux hidden states at
-        the position before it; ``rows.starts`` where they go in the draft's positions."""
+        the position before it; ``rows.starts`` where they go in the draft's positions.
+        ``passes``: who runs the layer and the drafts (CUDA graphs), by default the draft itself."""
+        run = passes or self
         ends = torch.tensor(rows.counts, device=token_ids.device).cumsum(0) - 1
-        logits, hidden = self(token_ids, self.fuse(aux_hidden), rows)
-        drafts = [self.to_target_ids(logits[ends].argmax(-1))]
-        last = hidden[ends]
+        last = run.layer(token_ids, self.fuse(aux_hidden), rows)[ends]
+        drafts = [run.drafts(last)]
         ones = [1] * len(rows.seq_ids)
         for j in range(1, k):
             step = DraftRows(rows.seq_ids, [s + n - 1 + j for s, n in zip(rows.starts, rows.counts)], ones)
-            logits, last = self(drafts[-1], last, step)
-            drafts.append(self.to_target_ids(logits.argmax(-1)))
+            last = run.layer(drafts[-1], last, step)
+            drafts.append(run.drafts(last))
         return torch.stack(drafts, dim=1)
 
     def free(self, seq_id: int) -> None:
