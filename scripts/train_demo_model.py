@@ -349,6 +349,11 @@ def train(args: argparse.Namespace) -> None:
 
     model = DemoModel(config)
     model.init_weights(torch.Generator().manual_seed(args.seed))
+    if args.init_from:  # fine-tune: start from a trained checkpoint instead of the seeded init
+        from safetensors.torch import load_file
+
+        model.load_hf_state_dict({k: v.float() for k, v in load_file(args.init_from).items()})
+        say(f"weights from {args.init_from}")
     model.to(device).train()
     n_params = sum(p.numel() for p in model.parameters())
     experts = f"{config_dict['n_routed_experts']} experts, top-{config_dict['num_experts_per_tok']}"
@@ -444,6 +449,13 @@ def train(args: argparse.Namespace) -> None:
 
     tensors = bf16_copy(model)
     provenance = {"trained_on": device.type, "steps": str(step), "seed": str(args.seed), "samples": str(len(seqs))}
+    if args.init_from:
+        from safetensors import safe_open
+
+        with safe_open(args.init_from, "pt") as f:
+            before = f.metadata() or {}
+        # the run it continues, so the record says every step the weights have seen
+        provenance["fine_tuned_from"] = json.dumps({k: before[k] for k in ("trained_on", "steps", "seed", "samples") if k in before})
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt", **provenance})
     size = (out / "model.safetensors").stat().st_size
     say(f"wrote model.safetensors: {len(tensors)} tensors, {size / 2**20:.2f} MiB")
@@ -534,6 +546,7 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per step (rows of --max-len packed conversations)")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--init-from", default=None, help="a model.safetensors to fine-tune (default: train from the seeded init)")
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--mtp-weight", type=float, default=0.3, help="weight of the MTP loss (DeepSeek-V3: 0.3, later 0.1)")

@@ -14,7 +14,7 @@ find the experts in L2. Bytes are the packed words (or fp8 bytes) and scales of 
 local experts each call touches; % of bandwidth is bytes / time over the copy bandwidth measured
 at start (bytes read + written of a 4 GB device copy).
 
-INT4 up to ``INT4_GEMV_MAX_PAIRS`` pairs also times the GEMV's spread kernels (``int4_moe_gemv(spread=True)``,
+INT4 up to ``INT4_GEMV_MAX_PAIRS`` pairs also times the GEMV's spread kernels (``int4_moe_gemv_spread``,
 ``kernels/int4_spread.py``, what ``MOESERVE_INT4_GEMV=spread`` runs; not the default until this
 shows they win) beside the default, checked against it and, at a few token counts, the reference.
 
@@ -47,7 +47,7 @@ import triton.testing
 
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
 from moeserve.kernels.int4_moe import int4_fused_moe, int4_moe_gemv, int4_moe_ref
-from moeserve.kernels.int4_spread import INT4_DOWN_SPREAD_CONFIGS, INT4_GATE_UP_SPREAD_CONFIGS
+from moeserve.kernels.int4_spread import INT4_DOWN_SPREAD_CONFIGS, INT4_GATE_UP_SPREAD_CONFIGS, int4_moe_gemv_spread
 from moeserve.kernels.limits import GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS
 from moeserve.quant.int4 import checkpoint_words
 
@@ -178,7 +178,7 @@ class Int4:
 
     @staticmethod
     def spread(x, w, tw, ids, first, gu=None, dn=None):
-        return int4_moe_gemv(x, *w, tw, ids, first, gate_up_config=gu, down_config=dn, spread=True, num_experts_total=384)
+        return int4_moe_gemv_spread(x, *w, tw, ids, first, gate_up_config=gu, down_config=dn, num_experts_total=384)
 
     @staticmethod
     def ref(x, w, tw, ids, first):

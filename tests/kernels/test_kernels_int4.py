@@ -22,6 +22,8 @@ from moeserve.kernels.int4_moe import (  # noqa: E402
     int4_moe_tile_limits,
     selfcheck,
 )
+from moeserve.kernels.int4_spread import int4_moe_gemv_spread  # noqa: E402
+from moeserve.kernels.int4_spread import selfcheck as spread_selfcheck  # noqa: E402
 from moeserve.kernels.moe_ref import moe_experts_ref  # noqa: E402
 from moeserve.quant.int4 import checkpoint_words, dequantize_int4, kernel_words, pack_int4, quantize_int4, unpack_int4  # noqa: E402
 
@@ -252,7 +254,7 @@ def test_int4_moe_gemv_spread_matches_reference(E, first, total, local, hidden, 
     weights, ids = spread_routing(T, K, E, first, total, local, g)
     ref = reference(x, experts, weights, ids, first)
     gu, dn = tiles or (None, None)
-    kw = dict(spread=True, num_experts_total=total, gate_up_config=gu, down_config=dn)
+    kw = dict(num_experts_total=total, gate_up_config=gu, down_config=dn)
     sh = ()
     if shared:
         sh = (
@@ -260,7 +262,7 @@ def test_int4_moe_gemv_spread_matches_reference(E, first, total, local, hidden, 
             (torch.randn(hidden, shared, generator=g) * shared**-0.5).to(DEV, dtype),
         )
         ref = ref + shared_ref(x.float(), sh[0].float(), sh[1].float())
-    out = int4_moe_gemv(x, *experts, weights, ids, first, *sh, **kw)
+    out = int4_moe_gemv_spread(x, *experts, weights, ids, first, *sh, **kw)
     if dtype == F16:  # bf16's bounds hold for fp16 (three more mantissa bits)
         assert out.dtype == F16
         assert_bf16_close(out, ref)
@@ -275,7 +277,7 @@ def test_int4_moe_gemv_spread_equals_the_measured_gemv_in_float32():
     experts = make_experts(4, 64, 32, g, torch.float32)
     x = torch.randn(2, 64, generator=g).to(DEV)
     weights, ids = spread_routing(2, 4, 4, 4, 16, [1, 2], g)
-    spread = int4_moe_gemv(x, *experts, weights, ids, 4, spread=True, num_experts_total=16)
+    spread = int4_moe_gemv_spread(x, *experts, weights, ids, 4, num_experts_total=16)
     torch.testing.assert_close(spread, int4_moe_gemv(x, *experts, weights, ids, 4), atol=1e-5, rtol=1e-5)
 
 
@@ -285,10 +287,10 @@ def test_int4_moe_gemv_spread_refuses_what_it_cannot_run():
     x = torch.randn(1, 64, generator=g).to(DEV)
     weights, ids = routing(1, 2, 4, g)
     with pytest.raises(ValueError, match="power of two"):
-        int4_moe_gemv(x, p13, s13, p2, s2, weights, ids, 0, spread=True, gate_up_config={"BLOCK_N": 24})
+        int4_moe_gemv_spread(x, p13, s13, p2, s2, weights, ids, 0, gate_up_config={"BLOCK_N": 24})
     with pytest.raises(ValueError, match="contiguous"):  # row strides are the kernels' constants
         wide = torch.zeros(4, 64, 16, dtype=torch.int32, device=DEV)[:, :, :8]
-        int4_moe_gemv(x, wide, s13, p2, s2, weights, ids, 0, spread=True)
+        int4_moe_gemv_spread(x, wide, s13, p2, s2, weights, ids, 0)
 
 
 def test_int4_spread_grid_for_kimi_k26(monkeypatch):
@@ -415,7 +417,7 @@ def test_int4_tile_table():
 
 def test_selfcheck_passes():
     assert selfcheck(torch.device(DEV))
-    assert selfcheck(torch.device(DEV), spread=True)
+    assert spread_selfcheck(torch.device(DEV))
 
 
 def test_selftest_registers_int4_check():
@@ -502,7 +504,7 @@ def test_int4_gemv_spread_kimi_k26(case, local, with_shared):
             (torch.randn(H, Is, generator=g) * Is**-0.5).to(DEV, torch.bfloat16),
         )
         ref = ref + shared_ref(x.float(), sh[0].float(), sh[1].float())
-    out = int4_moe_gemv(x, *experts, weights, ids, first, *sh, spread=True, num_experts_total=total)
+    out = int4_moe_gemv_spread(x, *experts, weights, ids, first, *sh, num_experts_total=total)
     check(out, ref, torch.bfloat16)
 
 

@@ -26,7 +26,7 @@ module                 kernel (wrapper)                            reference
                        nibbles unpacked in registers
 ``int4_spread``        the INT4 GEMV spread over the GPU for an EP ``int4_moe_ref``
                        rank's few local experts and TP slices
-                       (``int4_moe_gemv(spread=True)``; not
+                       (``int4_moe_gemv_spread``; not
                        measured, not the default)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``

@@ -507,25 +507,14 @@ def int4_moe_gemv(
     shared_w2: torch.Tensor | None = None,
     gate_up_config: dict | None = None,
     down_config: dict | None = None,
-    spread: bool = False,
-    num_experts_total: int | None = None,
 ) -> torch.Tensor:
     """``int4_moe_ref`` for small T*K (meant for T*K <= ``INT4_GEMV_MAX_PAIRS``: each (token, slot)
     reads its expert's words, so tokens sharing an expert read it twice), plus the shared
     experts' output when their weights are given in the activation dtype: ``shared_w13``
     ``[2 * Is, H]`` (gate rows then up rows) and ``shared_w2 [H, Is]``, as ``moe_gemv`` takes
     them. Two launches; no host sync and no allocation whose size depends on the routing, so
-    it can be captured in a CUDA graph.
-
-    ``spread``: the kernels of ``kernels.int4_spread`` instead (not measured yet; for an EP rank's
-    one or two local experts and narrow TP slices), their grid sized by the token's expected
-    local slots out of ``num_experts_total`` (the model's routed experts; None: all local)."""
-    if spread:
-        from moeserve.kernels.int4_spread import int4_moe_gemv_spread
-
-        experts = (w13_packed, w13_scale, w2_packed, w2_scale)
-        shared, configs = (shared_w13, shared_w2), (gate_up_config, down_config)
-        return int4_moe_gemv_spread(x, experts, topk_weights, topk_ids, first_expert, shared, configs, num_experts_total)
+    it can be captured in a CUDA graph (``kernels.int4_spread`` has a variant for few local
+    experts and narrow slices)."""
     T = x.shape[0]
     E, hidden, inter_size = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
     K = topk_ids.shape[1]
@@ -890,12 +879,11 @@ def int4_fused_moe(
     config: dict | None = None,
     small_batch_gemv: bool = True,
     num_experts_total: int | None = None,
-    gemv_spread: bool = False,
 ) -> torch.Tensor:
     """Drop-in for :func:`int4_moe_ref` at any batch size (routed experts only). At most
     ``INT4_GEMV_MAX_PAIRS`` pairs go to :func:`int4_moe_gemv` (no alignment) unless
-    ``small_batch_gemv`` is off or a ``config`` is given (``gemv_spread``: its spread kernels);
-    otherwise the grouped GEMMs run with the tile of ``int4_moe_config`` overridden by ``config``."""
+    ``small_batch_gemv`` is off or a ``config`` is given; otherwise the grouped GEMMs run with
+    the tile of ``int4_moe_config`` overridden by ``config``."""
     T = x.shape[0]
     E, hidden, inter_size = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
     K = topk_ids.shape[1]
@@ -903,8 +891,7 @@ def int4_fused_moe(
     if num_pairs == 0:
         return torch.zeros_like(x)
     if small_batch_gemv and num_pairs <= INT4_GEMV_MAX_PAIRS and config is None:
-        experts = (w13_packed, w13_scale, w2_packed, w2_scale)
-        return int4_moe_gemv(x, *experts, topk_weights, topk_ids, first_expert, spread=gemv_spread, num_experts_total=num_experts_total)
+        return int4_moe_gemv(x, w13_packed, w13_scale, w2_packed, w2_scale, topk_weights, topk_ids, first_expert)
     cfg = fit_int4_shared_memory({**int4_moe_config(num_pairs, num_experts_total or E), **(config or {})}, x.element_size())
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     if bk % GROUP:
@@ -974,7 +961,7 @@ def int4_fused_moe(
 # start-up check
 
 
-def _selfcheck_case(device: torch.device, dtype: torch.dtype, spread: bool) -> bool:
+def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
     g = torch.Generator().manual_seed(11)
     T, H, I, E, K, Is, first = 3, 64, 32, 4, 2, 48, 2
     x = torch.randn(T, H, generator=g).to(device, dtype)
@@ -992,31 +979,22 @@ def _selfcheck_case(device: torch.device, dtype: torch.dtype, spread: bool) -> b
     # The grouped GEMM at the decode-like table row's tile shape (wgmma with 64 weight rows),
     # forced: three tokens would otherwise go to the GEMV.
     tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2)
-    if spread:  # as a rank of 4 of 8 experts: one routed group a token; the split-K pass too
-        kw = dict(spread=True, num_experts_total=2 * E)
-        outs = [
-            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, **kw), ref),
-            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2, **kw), ref + shared),
-            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, gate_up_config={"SPLIT_K": 2}, **kw), ref),
-        ]
-    else:
-        outs = [
-            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
-            (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
-            (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref),
-        ]
+    outs = [
+        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
+        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
+        (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref),
+    ]
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
 
 
-def selfcheck(device: torch.device, spread: bool = False) -> bool:
-    """Compile both kernels (GEMV with and without shared experts, grouped GEMM; ``spread``: the
-    GEMV's spread kernels instead, split K included) at a tiny shape on ``device`` and compare
-    them with :func:`int4_moe_ref`: in float32, and on CUDA also in bf16, the dtype the model
-    runs in there (its kernels are separate compilations)."""
+def selfcheck(device: torch.device) -> bool:
+    """Compile both kernels (GEMV with and without shared experts, grouped GEMM) at a tiny
+    shape on ``device`` and compare them with :func:`int4_moe_ref`: in float32, and on CUDA
+    also in bf16, the dtype the model runs in there (its kernels are separate compilations)."""
     device = torch.device(device)
     dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
-    return all(_selfcheck_case(device, dtype, spread) for dtype in dtypes)
+    return all(_selfcheck_case(device, dtype) for dtype in dtypes)
 
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Decode GEMVs of INT4 (W4A16) routed experts spread over the whole GPU: an EP rank holding one or
-two of a token's 8 experts, and TP slices of the intermediate size (``int4_moe_gemv(spread=True)``,
+two of a token's 8 experts, and TP slices of the intermediate size (``int4_moe_gemv_spread``,
 ``MOESERVE_INT4_GEMV=spread`` in the engine).
 
 Not measured yet: the default stays ``int4_moe._int4_gate_up_gemv`` / ``_int4_down_gemv`` (the
@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_moe import gemv_spread
-from moeserve.kernels.int4_moe import _DOT_WORD_ASM, GROUP, PACK, _check_shapes, _nibbles
+from moeserve.kernels.int4_moe import _DOT_WORD_ASM, GROUP, PACK, _check_shapes, _nibbles, int4_moe_ref, shared_slot_args
 from moeserve.kernels.utils import interpreting
 
 DEFAULT_SM_COUNT = 132  # an H100 / H200; the wrapper asks the device when it has one
@@ -497,22 +497,25 @@ def _prefetchable(*tensors: torch.Tensor) -> bool:
 
 def int4_moe_gemv_spread(
     x: torch.Tensor,
-    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int,
-    shared: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None),
-    configs: tuple[dict | None, dict | None] = (None, None),
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    gate_up_config: dict | None = None,
+    down_config: dict | None = None,
     num_experts_total: int | None = None,
 ) -> torch.Tensor:
-    """``int4_moe_gemv(..., spread=True)`` (``experts``: its four packed tensors, ``shared`` its
-    shared experts, ``configs`` its gate/up and down tiles): the same contract, CUDA-graph
-    capturable too (no host sync, no routing-dependent size), the grid sized by the token's
-    expected local slots out of ``num_experts_total``. Two launches, three with split K."""
-    from moeserve.kernels.int4_moe import shared_slot_args
+    """``int4_moe_gemv``'s contract and arguments, CUDA-graph capturable too (no host sync, no
+    routing-dependent size), the grid sized by the token's expected local slots out of
+    ``num_experts_total`` (the model's routed experts; None: all local). Two launches, three
+    with split K."""
+    experts = (w13_packed, w13_scale, w2_packed, w2_scale)
 
-    w13_packed, w13_scale, w2_packed, w2_scale = experts
-    (shared_w13, shared_w2), (gate_up_config, down_config) = shared, configs
     T = x.shape[0]
     E, hidden, inter = _check_shapes(x, *experts)
     rows = {"w13_packed": (w13_packed, hidden // PACK), "w13_scale": (w13_scale, hidden // GROUP)}
@@ -611,9 +614,46 @@ def int4_moe_gemv_spread(
     return out
 
 
+def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
+    from moeserve.kernels.int4_ref import kernel_words, quantize_int4
+
+    g = torch.Generator().manual_seed(11)
+    T, H, I, E, K, Is, first = 3, 64, 32, 4, 2, 48, 2
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    p13, s13 = quantize_int4(torch.randn(E, 2 * I, H, generator=g) * H**-0.5)
+    p2, s2 = quantize_int4(torch.randn(E, H, I, generator=g) * I**-0.5)
+    p13, p2 = kernel_words(p13).to(device), kernel_words(p2).to(device)
+    s13, s2 = s13.to(device, dtype), s2.to(device, dtype)
+    ids = torch.tensor([[2, 5], [7, 3], [4, 0]], device=device)  # 7 and 0: another rank's experts
+    w = (torch.rand(T, K, generator=g) + 0.1).to(device)
+    sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(device, dtype)  # one whole slice, one partial
+    sw2 = (torch.randn(H, Is, generator=g) * Is**-0.5).to(device, dtype)
+    ref = int4_moe_ref(x.float(), p13, s13.float(), p2, s2.float(), w, ids, first)
+    gate, up = torch.nn.functional.linear(x.float(), sw13.float()).chunk(2, dim=-1)
+    shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2.float())
+    args = (x, p13, s13, p2, s2, w, ids, first)
+    total = 2 * E  # as a rank of 4 of 8 experts: one routed group a token; the split-K pass too
+    outs = [
+        (int4_moe_gemv_spread(*args, num_experts_total=total), ref),
+        (int4_moe_gemv_spread(*args, sw13, sw2, num_experts_total=total), ref + shared),
+        (int4_moe_gemv_spread(*args, gate_up_config={"SPLIT_K": 2}, num_experts_total=total), ref),
+    ]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
+
+
+def selfcheck(device: torch.device) -> bool:
+    """Compile the spread kernels (with and without shared experts, split K) at a tiny shape on
+    ``device`` and compare them with ``int4_moe_ref``: in float32, and on CUDA also in bf16."""
+    device = torch.device(device)
+    dtypes = (torch.float32, torch.bfloat16) if device.type == "cuda" else (torch.float32,)
+    return all(_selfcheck_case(device, dtype) for dtype in dtypes)
+
+
 __all__ = [
     "INT4_DOWN_SPREAD_CONFIGS",
     "INT4_GATE_UP_SPREAD_CONFIGS",
     "int4_moe_gemv_spread",
     "int4_spread_configs",
+    "selfcheck",
 ]

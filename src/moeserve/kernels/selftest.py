@@ -101,9 +101,9 @@ def check_int4_moe(device: torch.device) -> bool:
 
 
 def check_int4_spread(device: torch.device) -> bool:
-    from moeserve.kernels.int4_moe import selfcheck
+    from moeserve.kernels.int4_spread import selfcheck
 
-    return selfcheck(device, spread=True)  # the INT4 GEMV's spread kernels (MOESERVE_INT4_GEMV=spread)
+    return selfcheck(device)  # the INT4 GEMV's spread kernels (MOESERVE_INT4_GEMV=spread)
 
 
 def check_fp8_linear(device: torch.device) -> bool:

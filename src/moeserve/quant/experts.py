@@ -324,17 +324,14 @@ class Int4Experts(ExpertsMethod):
         if self.humming is not None:
             return self.humming(x, topk_weights, topk_ids, layer.first_expert)
         if self.fused:
+            if self.gemv_spread and topk_ids.numel() <= INT4_GEMV_MAX_PAIRS:
+                from moeserve.kernels.int4_spread import int4_moe_gemv_spread
+
+                w = self._weights(layer)
+                return int4_moe_gemv_spread(x, *w, topk_weights, topk_ids, layer.first_expert, num_experts_total=self.num_experts)
             from moeserve.kernels.int4_moe import int4_fused_moe
 
-            return int4_fused_moe(
-                x,
-                *self._weights(layer),
-                topk_weights,
-                topk_ids,
-                layer.first_expert,
-                num_experts_total=self.num_experts,
-                gemv_spread=self.gemv_spread,
-            )
+            return int4_fused_moe(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, num_experts_total=self.num_experts)
         from moeserve.quant.int4 import checkpoint_words, dequantize_int4
 
         w13p, w13s, w2p, w2s = self._weights(layer)
@@ -354,18 +351,14 @@ class Int4Experts(ExpertsMethod):
         weights = plain_shared_weights(shared)
         if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None:
             return None
+        if self.gemv_spread:
+            from moeserve.kernels.int4_spread import int4_moe_gemv_spread
+
+            w = self._weights(layer)
+            return int4_moe_gemv_spread(x, *w, topk_weights, topk_ids, layer.first_expert, *weights, num_experts_total=self.num_experts)
         from moeserve.kernels.int4_moe import int4_moe_gemv
 
-        return int4_moe_gemv(
-            x,
-            *self._weights(layer),
-            topk_weights,
-            topk_ids,
-            layer.first_expert,
-            *weights,
-            spread=self.gemv_spread,
-            num_experts_total=self.num_experts,
-        )
+        return int4_moe_gemv(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, *weights)
 
 
 class Fp8Experts(ExpertsMethod):
