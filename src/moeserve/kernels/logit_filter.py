@@ -1,0 +1,427 @@
+"""The threshold of each sampled row and its draw, in Triton, without a sort.
+
+The rule, and its torch paths, are ``logit_filter_ref``: each row keeps its data ``x >= tau``.
+
+``thresholds`` finds ``tau``. Each row is cut into chunks of ``CHUNK`` columns; a round sums the
+mass and the count of data above ``NPIV`` points of the row's window ``(lo, hi]`` (``tau`` lies
+in it) over all chunks at once, and the next round's programs merge those sums and keep the
+sub-window where the condition turns true. The first round's points sit below ``m`` on a fixed
+quadratic grid, the later ones evenly across the window. Once a window holds at most ``CAP``
+data tokens they are compacted into a scratch row, which one program per row sorts
+(``tl.sort``) to read ``tau`` off. A window still wider after the last round (many near-equal
+values) is narrowed by that one program over the whole row: exact, slower, rare. A fixed number
+of launches and no host synchronisation.
+
+``sample`` then draws one token per row from its kept tokens by the Gumbel-max trick (the
+engine's exponential race: ``argmax(x - log E)``, ``E ~ Exp(1)``), its noise from Philox keyed
+by the row's 64-bit key and the column, so a row's draw depends on its key alone, not on the
+batch. NaN and ``+inf`` logits are not supported; a row that is all ``-inf`` neither.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+CHUNK = 8192  # columns per program of the split passes; fixed, so sums do not depend on the batch
+BLOCK = 256  # columns per loop step of a split pass
+NPIV = 16  # points evaluated per round
+CAP = 2048  # a window of at most this many data tokens is sorted
+ROUNDS = 3  # rounds of points before the last, compacting, round
+SWEEP = 1024  # columns per loop step of the one-program passes
+# A row's state between rounds: its mode, float fields and int fields.
+SEARCH, WINDOW, COMPACTED, DONE = (tl.constexpr(i) for i in range(4))
+F_LO, F_HI, F_MASS_HI, F_THR, F_TAU = (tl.constexpr(i) for i in range(5))
+I_COUNT_LO, I_COUNT_HI, I_MODE = (tl.constexpr(i) for i in range(3))
+
+
+# ---- Triton: the threshold search ----
+
+
+@triton.jit
+def _scaled(X, row, stride_x, cols, n_cols, t, m, min_p):
+    """x = logits / T (IEEE division, as torch's) at ``cols``, exp(x - m), and which are data."""
+    x = tl.load(X + row * stride_x + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+    x = tl.math.div_rn(x, t)
+    e = tl.exp(x - m)
+    return x, e, (x > float("-inf")) & (e >= min_p)
+
+
+@triton.jit
+def _sums_above(X, row, stride_x, start, length, n_cols, t, m, min_p, pts, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    """Over columns ``[start, start + length)``: the mass and the count of data above each of
+    ``pts`` [NPIV], and the smallest data value."""
+    lanes = tl.arange(0, BLOCK)
+    mass = tl.zeros([BLOCK, NPIV], tl.float32)
+    count = tl.zeros([BLOCK, NPIV], tl.int32)
+    low = tl.full([BLOCK], float("inf"), tl.float32)
+    for off in range(0, length, BLOCK):
+        cols = start + off + lanes
+        x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
+        above = data[:, None] & (x[:, None] > pts[None, :])
+        mass += tl.where(above, e[:, None], 0.0)
+        count += above.to(tl.int32)
+        low = tl.minimum(low, tl.where(data, x, float("inf")))
+    return tl.sum(mass, axis=0), tl.sum(count, axis=0), tl.min(low, axis=0)
+
+
+@triton.jit
+def _compact(X, row, stride_x, start, length, n_cols, t, m, min_p, lo, hi, Out, Fill, BLOCK: tl.constexpr):
+    """Append the data in ``(lo, hi]`` of columns ``[start, start + length)`` to ``Out``, at
+    places reserved from the counter ``Fill`` (the caller knows they fit)."""
+    lanes = tl.arange(0, BLOCK)
+    for off in range(0, length, BLOCK):
+        cols = start + off + lanes
+        x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
+        inside = (data & (x > lo) & (x <= hi)).to(tl.int32)
+        n = tl.sum(inside, axis=0)
+        if n > 0:
+            base = tl.atomic_add(Fill, n)
+            tl.store(Out + base + tl.cumsum(inside, axis=0) - 1, x, mask=inside != 0)
+
+
+@triton.jit
+def _pick(vec, lanes, j):
+    return tl.sum(tl.where(lanes == j, vec, 0), axis=0)
+
+
+@triton.jit
+def _narrow(pts, mass, count, thr, k, lo, hi, mass_hi, count_lo, count_hi, NPIV: tl.constexpr):
+    """The sub-window of ``(lo, hi]`` cut by increasing ``pts`` where the condition turns true."""
+    lanes = tl.arange(0, NPIV)
+    below = tl.sum(((mass >= thr) | (count >= k)).to(tl.int32), axis=0)  # points where it is false
+    if below > 0:
+        lo = tl.max(tl.where(lanes == below - 1, pts, float("-inf")), axis=0)
+        count_lo = _pick(count, lanes, below - 1)
+    if below < NPIV:
+        hi = tl.max(tl.where(lanes == below, pts, float("-inf")), axis=0)
+        mass_hi = _pick(mass, lanes, below)
+        count_hi = _pick(count, lanes, below)
+    return lo, hi, mass_hi, count_lo, count_hi
+
+
+@triton.jit
+def _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols):
+    row = tl.load(Rows + r).to(tl.int64)
+    t = tl.load(Temp + r)
+    k = tl.minimum(tl.load(TopK + r), n_cols + 1).to(tl.int32)
+    return row, t, k, tl.load(MinP + r), tl.math.div_rn(tl.load(RowMax + r), t)
+
+
+@triton.jit(do_not_specialize=["rnd", "n_rows", "n_cols", "num_chunks"])
+def _round_kernel(
+    X,
+    stride_x,
+    Rows,
+    Temp,
+    TopK,
+    TopP,
+    MinP,
+    RowMax,
+    Points,
+    PartMass,
+    PartCount,
+    PartMin,
+    StateF,
+    StateI,
+    Scratch,
+    Fill,
+    rnd,
+    n_rows,
+    n_cols,
+    num_chunks,
+    FIRST: tl.constexpr,
+    LAST: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
+    CAP: tl.constexpr,
+    CHUNKS_P2: tl.constexpr,
+):
+    """Round ``rnd``: merge the previous round's sums into this row's window, then either
+    compact the window (it fits ``CAP``), or sum above new points in it, or (LAST) leave it."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    row, t, k, min_p, m = _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols)
+    lanes = tl.arange(0, NPIV)
+    new = (rnd * n_rows + r).to(tl.int64)
+    if FIRST:
+        lo = float("-inf")
+        hi = m
+        mass_hi = 0.0
+        thr = float("inf")
+        tau = float("-inf")
+        count_lo = 1 << 30  # unknown before the first sums: more than any CAP
+        count_hi = 0
+        mode = tl.where((tl.load(TopP + r) >= 1.0) & (k > n_cols), DONE, SEARCH)
+        pts = tl.where(lanes == 0, float("-inf"), m - 0.125 * ((NPIV - lanes) * (NPIV - lanes)).to(tl.float32))
+    else:
+        old = new - n_rows
+        lo = tl.load(StateF + old * 8 + F_LO)
+        hi = tl.load(StateF + old * 8 + F_HI)
+        mass_hi = tl.load(StateF + old * 8 + F_MASS_HI)
+        thr = tl.load(StateF + old * 8 + F_THR)
+        tau = tl.load(StateF + old * 8 + F_TAU)
+        count_lo = tl.load(StateI + old * 4 + I_COUNT_LO)
+        count_hi = tl.load(StateI + old * 4 + I_COUNT_HI)
+        mode = tl.load(StateI + old * 4 + I_MODE)
+        pts = tl.zeros([NPIV], tl.float32)
+        if mode == SEARCH:
+            prev = ((rnd - 1) % 2) * n_rows + r
+            chunks = tl.arange(0, CHUNKS_P2)
+            at = (prev * num_chunks + chunks[:, None]).to(tl.int64) * NPIV + lanes[None, :]
+            inside = chunks[:, None] < num_chunks
+            mass = tl.sum(tl.load(PartMass + at, mask=inside, other=0.0), axis=0)
+            count = tl.sum(tl.load(PartCount + at, mask=inside, other=0), axis=0)
+            pts = tl.load(Points + prev.to(tl.int64) * NPIV + lanes)
+            if rnd == 1:  # the first round's point 0 is -inf: the mass and count of all data
+                top_p = tl.load(TopP + r)
+                thr = tl.where(top_p >= 1.0, float("inf"), top_p * _pick(mass, lanes, 0))
+                count_lo = _pick(count, lanes, 0)
+            lo, hi, mass_hi, count_lo, count_hi = _narrow(pts, mass, count, thr, k, lo, hi, mass_hi, count_lo, count_hi, NPIV)
+            if hi == float("-inf"):  # true at -inf: every data token stays
+                mode = tl.full([], DONE, tl.int32)
+            elif lo == float("-inf"):  # a finite bound strictly below the data
+                low = tl.min(tl.load(PartMin + r.to(tl.int64) * num_chunks + chunks, mask=chunks < num_chunks, other=float("inf")), axis=0)
+                lo = tl.maximum(low - (tl.abs(low) + 1.0) * 1e-6, -3.0e38)
+    if mode == SEARCH:
+        start = c * CHUNK
+        if count_lo - count_hi <= CAP:
+            _compact(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, BLOCK)
+            mode = tl.full([], COMPACTED, tl.int32)
+        elif LAST:
+            mode = tl.full([], WINDOW, tl.int32)
+        else:
+            if not FIRST:
+                pts = lo + (hi - lo) * ((lanes + 1).to(tl.float32) / (NPIV + 1))
+            mass, count, low = _sums_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, pts, BLOCK, NPIV)
+            own = (rnd % 2) * n_rows + r
+            part = (own * num_chunks + c).to(tl.int64) * NPIV + lanes
+            tl.store(PartMass + part, mass)
+            tl.store(PartCount + part, count)
+            if FIRST:
+                tl.store(PartMin + r.to(tl.int64) * num_chunks + c, low)
+            if c == 0:
+                tl.store(Points + own.to(tl.int64) * NPIV + lanes, pts)
+    if c == 0:
+        tl.store(StateF + new * 8 + F_LO, lo)
+        tl.store(StateF + new * 8 + F_HI, hi)
+        tl.store(StateF + new * 8 + F_MASS_HI, mass_hi)
+        tl.store(StateF + new * 8 + F_THR, thr)
+        tl.store(StateF + new * 8 + F_TAU, tau)
+        tl.store(StateI + new * 4 + I_COUNT_LO, count_lo)
+        tl.store(StateI + new * 4 + I_COUNT_HI, count_hi)
+        tl.store(StateI + new * 4 + I_MODE, mode)
+
+
+@triton.jit
+def _window_bounds(X, row, stride_x, n_cols, t, m, min_p, lo, hi, SWEEP: tl.constexpr):
+    """The smallest and the largest data value in ``(lo, hi]`` of the whole row."""
+    lanes = tl.arange(0, SWEEP)
+    low = tl.full([SWEEP], float("inf"), tl.float32)
+    high = tl.full([SWEEP], float("-inf"), tl.float32)
+    for off in range(0, n_cols, SWEEP):
+        x, e, data = _scaled(X, row, stride_x, off + lanes, n_cols, t, m, min_p)
+        inside = data & (x > lo) & (x <= hi)
+        low = tl.minimum(low, tl.where(inside, x, float("inf")))
+        high = tl.maximum(high, tl.where(inside, x, float("-inf")))
+    return tl.min(low, axis=0), tl.max(high, axis=0)
+
+
+@triton.jit(do_not_specialize=["last", "n_rows", "n_cols"])
+def _resolve_kernel(
+    X,
+    stride_x,
+    Rows,
+    Temp,
+    TopK,
+    MinP,
+    RowMax,
+    StateF,
+    StateI,
+    Scratch,
+    Fill,
+    Tau,
+    last,
+    n_rows,
+    n_cols,
+    BLOCK: tl.constexpr,
+    NPIV: tl.constexpr,
+    CAP: tl.constexpr,
+    SWEEP: tl.constexpr,
+):
+    """One program per row: ``tau`` from its compacted window, after narrowing a window that
+    is still too wide over the whole row (each step drops at least its smallest value)."""
+    r = tl.program_id(0)
+    row, t, k, min_p, m = _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols)
+    at = (last * n_rows + r).to(tl.int64)
+    lo = tl.load(StateF + at * 8 + F_LO)
+    hi = tl.load(StateF + at * 8 + F_HI)
+    mass_hi = tl.load(StateF + at * 8 + F_MASS_HI)
+    thr = tl.load(StateF + at * 8 + F_THR)
+    tau = tl.load(StateF + at * 8 + F_TAU)
+    count_lo = tl.load(StateI + at * 4 + I_COUNT_LO)
+    count_hi = tl.load(StateI + at * 4 + I_COUNT_HI)
+    mode = tl.load(StateI + at * 4 + I_MODE)
+    lanes = tl.arange(0, NPIV)
+    while mode == WINDOW:
+        low, high = _window_bounds(X, row, stride_x, n_cols, t, m, min_p, lo, hi, SWEEP)
+        if low == high:  # one value, however many tokens hold it
+            tau = low
+            mode = tl.full([], DONE, tl.int32)
+        else:
+            pts = low + (high - low) * (lanes.to(tl.float32) / NPIV)  # pts[0] = low, a data value
+            mass, count, _ = _sums_above(X, row, stride_x, 0, n_cols, n_cols, t, m, min_p, pts, BLOCK, NPIV)
+            lo, hi, mass_hi, count_lo, count_hi = _narrow(pts, mass, count, thr, k, lo, hi, mass_hi, count_lo, count_hi, NPIV)
+            if hi == low:  # true at the window's smallest value
+                tau = low
+                mode = tl.full([], DONE, tl.int32)
+            elif count_lo - count_hi <= CAP:
+                _compact(X, row, stride_x, 0, n_cols, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, SWEEP)
+                mode = tl.full([], COMPACTED, tl.int32)
+    if mode == COMPACTED:
+        idx = tl.arange(0, CAP)
+        n = count_lo - count_hi
+        v = tl.load(Scratch + r.to(tl.int64) * CAP + idx, mask=idx < n, other=float("-inf"))
+        v = tl.sort(v, descending=True)
+        e = tl.exp(v - m)
+        before = mass_hi + tl.cumsum(e, axis=0) - e
+        true = (before < thr) & ((count_hi + idx) < k) & (idx < n)
+        tau = tl.max(tl.where(idx == tl.sum(true.to(tl.int32), axis=0) - 1, v, float("-inf")), axis=0)
+    tl.store(Tau + r, tau)
+
+
+def thresholds(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    row_max: torch.Tensor,
+    *,
+    chunk: int = CHUNK,
+    cap: int = CAP,
+) -> torch.Tensor:
+    """``tau`` [R] float32 of rows ``rows`` [R] of ``logits`` [B, V] (their settings [R] each,
+    as ``filter_ref``'s; ``row_max``: each row's largest logit, before the temperature).
+    ``chunk`` (a multiple of ``BLOCK``) and ``cap`` (a power of two) for tests."""
+    assert logits.dim() == 2 and logits.stride(-1) == 1
+    R, V = rows.numel(), logits.shape[1]
+    dev = logits.device
+    chunk = min(chunk, triton.cdiv(V, BLOCK) * BLOCK)
+    chunks = triton.cdiv(V, chunk)
+    f32 = dict(dtype=torch.float32, device=dev)
+    points = torch.empty(2, R, NPIV, **f32)
+    part_mass = torch.empty(2, R, chunks, NPIV, **f32)
+    part_count = torch.empty(2, R, chunks, NPIV, dtype=torch.int32, device=dev)
+    part_min = torch.empty(R, chunks, **f32)
+    state_f = torch.empty(ROUNDS + 1, R, 8, **f32)
+    state_i = torch.empty(ROUNDS + 1, R, 4, dtype=torch.int32, device=dev)
+    scratch = torch.empty(R, cap, **f32)
+    fill = torch.zeros(R, dtype=torch.int32, device=dev)
+    tau = torch.empty(R, **f32)
+    if R == 0:
+        return tau
+    row_args = (logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, row_max)
+    for rnd in range(ROUNDS + 1):
+        _round_kernel[(R, chunks)](
+            *row_args,
+            points,
+            part_mass,
+            part_count,
+            part_min,
+            state_f,
+            state_i,
+            scratch,
+            fill,
+            rnd,
+            R,
+            V,
+            chunks,
+            FIRST=rnd == 0,
+            LAST=rnd == ROUNDS,
+            CHUNK=chunk,
+            BLOCK=BLOCK,
+            NPIV=NPIV,
+            CAP=cap,
+            CHUNKS_P2=triton.next_power_of_2(chunks),
+            num_warps=4,
+        )
+    _resolve_kernel[(R,)](
+        logits, logits.stride(0), rows, temperature, top_k, min_p, row_max, state_f, state_i, scratch, fill, tau,
+        ROUNDS, R, V, BLOCK=BLOCK, NPIV=NPIV, CAP=cap, SWEEP=SWEEP, num_warps=8,
+    )  # fmt: skip
+    return tau
+
+
+# ---- Triton: the draw ----
+
+
+@triton.jit(do_not_specialize=["n_cols", "num_chunks"])
+def _draw_kernel(
+    X, stride_x, Rows, Temp, MinP, RowMax, Tau, Keys, PartBest, PartIdx, n_cols, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+):
+    """Per chunk: the kept token of largest ``x + Gumbel noise`` (lowest index on ties)."""
+    r = tl.program_id(0)
+    c = tl.program_id(1)
+    row = tl.load(Rows + r).to(tl.int64)
+    t = tl.load(Temp + r)
+    m = tl.math.div_rn(tl.load(RowMax + r), t)
+    min_p = tl.load(MinP + r)
+    tau = tl.load(Tau + r)
+    key = tl.load(Keys + r)
+    lanes = tl.arange(0, BLOCK)
+    start = c * CHUNK
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    idx = start + lanes
+    for off in range(0, CHUNK, BLOCK):
+        cols = start + off + lanes
+        x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
+        u = tl.rand(key, cols)
+        score = tl.where(data & (x >= tau), x - tl.log(-tl.log(u)), float("-inf"))
+        idx = tl.where(score > best, cols, idx)
+        best = tl.maximum(best, score)
+    top = tl.max(best, axis=0)
+    out = r.to(tl.int64) * num_chunks + c
+    tl.store(PartBest + out, top)
+    tl.store(PartIdx + out, tl.min(tl.where(best == top, idx, n_cols), axis=0))
+
+
+@triton.jit(do_not_specialize=["n_cols", "num_chunks"])
+def _draw_merge_kernel(PartBest, PartIdx, Ids, n_cols, num_chunks, CHUNKS_P2: tl.constexpr):
+    r = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS_P2)
+    at = r.to(tl.int64) * num_chunks + chunks
+    best = tl.load(PartBest + at, mask=chunks < num_chunks, other=float("-inf"))
+    idx = tl.load(PartIdx + at, mask=chunks < num_chunks, other=n_cols)
+    tl.store(Ids + r, tl.min(tl.where(best == tl.max(best, axis=0), idx, n_cols), axis=0).to(tl.int64))
+
+
+def sample(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    min_p: torch.Tensor,
+    row_max: torch.Tensor,
+    tau: torch.Tensor,
+    keys: torch.Tensor,
+) -> torch.Tensor:
+    """One token [R] int64 per row of ``rows``, drawn from its tokens kept by min-p and ``x >= tau``
+    (as ``thresholds``' arguments), with Philox noise keyed by ``keys`` [R] int64."""
+    assert logits.dim() == 2 and logits.stride(-1) == 1
+    R, V = rows.numel(), logits.shape[1]
+    ids = torch.empty(R, dtype=torch.int64, device=logits.device)
+    if R == 0:
+        return ids
+    chunk = min(CHUNK, triton.cdiv(V, BLOCK) * BLOCK)
+    chunks = triton.cdiv(V, chunk)
+    part_best = torch.empty(R, chunks, dtype=torch.float32, device=logits.device)
+    part_idx = torch.empty(R, chunks, dtype=torch.int32, device=logits.device)
+    _draw_kernel[(R, chunks)](
+        logits, logits.stride(0), rows, temperature, min_p, row_max, tau, keys, part_best, part_idx, V, chunks,
+        CHUNK=chunk, BLOCK=BLOCK, num_warps=4,
+    )  # fmt: skip
+    _draw_merge_kernel[(R,)](part_best, part_idx, ids, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
+    return ids
