@@ -115,11 +115,20 @@ def prompt_logprobs_on_device(compute_logits, hidden: torch.Tensor, spec: Prompt
 TOPK_CANDIDATES = 1024
 
 
-def _settings(params: list[SamplingParams], vocab_size: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per row: temperature, top-p and min-p (float32) and top-k (int64; ``vocab_size + 1``: none)."""
-    floats = to_device([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], device, torch.float32)
-    top_k = to_device([_top_k(p, vocab_size) for p in params], device, torch.int64)
-    return floats[0], top_k, floats[1], floats[2]
+def _settings(params: list[SamplingParams], vocab_size: int, device: torch.device, *more: list[int]) -> tuple[torch.Tensor, ...]:
+    """Per row: temperature, top-k (int64; ``vocab_size + 1``: none), top-p and min-p, then
+    ``more`` per-row integers (int64), in two copies to the device."""
+    floats = _per_row([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+    ints = _per_row([[_top_k(p, vocab_size) for p in params], *more], torch.int64, device)
+    return floats[0], ints[0], floats[1], floats[2], *ints[1:]
+
+
+def _per_row(values: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Lists of per-row values as the rows of one tensor on the device, each starting on a
+    16-byte boundary: Triton compiles a kernel variant per pointer alignment."""
+    n = len(values[0])
+    width = -(-n // 4) * 4
+    return to_device([v + [0] * (width - n) for v in values], device, dtype)[:, :n]
 
 
 def _top_k(p: SamplingParams, vocab_size: int) -> int:
@@ -197,15 +206,13 @@ def _draw(
 
         unseeded = iter(torch.randint(1 << 62, (len(sub),)).tolist())  # host RNG: no launch
         keys = [_philox_key(g) if g is not None else next(unseeded) for g in gens]
-        ints = to_device([random_rows, [_top_k(p, V) for p in sub], keys], dev, torch.int64)
-        floats = to_device([[p.temperature for p in sub], [p.top_p for p in sub], [p.min_p for p in sub]], dev, torch.float32)
-        idx, top_k = ints[0], ints[1]
+        temperature, top_k, top_p, min_p, idx, keys_on = _settings(sub, V, dev, random_rows, keys)
         row_max = choose_from[idx, tokens[idx]]
         if any(_filters(p, V) for p in sub):
-            tau = logit_filter.thresholds(choose_from, idx, floats[0], top_k, floats[1], floats[2], row_max)
+            tau = logit_filter.thresholds(choose_from, idx, temperature, top_k, top_p, min_p, row_max)
         else:
             tau = torch.full((len(sub),), float("-inf"), device=dev)
-        tokens[idx] = logit_filter.sample(choose_from, idx, floats[0], floats[2], row_max, tau, ints[2])
+        tokens[idx] = logit_filter.sample(choose_from, idx, temperature, min_p, row_max, tau, keys_on)
         return
     idx = to_device(random_rows, dev)
     probs = filter_logits(choose_from[idx], sub).softmax(-1)

@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moeserve.kernels.logit_filter_ref import apply_thresholds, scale_and_min_p, sort_thresholds
+
 CHUNK = 8192  # columns per program of the split passes; fixed, so sums do not depend on the batch
 BLOCK = 256  # columns per loop step of a split pass
 NPIV = 16  # points evaluated per round
@@ -301,16 +303,18 @@ def thresholds(
     min_p: torch.Tensor,
     row_max: torch.Tensor,
     *,
-    chunk: int = CHUNK,
-    cap: int = CAP,
+    chunk: int | None = None,
+    cap: int | None = None,
 ) -> torch.Tensor:
     """``tau`` [R] float32 of rows ``rows`` [R] of ``logits`` [B, V] (their settings [R] each,
     as ``filter_ref``'s; ``row_max``: each row's largest logit, before the temperature).
-    ``chunk`` (a multiple of ``BLOCK``) and ``cap`` (a power of two) for tests."""
+    ``chunk`` (a multiple of ``BLOCK``; default ``CHUNK``) and ``cap`` (a power of two; default
+    ``CAP``) for tests."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     R, V = rows.numel(), logits.shape[1]
     dev = logits.device
-    chunk = min(chunk, triton.cdiv(V, BLOCK) * BLOCK)
+    chunk = min(chunk or CHUNK, triton.cdiv(V, BLOCK) * BLOCK)
+    cap = cap or CAP
     chunks = triton.cdiv(V, chunk)
     f32 = dict(dtype=torch.float32, device=dev)
     points = torch.empty(2, R, NPIV, **f32)
@@ -425,3 +429,29 @@ def sample(
     )  # fmt: skip
     _draw_merge_kernel[(R,)](part_best, part_idx, ids, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
     return ids
+
+
+def compile_variants(n_cols: int, device: torch.device) -> None:
+    """Run each kernel once for rows of ``n_cols`` logits: their variants depend on nothing else."""
+    ones = torch.ones(1, device=device)
+    rows, top_k = torch.zeros(1, dtype=torch.int64, device=device), torch.full((1,), n_cols + 1, device=device)
+    tau = thresholds(torch.zeros(1, n_cols, device=device), rows, ones, top_k, ones / 2, ones * 0, ones * 0)
+    sample(torch.zeros(1, n_cols, device=device), rows, ones, ones * 0, ones * 0, tau, rows)
+
+
+def selfcheck(device: torch.device, **kw) -> bool:
+    """Kernels vs the sort at a tiny shape on ``device``: -inf entries, ties at the top, min-p,
+    top-k and top-p; and each row's draw is one of its kept tokens (``kw``: ``thresholds``')."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 300, generator=g) * 3
+    x[1, ::5] = float("-inf")
+    x[2, :40] = x[2].max() + 1
+    settings = [torch.tensor(v) for v in ([1.0, 0.7, 1.3, 0.5], [20, 301, 30, 301], [0.9, 0.5, 1.0, 0.8], [0.0, 0.1, 0.0, 0.02])]
+    temperature, top_k, top_p, min_p = settings
+    ref = scale_and_min_p(x, temperature, min_p)
+    kept = apply_thresholds(ref, sort_thresholds(ref, top_k, top_p)) > float("-inf")
+    rows = torch.arange(4)
+    args = [t.to(device) for t in (x, rows, *settings, x.amax(-1))]
+    tau = thresholds(*args, **kw)
+    ids = sample(args[0], args[1], args[2], args[5], args[6], tau, (rows + 7).to(device)).cpu()
+    return torch.equal(apply_thresholds(ref, tau.cpu()) > float("-inf"), kept) and bool(kept[rows, ids].all())
