@@ -15,16 +15,6 @@ NEG = float("-inf")
 needs_interpreter = pytest.mark.triton_on_cpu  # the Triton path on CPU tensors
 
 
-@pytest.fixture(autouse=True)
-def _small_sorts(monkeypatch):
-    """The interpreter sorts the Triton path's window of 2,048 in ~20 s: 16 here."""
-    try:
-        from moeserve.kernels import logit_filter
-    except ImportError:
-        return
-    monkeypatch.setattr(logit_filter, "CAP", 16)
-
-
 def random_rows(B: int, V: int, seed: int) -> tuple[torch.Tensor, list[SamplingParams]]:
     """Logits (row 0 with -inf entries, row 1 ties everywhere) and random settings: top-k small,
     large or past V; top-p or 1; min-p or 0."""

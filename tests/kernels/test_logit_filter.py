@@ -132,5 +132,4 @@ def test_a_rows_draw_depends_on_its_key_alone():
 
 
 def test_selfcheck():
-    # The interpreter sorts a CAP of 2,048 in ~20 s: a small one there.
-    assert logit_filter.selfcheck(torch.device(DEV), **({} if DEV == "cuda" else dict(cap=16, chunk=256)))
+    assert logit_filter.selfcheck(torch.device(DEV))
