@@ -103,3 +103,23 @@ def test_a_row_that_fails_on_the_triton_path_fails_alone(monkeypatch):
     seeded = [i for i, p in enumerate(without) if p.seed is not None]
     got, want = d.result(d.packed).token_ids, clean.result(clean.packed).token_ids
     assert [got[i] for i in seeded] == [want[i] for i in seeded] and got[2] == int(logits[2].argmax())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA stream to not wait for")
+def test_the_triton_draw_never_waits_for_the_device():
+    """As ``test_sampling_with_every_option_never_waits_for_the_device`` (tests/engine/
+    test_logit_adjust.py), on the Triton path: seeded rows' keys are host arithmetic."""
+    dev = torch.device("cuda")
+    logits = torch.randn(len(MIXED), 1000, device=dev)
+    gens = [torch.Generator(device=dev).manual_seed(p.seed) if p.seed is not None else None for p in MIXED]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = sample_on_device(logits, MIXED, gens, use_kernel=True)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert drawn.errors == {}
+    tokens = drawn.result(drawn.packed.cpu()).token_ids
+    sampled = [i for i, p in enumerate(MIXED) if not p.greedy]
+    kept = filter_logits_ref(logits[sampled], [MIXED[i] for i in sampled]) > NEG
+    assert all(kept[j, tokens[i]] for j, i in enumerate(sampled))
