@@ -107,6 +107,15 @@ def _narrow(pts, mass, count, thr, k, lo, hi, mass_hi, count_lo, count_hi, NPIV:
 
 
 @triton.jit
+def _load_state(StateF, StateI, at):
+    """A row's state after a round (its index ``at``): lo, hi, mass_hi, thr, tau, count_lo, count_hi, mode."""
+    f = StateF + at * 8
+    i = StateI + at * 4
+    lo, hi, mass_hi, thr, tau = tl.load(f + F_LO), tl.load(f + F_HI), tl.load(f + F_MASS_HI), tl.load(f + F_THR), tl.load(f + F_TAU)
+    return lo, hi, mass_hi, thr, tau, tl.load(i + I_COUNT_LO), tl.load(i + I_COUNT_HI), tl.load(i + I_MODE)
+
+
+@triton.jit
 def _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols):
     row = tl.load(Rows + r).to(tl.int64)
     t = tl.load(Temp + r)
@@ -162,15 +171,7 @@ def _round_kernel(
         mode = tl.where((tl.load(TopP + r) >= 1.0) & (k > n_cols), DONE, SEARCH)
         pts = tl.where(lanes == 0, float("-inf"), m - 0.125 * ((NPIV - lanes) * (NPIV - lanes)).to(tl.float32))
     else:
-        old = new - n_rows
-        lo = tl.load(StateF + old * 8 + F_LO)
-        hi = tl.load(StateF + old * 8 + F_HI)
-        mass_hi = tl.load(StateF + old * 8 + F_MASS_HI)
-        thr = tl.load(StateF + old * 8 + F_THR)
-        tau = tl.load(StateF + old * 8 + F_TAU)
-        count_lo = tl.load(StateI + old * 4 + I_COUNT_LO)
-        count_hi = tl.load(StateI + old * 4 + I_COUNT_HI)
-        mode = tl.load(StateI + old * 4 + I_MODE)
+        lo, hi, mass_hi, thr, tau, count_lo, count_hi, mode = _load_state(StateF, StateI, new - n_rows)
         pts = tl.zeros([NPIV], tl.float32)
         if mode == SEARCH:
             prev = ((rnd - 1) % 2) * n_rows + r
@@ -260,15 +261,7 @@ def _resolve_kernel(
     is still too wide over the whole row (each step drops at least its smallest value)."""
     r = tl.program_id(0)
     row, t, k, min_p, m = _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols)
-    at = (last * n_rows + r).to(tl.int64)
-    lo = tl.load(StateF + at * 8 + F_LO)
-    hi = tl.load(StateF + at * 8 + F_HI)
-    mass_hi = tl.load(StateF + at * 8 + F_MASS_HI)
-    thr = tl.load(StateF + at * 8 + F_THR)
-    tau = tl.load(StateF + at * 8 + F_TAU)
-    count_lo = tl.load(StateI + at * 4 + I_COUNT_LO)
-    count_hi = tl.load(StateI + at * 4 + I_COUNT_HI)
-    mode = tl.load(StateI + at * 4 + I_MODE)
+    lo, hi, mass_hi, thr, tau, count_lo, count_hi, mode = _load_state(StateF, StateI, (last * n_rows + r).to(tl.int64))
     lanes = tl.arange(0, NPIV)
     while mode == WINDOW:
         low, high = _window_bounds(X, row, stride_x, n_cols, t, m, min_p, lo, hi, SWEEP)
@@ -286,6 +279,7 @@ def _resolve_kernel(
                 _compact(X, row, stride_x, 0, n_cols, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, SWEEP)
                 mode = tl.full([], COMPACTED, tl.int32)
     if mode == COMPACTED:
+        tl.debug_barrier()  # the window this program compacted above, visible to all its threads
         idx = tl.arange(0, CAP)
         n = count_lo - count_hi
         v = tl.load(Scratch + r.to(tl.int64) * CAP + idx, mask=idx < n, other=float("-inf"))
