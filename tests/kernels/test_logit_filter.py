@@ -37,7 +37,7 @@ def kept_sets(logits, temperature, top_k, top_p, min_p, **kw) -> tuple[torch.Ten
     """(reference, kernel) kept masks [B, V]."""
     x = scale_and_min_p(logits, temperature, min_p)
     ref = apply_thresholds(x, sort_thresholds(x, top_k, top_p)) > NEG
-    args = [t.to(DEV) for t in (logits, torch.arange(logits.shape[0]), temperature, top_k, top_p, min_p, logits.amax(-1))]
+    args = [t.to(DEV) for t in (logits, torch.arange(logits.shape[0]), temperature, top_k, top_p, min_p, logits.argmax(-1))]
     tau = logit_filter.thresholds(*args, **kw).cpu()
     return ref, apply_thresholds(x, tau) > NEG
 
@@ -94,10 +94,11 @@ def test_k_ties_are_all_kept_and_the_best_always_survives():
 
 
 def _draw(logits, temperature, top_k, top_p, min_p, keys):
-    args = [t.to(DEV) for t in (logits, torch.arange(logits.shape[0]), temperature, top_k, top_p, min_p, logits.amax(-1))]
+    args = [t.to(DEV) for t in (logits, torch.arange(logits.shape[0]), temperature, top_k, top_p, min_p, logits.argmax(-1))]
     tau = logit_filter.thresholds(*args, cap=16, chunk=256)
-    logits, rows, temperature, _, _, min_p, row_max = args
-    return logit_filter.sample(logits, rows, temperature, min_p, row_max, tau, keys.to(DEV)).cpu()
+    logits, rows, temperature, _, _, min_p, tokens = args
+    logit_filter.sample(logits, rows, temperature, min_p, tokens, tau, keys.to(DEV))
+    return tokens.cpu()
 
 
 def test_draws_follow_the_filtered_distribution():
@@ -107,14 +108,14 @@ def test_draws_follow_the_filtered_distribution():
     R, V = 1500, base.numel()
     settings = torch.tensor([0.8]), torch.tensor([6]), torch.tensor([0.9]), torch.tensor([0.05])
     x = scale_and_min_p(base[None], settings[0], settings[3])
-    tau = logit_filter.thresholds(*[t.to(DEV) for t in (base[None], torch.zeros(1, dtype=torch.int64), *settings, base.amax()[None])])
+    best = base.argmax()[None]
+    tau = logit_filter.thresholds(*[t.to(DEV) for t in (base[None], torch.zeros(1, dtype=torch.int64), *settings, best)])
     probs = apply_thresholds(x, tau.cpu()).softmax(-1)[0]
     assert torch.equal(probs > 0, apply_thresholds(x, sort_thresholds(x, settings[1], settings[2]))[0] > NEG)
-    rows = torch.zeros(R, dtype=torch.int64, device=DEV)
-    temperature, min_p, row_max = (t.expand(R).contiguous().to(DEV) for t in (settings[0], settings[3], base.amax()[None]))
+    temperature, min_p, tokens, tau = (t.expand(R).contiguous().to(DEV) for t in (settings[0], settings[3], best, tau))
     keys = torch.randperm(1 << 20, generator=torch.Generator().manual_seed(0))[:R].to(DEV)
-    tokens = logit_filter.sample(base[None].to(DEV), rows, temperature, min_p, row_max, tau.expand(R).contiguous(), keys).cpu()
-    counts = torch.bincount(tokens, minlength=V).float()
+    logit_filter.sample(base.repeat(R, 1).to(DEV), torch.arange(R, device=DEV), temperature, min_p, tokens, tau, keys)
+    counts = torch.bincount(tokens.cpu(), minlength=V).float()
     keep = probs > 0
     assert counts[~keep].sum() == 0, "a token left out was drawn"
     expected = probs[keep] * R

@@ -158,7 +158,7 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams], *, use_ker
         from moeserve.kernels.logit_filter import thresholds  # needs Triton
 
         rows = torch.arange(len(params), device=dev)
-        tau = thresholds(logits, rows, temperature, top_k, top_p, min_p, logits.amax(dim=-1))
+        tau = thresholds(logits, rows, temperature, top_k, top_p, min_p, logits.argmax(dim=-1))
     elif not use_kernel:
         few = [i for i, p in enumerate(params) if _top_k(p, V) <= min(TOPK_CANDIDATES, V - 1)]
         many = [i for i, p in enumerate(params) if _filters(p, V) and i not in few]
@@ -207,12 +207,11 @@ def _draw(
         unseeded = iter(torch.randint(1 << 62, (len(sub),)).tolist())  # host RNG: no launch
         keys = [_philox_key(g) if g is not None else next(unseeded) for g in gens]
         temperature, top_k, top_p, min_p, idx, keys_on = _settings(sub, V, dev, random_rows, keys)
-        row_max = choose_from[idx, tokens[idx]]
         if any(_filters(p, V) for p in sub):
-            tau = logit_filter.thresholds(choose_from, idx, temperature, top_k, top_p, min_p, row_max)
+            tau = logit_filter.thresholds(choose_from, idx, temperature, top_k, top_p, min_p, tokens)
         else:
             tau = torch.full((len(sub),), float("-inf"), device=dev)
-        tokens[idx] = logit_filter.sample(choose_from, idx, temperature, min_p, row_max, tau, keys_on)
+        logit_filter.sample(choose_from, idx, temperature, min_p, tokens, tau, keys_on)
         return
     idx = to_device(random_rows, dev)
     probs = filter_logits(choose_from[idx], sub).softmax(-1)

@@ -116,11 +116,12 @@ def _load_state(StateF, StateI, at):
 
 
 @triton.jit
-def _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols):
+def _row(X, stride_x, Rows, Best, Temp, MinP, r):
+    """Row ``r``'s logits row, temperature, min-p and ``m``, its largest ``x`` (at its argmax)."""
     row = tl.load(Rows + r).to(tl.int64)
     t = tl.load(Temp + r)
-    k = tl.minimum(tl.load(TopK + r), n_cols + 1).to(tl.int32)
-    return row, t, k, tl.load(MinP + r), tl.math.div_rn(tl.load(RowMax + r), t)
+    top = tl.load(X + row * stride_x + tl.load(Best + row)).to(tl.float32)
+    return row, t, tl.load(MinP + r), tl.math.div_rn(top, t)
 
 
 @triton.jit(do_not_specialize=["rnd", "n_rows", "n_cols", "num_chunks"])
@@ -132,7 +133,7 @@ def _round_kernel(
     TopK,
     TopP,
     MinP,
-    RowMax,
+    Best,
     Points,
     PartMass,
     PartCount,
@@ -157,10 +158,13 @@ def _round_kernel(
     compact the window (it fits ``CAP``), or sum above new points in it, or (LAST) leave it."""
     r = tl.program_id(0)
     c = tl.program_id(1)
-    row, t, k, min_p, m = _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols)
+    row, t, min_p, m = _row(X, stride_x, Rows, Best, Temp, MinP, r)
+    k = tl.minimum(tl.load(TopK + r), n_cols + 1).to(tl.int32)
     lanes = tl.arange(0, NPIV)
     new = (rnd * n_rows + r).to(tl.int64)
     if FIRST:
+        if c == 0:
+            tl.store(Fill + r, 0)  # the compaction counter, first used a round later
         lo = float("-inf")
         hi = m
         mass_hi = 0.0
@@ -243,7 +247,7 @@ def _resolve_kernel(
     Temp,
     TopK,
     MinP,
-    RowMax,
+    Best,
     StateF,
     StateI,
     Scratch,
@@ -260,7 +264,8 @@ def _resolve_kernel(
     """One program per row: ``tau`` from its compacted window, after narrowing a window that
     is still too wide over the whole row (each step drops at least its smallest value)."""
     r = tl.program_id(0)
-    row, t, k, min_p, m = _row(Rows, Temp, TopK, MinP, RowMax, r, n_cols)
+    row, t, min_p, m = _row(X, stride_x, Rows, Best, Temp, MinP, r)
+    k = tl.minimum(tl.load(TopK + r), n_cols + 1).to(tl.int32)
     lo, hi, mass_hi, thr, tau, count_lo, count_hi, mode = _load_state(StateF, StateI, (last * n_rows + r).to(tl.int64))
     lanes = tl.arange(0, NPIV)
     while mode == WINDOW:
@@ -298,13 +303,13 @@ def thresholds(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
     min_p: torch.Tensor,
-    row_max: torch.Tensor,
+    best: torch.Tensor,
     *,
     chunk: int | None = None,
     cap: int | None = None,
 ) -> torch.Tensor:
     """``tau`` [R] float32 of rows ``rows`` [R] of ``logits`` [B, V] (their settings [R] each,
-    as ``filter_ref``'s; ``row_max``: each row's largest logit, before the temperature).
+    as ``filter_ref``'s; ``best`` [B] int64: each logits row's argmax, as the sampler has it).
     ``chunk`` (a multiple of ``BLOCK``; default ``CHUNK``) and ``cap`` (a power of two; default
     ``CAP``) for tests."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
@@ -321,11 +326,11 @@ def thresholds(
     state_f = torch.empty(ROUNDS + 1, R, 8, **f32)
     state_i = torch.empty(ROUNDS + 1, R, 4, dtype=torch.int32, device=dev)
     scratch = torch.empty(R, cap, **f32)
-    fill = torch.zeros(R, dtype=torch.int32, device=dev)
+    fill = torch.empty(R, dtype=torch.int32, device=dev)
     tau = torch.empty(R, **f32)
     if R == 0:
         return tau
-    row_args = (logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, row_max)
+    row_args = (logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, best)
     for rnd in range(ROUNDS + 1):
         _round_kernel[(R, chunks)](
             *row_args,
@@ -351,7 +356,7 @@ def thresholds(
             num_warps=4,
         )
     _resolve_kernel[(R,)](
-        logits, logits.stride(0), rows, temperature, top_k, min_p, row_max, state_f, state_i, scratch, fill, tau,
+        logits, logits.stride(0), rows, temperature, top_k, min_p, best, state_f, state_i, scratch, fill, tau,
         ROUNDS, R, V, BLOCK=BLOCK, NPIV=NPIV, CAP=cap, SWEEP=SWEEP, num_warps=8,
     )  # fmt: skip
     return tau
@@ -362,15 +367,12 @@ def thresholds(
 
 @triton.jit(do_not_specialize=["n_cols", "num_chunks"])
 def _draw_kernel(
-    X, stride_x, Rows, Temp, MinP, RowMax, Tau, Keys, PartBest, PartIdx, n_cols, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+    X, stride_x, Rows, Temp, MinP, Best, Tau, Keys, PartBest, PartIdx, n_cols, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr
 ):
     """Per chunk: the kept token of largest ``x + Gumbel noise`` (lowest index on ties)."""
     r = tl.program_id(0)
     c = tl.program_id(1)
-    row = tl.load(Rows + r).to(tl.int64)
-    t = tl.load(Temp + r)
-    m = tl.math.div_rn(tl.load(RowMax + r), t)
-    min_p = tl.load(MinP + r)
+    row, t, min_p, m = _row(X, stride_x, Rows, Best, Temp, MinP, r)
     tau = tl.load(Tau + r)
     key = tl.load(Keys + r)
     lanes = tl.arange(0, BLOCK)
@@ -391,13 +393,13 @@ def _draw_kernel(
 
 
 @triton.jit(do_not_specialize=["n_cols", "num_chunks"])
-def _draw_merge_kernel(PartBest, PartIdx, Ids, n_cols, num_chunks, CHUNKS_P2: tl.constexpr):
+def _draw_merge_kernel(PartBest, PartIdx, Rows, Best, n_cols, num_chunks, CHUNKS_P2: tl.constexpr):
     r = tl.program_id(0)
     chunks = tl.arange(0, CHUNKS_P2)
     at = r.to(tl.int64) * num_chunks + chunks
     best = tl.load(PartBest + at, mask=chunks < num_chunks, other=float("-inf"))
     idx = tl.load(PartIdx + at, mask=chunks < num_chunks, other=n_cols)
-    tl.store(Ids + r, tl.min(tl.where(best == tl.max(best, axis=0), idx, n_cols), axis=0).to(tl.int64))
+    tl.store(Best + tl.load(Rows + r), tl.min(tl.where(best == tl.max(best, axis=0), idx, n_cols), axis=0).to(tl.int64))
 
 
 def sample(
@@ -405,35 +407,35 @@ def sample(
     rows: torch.Tensor,
     temperature: torch.Tensor,
     min_p: torch.Tensor,
-    row_max: torch.Tensor,
+    best: torch.Tensor,
     tau: torch.Tensor,
     keys: torch.Tensor,
-) -> torch.Tensor:
-    """One token [R] int64 per row of ``rows``, drawn from its tokens kept by min-p and ``x >= tau``
-    (as ``thresholds``' arguments), with Philox noise keyed by ``keys`` [R] int64."""
+) -> None:
+    """Draw one token per row of ``rows`` from its tokens kept by min-p and ``x >= tau`` (as
+    ``thresholds``' arguments; ``rows`` distinct), with Philox noise keyed by ``keys`` [R]
+    int64, into ``best`` (each logits row's argmax, read first) at those rows."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     R, V = rows.numel(), logits.shape[1]
-    ids = torch.empty(R, dtype=torch.int64, device=logits.device)
     if R == 0:
-        return ids
+        return
     chunk = min(CHUNK, triton.cdiv(V, BLOCK) * BLOCK)
     chunks = triton.cdiv(V, chunk)
     part_best = torch.empty(R, chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(R, chunks, dtype=torch.int32, device=logits.device)
     _draw_kernel[(R, chunks)](
-        logits, logits.stride(0), rows, temperature, min_p, row_max, tau, keys, part_best, part_idx, V, chunks,
+        logits, logits.stride(0), rows, temperature, min_p, best, tau, keys, part_best, part_idx, V, chunks,
         CHUNK=chunk, BLOCK=BLOCK, num_warps=4,
     )  # fmt: skip
-    _draw_merge_kernel[(R,)](part_best, part_idx, ids, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
-    return ids
+    _draw_merge_kernel[(R,)](part_best, part_idx, rows, best, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
 
 
 def compile_variants(n_cols: int, device: torch.device) -> None:
     """Run each kernel once for rows of ``n_cols`` logits: their variants depend on nothing else."""
     ones = torch.ones(1, device=device)
-    rows, top_k = torch.zeros(1, dtype=torch.int64, device=device), torch.full((1,), n_cols + 1, device=device)
-    tau = thresholds(torch.zeros(1, n_cols, device=device), rows, ones, top_k, ones / 2, ones * 0, ones * 0)
-    sample(torch.zeros(1, n_cols, device=device), rows, ones, ones * 0, ones * 0, tau, rows)
+    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    logits = torch.zeros(1, n_cols, device=device)
+    tau = thresholds(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, rows)
+    sample(logits, rows, ones, ones * 0, rows, tau, rows)
 
 
 def selfcheck(device: torch.device) -> bool:
@@ -448,7 +450,7 @@ def selfcheck(device: torch.device) -> bool:
     ref = scale_and_min_p(x, temperature, min_p)
     kept = apply_thresholds(ref, sort_thresholds(ref, top_k, top_p)) > float("-inf")
     rows = torch.arange(4)
-    args = [t.to(device) for t in (x, rows, *settings, x.amax(-1))]
-    tau = thresholds(*args)
-    ids = sample(args[0], args[1], args[2], args[5], args[6], tau, (rows + 7).to(device)).cpu()
-    return torch.equal(apply_thresholds(ref, tau.cpu()) > float("-inf"), kept) and bool(kept[rows, ids].all())
+    logits, rows_on, temperature, top_k, top_p, min_p, best = (t.to(device) for t in (x, rows, *settings, x.argmax(-1)))
+    tau = thresholds(logits, rows_on, temperature, top_k, top_p, min_p, best)
+    sample(logits, rows_on, temperature, min_p, best, tau, rows_on + 7)
+    return torch.equal(apply_thresholds(ref, tau.cpu()) > float("-inf"), kept) and bool(kept[rows, best.cpu()].all())
