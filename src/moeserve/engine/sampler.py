@@ -172,6 +172,9 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams], *, use_ker
     return logit_filter_ref.apply_thresholds(x, tau)
 
 
+_MASK64 = (1 << 64) - 1
+
+
 def _philox_key(g: torch.Generator) -> int:
     """A 63-bit key for the Triton draw of a seeded row, from its generator: a CUDA generator's
     seed and offset (then advanced, as a draw would), host arithmetic only; any other draws it."""
@@ -183,9 +186,6 @@ def _philox_key(g: torch.Generator) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-_MASK64 = (1 << 64) - 1
 
 
 def _draw(
