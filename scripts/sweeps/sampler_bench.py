@@ -5,8 +5,9 @@ For each vocabulary (163,840: Moonlight, Kimi K2; 129,280: DeepSeek-V3), configu
 whole ``sample_on_device`` call (settings to the device, argmax and log-sum-exp, the draw, the
 packed result) four ways:
 
-* ``ref``: what main ran before issue 34: the Triton argmax, then the sampled rows through the
-  sorting filter (``filter_logits_ref``) and torch's exponential race;
+* ``ref``: the Triton argmax, then every sampled row through the sorting reference
+  (``filter_logits_ref``: a full sort per row, as main had before issue 34) and torch's
+  exponential race;
 * ``fast``: the engine's fast path (``use_kernel``: ``kernels.logit_filter``'s threshold search
   and draw);
 * ``torch``: the torch path (``torch.topk`` candidates for top-k rows, a sort for the others);
