@@ -70,13 +70,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.offline:
         from moeserve.bench.offline import run_offline, run_speculation_sweep
 
+        sampling = (args.temperature, args.top_p, args.top_k)
         if args.num_speculative_tokens:
             ks = [int(x) for x in args.num_speculative_tokens.split(",")]
-            run_speculation_sweep(
-                args.model, ks, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), args.temperature
-            )
+            run_speculation_sweep(args.model, ks, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), *sampling)
             return 0
-        run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), args.temperature)
+        run_offline(args.model, sizes, args.input_len, args.output_len, args.result_dir, engine_kwargs(args), *sampling)
         return 0
     if args.num_speculative_tokens:
         raise ValueError("--num-speculative-tokens sweeps the engine in this process: use it with --offline")
@@ -123,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "--temperature", type=float, default=0.0, help="sampling temperature of every request (0: greedy; > 0 times the sampler too)"
     )
+    b.add_argument("--top-p", type=float, default=1.0, help="offline: top-p of every request (with --temperature > 0)")
+    b.add_argument("--top-k", type=int, default=-1, help="offline: top-k of every request (with --temperature > 0)")
     b.add_argument(
         "--num-speculative-tokens",
         default=None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from scipy.stats import chi2
 
-from moeserve.engine.sampler import _filter
+from moeserve.engine.sampler import filter_logits_ref
 from moeserve.engine.spec_accept import accept_drafts, row_offsets
 from moeserve.sampling_params import SamplingParams
 
@@ -45,7 +45,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     V, R = 5, 20000
     params = SamplingParams(temperature=0.8, top_k=4)
     base = torch.tensor([[1.0, 0.5, -0.3, 0.2, -2.0], [0.1, -0.4, 0.9, 0.3, 0.0], [0.0, 1.2, -1.0, 0.4, 0.6]])
-    target = _filter(base, [params] * 3).softmax(-1)
+    target = filter_logits_ref(base, [params] * 3).softmax(-1)
     logits = base.repeat(R, 1)
     drafts = [[1, 2]] * R
     acc = accept_drafts(logits, drafts, [params] * R, [None] * R)

@@ -43,7 +43,15 @@ def _sync(llm: LLM) -> None:
 
 
 def run_batch(
-    llm: LLM, batch: int, input_len: int, output_len: int, peaks: DevicePeaks, seed: int = 0, temperature: float = 0.0
+    llm: LLM,
+    batch: int,
+    input_len: int,
+    output_len: int,
+    peaks: DevicePeaks,
+    seed: int = 0,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
 ) -> OfflineResult:
     eng = llm.engine
     cfg = eng.model_config
@@ -54,7 +62,9 @@ def run_batch(
     per_step = max(1, min(batch, llm.config.max_num_batched_tokens // input_len))
     warm = torch.randint(0, cfg.vocab_size, (per_step, input_len), generator=g).tolist()
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True, seed=seed if temperature else None)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=output_len, ignore_eos=True, seed=seed if temperature else None
+    )
     for p in prompts:
         eng.add_request({"prompt_token_ids": p}, params)
     seqs = list(eng.scheduler.waiting)
@@ -109,6 +119,8 @@ def run_offline(
     result_dir: str | None,
     engine_kwargs: dict,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
 ) -> list[OfflineResult]:
     from moeserve.console import wide_console
     from rich.table import Table
@@ -121,7 +133,7 @@ def run_offline(
         peaks = measure_peaks(llm.config.device)
         # Warm-up: one short request through everything (kernels compiled, graphs captured).
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-        results = [run_batch(llm, b, input_len, output_len, peaks, temperature=temperature) for b in batch_sizes]
+        results = [run_batch(llm, b, input_len, output_len, peaks, temperature=temperature, top_p=top_p, top_k=top_k) for b in batch_sizes]
         layout = list(llm.engine.executor.describe())
         layout_name = getattr(getattr(llm.engine.executor, "layout", None), "name", "tp1")
     table = Table(
@@ -159,6 +171,8 @@ def run_offline(
             "layout": layout,
             "engine": {k: v for k, v in kwargs.items() if isinstance(v, (int, float, str, type(None)))},
             "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
             "speculative": spec,
             # Each row also carries the keys `moeserve plan --calibrate` reads.
             "results": [
@@ -187,6 +201,8 @@ def run_speculation_sweep(
     result_dir: str | None,
     engine_kwargs: dict,
     temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
 ) -> dict[int, list[OfflineResult]]:
     """``run_offline`` once per number of draft tokens in ``ks`` (0: without speculation), the
     method and draft of ``engine_kwargs["speculative_config"]``; then one table: decode tok/s,
@@ -203,7 +219,7 @@ def run_speculation_sweep(
     for k in ks:
         kwargs = dict(engine_kwargs, speculative_config={**spec, "num_speculative_tokens": k} if k else None)
         out = str(Path(result_dir) / f"k{k}") if result_dir else None
-        runs[k] = run_offline(model, batch_sizes, input_len, output_len, out, kwargs, temperature)
+        runs[k] = run_offline(model, batch_sizes, input_len, output_len, out, kwargs, temperature, top_p, top_k)
     table = Table(title=f"speculative decoding ({spec.get('method', 'mtp')}) by draft tokens k: decode tok/s (tokens a row gains a step)")
     table.add_column("k", justify="right")
     for b in batch_sizes:

@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None:
     """Kernel variants picked by a step's size that the warm-up's few steps cannot all reach:
     the MLA decode kernels' split count (a merge block per power of two, from the decode rows
-    and their contexts in an eager mixed step) and the sampling kernel's chunk count (from the
-    rows sampled). Compiled here on scratch inputs, so that no request pays seconds for one."""
+    and their contexts in an eager mixed step), the sampling kernel's chunk count (from the
+    rows sampled) and the top-k/top-p kernels (a warm-up step samples greedily). Compiled here
+    on scratch inputs, so that no request pays seconds for one."""
     from moeserve.kernels.mla_decode import LONG_CONTEXT, LONG_CONTEXT_BATCHES, MAX_KV_SPLITS, mla_decode
     from moeserve.layers.attention import MLAAttention
 
@@ -43,9 +44,10 @@ def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None
             splits *= 2
     compile_prefix_attention(runner)
     if runner.is_last and runner.sample_kernel:
-        from moeserve.kernels.sampling import compile_variants
+        from moeserve.kernels import logit_filter, sampling
 
-        compile_variants(runner.config.max_num_seqs, runner.model_config.vocab_size, runner.device)
+        sampling.compile_variants(runner.config.max_num_seqs, runner.model_config.vocab_size, runner.device)
+        logit_filter.compile_variants(runner.model_config.vocab_size, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from moeserve.device_copy import to_device
+from moeserve.kernels import logit_filter_ref
 from moeserve.sampling_params import SamplingParams
 
 log = logging.getLogger("moeserve")
@@ -109,30 +110,121 @@ def prompt_logprobs_on_device(compute_logits, hidden: torch.Tensor, spec: Prompt
     return spec
 
 
-def _filter(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature, top-k, top-p and min-p on [B, V] float32 logits (rows not greedy)."""
-    dev = logits.device
-    temps = to_device([p.temperature for p in params], dev, torch.float32)
-    logits = logits / temps[:, None]
-    V = logits.shape[-1]
-    top_ks = [p.top_k if p.top_k and 0 < p.top_k < V else V for p in params]
-    top_ps = [p.top_p for p in params]
-    min_ps = [p.min_p for p in params]
-    if any(m > 0 for m in min_ps):
-        probs = logits.softmax(-1)
-        thresh = to_device(min_ps, dev, torch.float32)[:, None] * probs.max(-1, keepdim=True).values
-        logits = logits.masked_fill(probs < thresh, float("-inf"))
-    if any(k < V for k in top_ks) or any(p < 1 for p in top_ps):
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(V, device=dev)[None, :]
-        drop = ranks >= to_device(top_ks, dev)[:, None]
-        probs = sorted_logits.softmax(-1)
-        before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-        drop |= before >= to_device(top_ps, dev, torch.float32)[:, None]
-        drop[:, 0] = False  # the best token always survives
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
-    return logits
+# Rows whose top-k is at most this take their threshold from ``torch.topk`` candidates on the
+# torch path (the rest with top-p sort their row); the Triton path needs neither.
+TOPK_CANDIDATES = 1024
+
+
+def _settings(params: list[SamplingParams], vocab_size: int, device: torch.device, *more: list[int]) -> tuple[torch.Tensor, ...]:
+    """Per row: temperature, top-k (int64; ``vocab_size + 1``: none), top-p and min-p, then
+    ``more`` per-row integers (int64), in two copies to the device."""
+    floats = _per_row([[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]], torch.float32, device)
+    ints = _per_row([[_top_k(p, vocab_size) for p in params], *more], torch.int64, device)
+    return floats[0], ints[0], floats[1], floats[2], *ints[1:]
+
+
+def _per_row(values: list[list], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Lists of per-row values as the rows of one tensor on the device, each starting on a
+    16-byte boundary: Triton compiles a kernel variant per pointer alignment."""
+    n = len(values[0])
+    width = -(-n // 4) * 4
+    return to_device([v + [0] * (width - n) for v in values], device, dtype)[:, :n]
+
+
+def _top_k(p: SamplingParams, vocab_size: int) -> int:
+    return p.top_k if 0 < p.top_k <= vocab_size else vocab_size + 1
+
+
+def _filters(p: SamplingParams, vocab_size: int) -> bool:
+    """Whether top-k or top-p leaves out some token of the row."""
+    return _top_k(p, vocab_size) < vocab_size or p.top_p < 1
+
+
+def filter_logits_ref(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """``logits`` [R, V] of rows that sample (none greedy) filtered by their temperature, min-p,
+    top-k and top-p, each row sorted: the reference (the rule: ``kernels.logit_filter_ref``)."""
+    return logit_filter_ref.filter_ref(logits, *_settings(params, logits.shape[-1], logits.device))
+
+
+def filter_logits(logits: torch.Tensor, params: list[SamplingParams], *, use_kernel: bool = False) -> torch.Tensor:
+    """As ``filter_logits_ref``, without sorting a row that the Triton search (``use_kernel``)
+    or ``torch.topk`` candidates (top-k up to ``TOPK_CANDIDATES``) can do without. The kept
+    tokens are at ``logits / temperature``, the others ``-inf``."""
+    V, dev = logits.shape[-1], logits.device
+    temperature, top_k, top_p, min_p = _settings(params, V, dev)
+    x = logit_filter_ref.scale_and_min_p(logits, temperature, min_p)
+    tau = torch.full((len(params),), float("-inf"), device=dev)
+    if use_kernel and any(_filters(p, V) for p in params):
+        from moeserve.kernels.logit_filter import thresholds  # needs Triton
+
+        rows = torch.arange(len(params), device=dev)
+        tau = thresholds(logits, rows, temperature, top_k, top_p, min_p, logits.argmax(dim=-1))
+    elif not use_kernel:
+        few = [i for i, p in enumerate(params) if _top_k(p, V) <= min(TOPK_CANDIDATES, V - 1)]
+        many = [i for i, p in enumerate(params) if _filters(p, V) and i not in few]
+        if few:
+            idx = to_device(few, dev)
+            kmax = max(_top_k(params[i], V) for i in few)
+            tau[idx] = logit_filter_ref.topk_thresholds(x[idx], top_k[idx], top_p[idx], kmax)
+        if many:
+            idx = to_device(many, dev)
+            tau[idx] = logit_filter_ref.sort_thresholds(x[idx], top_k[idx], top_p[idx])
+    return logit_filter_ref.apply_thresholds(x, tau)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _philox_key(g: torch.Generator) -> int:
+    """A 63-bit key for the Triton draw of a seeded row, from its generator: a CUDA generator's
+    seed and offset (then advanced, as a draw would), host arithmetic only; any other draws it."""
+    if g.device.type != "cuda":
+        return int(torch.randint(1 << 62, (), generator=g))
+    offset = g.get_offset()
+    g.set_offset(offset + 4)
+    z = (g.initial_seed() * 0x9E3779B97F4A7C15 + offset + 0x632BE59BD9B4E019) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _draw(
+    choose_from: torch.Tensor,
+    tokens: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    random_rows: list[int],
+    use_kernel: bool,
+) -> None:
+    """Overwrite ``tokens`` (the rows' argmax) at ``random_rows`` with draws from their filtered
+    distributions. Each seeded row draws from its own generator, whatever else the batch holds."""
+    dev, V = choose_from.device, choose_from.shape[-1]
+    sub = [params[i] for i in random_rows]
+    gens = [generators[i] for i in random_rows]
+    if use_kernel:
+        from moeserve.kernels import logit_filter  # needs Triton
+
+        unseeded = iter(torch.randint(1 << 62, (len(sub),)).tolist())  # host RNG: no launch
+        keys = [_philox_key(g) if g is not None else next(unseeded) for g in gens]
+        temperature, top_k, top_p, min_p, idx, keys_on = _settings(sub, V, dev, random_rows, keys)
+        if any(_filters(p, V) for p in sub):
+            tau = logit_filter.thresholds(choose_from, idx, temperature, top_k, top_p, min_p, tokens)
+        else:
+            tau = torch.full((len(sub),), float("-inf"), device=dev)
+        logit_filter.sample(choose_from, idx, temperature, min_p, tokens, tau, keys_on)
+        return
+    idx = to_device(random_rows, dev)
+    probs = filter_logits(choose_from[idx], sub).softmax(-1)
+    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
+    # seeded row use its own generator. Rows without one share a single draw: one launch for
+    # the batch, not one per row.
+    noise = torch.empty_like(probs)
+    seeded = [(j, g) for j, g in enumerate(gens) if g is not None]
+    if len(seeded) < len(gens):
+        noise.exponential_()
+    for j, g in seeded:
+        noise[j].exponential_(generator=g)
+    tokens[idx] = (probs / noise).argmax(dim=-1)
 
 
 @dataclass
@@ -178,7 +270,8 @@ def _sample_batch(
     ``adjusted``: the logits the tokens are drawn from where some row has penalties or a bias
     (``logit_adjust``); the logprobs stay those of ``logits``.
     ``use_kernel``: greedy ids and the log-sum-exp from one split-row Triton pass
-    (``kernels.sampling``) instead of torch's one-CTA-per-row ``argmax`` and ``log_softmax``.
+    (``kernels.sampling``) instead of torch's one-CTA-per-row ``argmax`` and ``log_softmax``,
+    and the sampled rows' thresholds and draws from ``kernels.logit_filter`` (no sort).
     Either way the full ``log_softmax`` is only computed when some row wants top-N logprobs.
     """
     lse = None
@@ -191,18 +284,7 @@ def _sample_batch(
         tokens = choose_from.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        idx = to_device(random_rows, logits.device)
-        probs = _filter(choose_from[idx], [params[i] for i in random_rows]).softmax(-1)
-        # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, and lets each
-        # seeded row use its own generator. Rows without one share a single draw: one launch for
-        # the batch, not one per row.
-        noise = torch.empty_like(probs)
-        seeded = [(j, generators[i]) for j, i in enumerate(random_rows) if generators[i] is not None]
-        if len(seeded) < len(random_rows):
-            noise.exponential_()
-        for j, g in seeded:
-            noise[j].exponential_(generator=g)
-        tokens[idx] = (probs / noise).argmax(dim=-1)
+        _draw(choose_from, tokens, params, generators, random_rows, use_kernel)
     want = [p.logprobs for p in params]
     top_n = max((n for n in want if n is not None), default=None)
     if top_n is not None:

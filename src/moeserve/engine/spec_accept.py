@@ -15,7 +15,7 @@ output this step is the accepted drafts and one more token, so at least one toke
 p is the distribution the engine's sampler draws from: the logits after the request's penalties,
 bias and masks (``logit_adjust``, counted over the output *including* the drafts before each
 position: the caller expands a row's output ids per position), then temperature, top-k, top-p
-and min-p (``sampler._filter``).
+and min-p (``sampler.filter_logits``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from moeserve.device_copy import to_device
-from moeserve.engine.sampler import _filter
+from moeserve.engine.sampler import filter_logits
 from moeserve.sampling_params import SamplingParams
 
 
@@ -75,7 +75,7 @@ def accept_drafts(
         pos = [i for r in random_rows for i in range(offsets[r], offsets[r + 1])]
         idx = to_device(pos, dev)
         expanded = [params[r] for r in random_rows for _ in range(offsets[r], offsets[r + 1])]
-        probs = _filter(logits[idx], expanded).softmax(-1)
+        probs = filter_logits(logits[idx], expanded).softmax(-1)
         ends = set(offsets)
         is_last = to_device([i + 1 in ends for i in pos], dev, torch.bool)
         sub_nxt = nxt[idx]

@@ -89,9 +89,9 @@ def check_gemv(device: torch.device) -> bool:
 
 
 def check_sampling(device: torch.device) -> bool:
-    from moeserve.kernels.sampling import selfcheck
+    from moeserve.kernels import logit_filter, sampling
 
-    return selfcheck(device)
+    return sampling.selfcheck(device) and logit_filter.selfcheck(device)  # argmax + lse; top-k/p thresholds and draws
 
 
 def check_int4_moe(device: torch.device) -> bool:
