@@ -119,7 +119,7 @@ def main() -> int:
                 greedy = [SamplingParams(temperature=0.0)] * B
 
                 def run(ps=params):
-                    return sample_on_device(logits, ps, gens, use_kernel=True)
+                    return sample_on_device(logits, ps, gens, use_kernel=True, filter_kernel=True)
 
                 row = dict(config=name, vocab=V, batch=B)
                 for way in ("ref", "fast", "torch"):

@@ -72,14 +72,14 @@ def _generators(params):
 @pytest.mark.parametrize("use_kernel", [False, pytest.param(True, marks=needs_interpreter)], ids=["torch", "triton"])
 def test_a_mixed_batch_draws_kept_tokens_and_seeded_rows_ignore_the_batch(use_kernel):
     logits = torch.randn(len(MIXED), 300, generator=torch.Generator().manual_seed(1)) * 2
-    d = sample_on_device(logits, MIXED, _generators(MIXED), use_kernel=use_kernel)
+    d = sample_on_device(logits, MIXED, _generators(MIXED), use_kernel=use_kernel, filter_kernel=use_kernel)
     tokens = d.result(d.packed).token_ids
     assert tokens[0] == int(logits[0].argmax())
     sampled = [i for i, p in enumerate(MIXED) if not p.greedy]
     kept = _kept(filter_logits_ref(logits[sampled], [MIXED[i] for i in sampled]))
     assert all(kept[j, tokens[i]] for j, i in enumerate(sampled))
     for i in (1, 3, 5):  # seeded: the same token alone
-        alone = sample_on_device(logits[i : i + 1], [MIXED[i]], _generators([MIXED[i]]), use_kernel=use_kernel)
+        alone = sample_on_device(logits[i : i + 1], [MIXED[i]], _generators([MIXED[i]]), use_kernel=use_kernel, filter_kernel=use_kernel)
         assert alone.result(alone.packed).token_ids == [tokens[i]]
 
 
@@ -96,10 +96,10 @@ def test_a_row_that_fails_on_the_triton_path_fails_alone(monkeypatch):
     monkeypatch.setattr(sampler, "_philox_key", fragile)
     logits = torch.randn(len(MIXED), 300, generator=torch.Generator().manual_seed(2))
     params = MIXED[:2] + [SamplingParams(temperature=1.0, seed=99)] + MIXED[3:]
-    d = sample_on_device(logits, params, _generators(params), use_kernel=True)
+    d = sample_on_device(logits, params, _generators(params), use_kernel=True, filter_kernel=True)
     assert list(d.errors) == [2] and "injected key failure" in d.errors[2]
     without = params[:2] + [SamplingParams(temperature=0)] + params[3:]
-    clean = sample_on_device(logits, without, _generators(without), use_kernel=True)
+    clean = sample_on_device(logits, without, _generators(without), use_kernel=True, filter_kernel=True)
     seeded = [i for i, p in enumerate(without) if p.seed is not None]
     got, want = d.result(d.packed).token_ids, clean.result(clean.packed).token_ids
     assert [got[i] for i in seeded] == [want[i] for i in seeded] and got[2] == int(logits[2].argmax())
@@ -115,7 +115,7 @@ def test_the_triton_draw_never_waits_for_the_device():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        drawn = sample_on_device(logits, MIXED, gens, use_kernel=True)
+        drawn = sample_on_device(logits, MIXED, gens, use_kernel=True, filter_kernel=True)
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert drawn.errors == {}
@@ -123,3 +123,15 @@ def test_the_triton_draw_never_waits_for_the_device():
     sampled = [i for i, p in enumerate(MIXED) if not p.greedy]
     kept = filter_logits_ref(logits[sampled], [MIXED[i] for i in sampled]) > NEG
     assert all(kept[j, tokens[i]] for j, i in enumerate(sampled))
+
+
+def test_the_triton_sampler_is_asked_for_by_name(monkeypatch):
+    from moeserve.engine.sampler import triton_sampler_requested
+
+    monkeypatch.delenv("MOESERVE_SAMPLER", raising=False)
+    assert not triton_sampler_requested()  # not measured on a GPU yet: torch by default
+    monkeypatch.setenv("MOESERVE_SAMPLER", "triton")
+    assert triton_sampler_requested()
+    monkeypatch.setenv("MOESERVE_SAMPLER", "sorted")
+    with pytest.raises(ValueError, match="MOESERVE_SAMPLER must be one of torch, triton"):
+        triton_sampler_requested()

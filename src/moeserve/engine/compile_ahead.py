@@ -20,7 +20,8 @@ def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None
     """Kernel variants picked by a step's size that the warm-up's few steps cannot all reach:
     the MLA decode kernels' split count (a merge block per power of two, from the decode rows
     and their contexts in an eager mixed step), the sampling kernel's chunk count (from the
-    rows sampled) and the top-k/top-p kernels (a warm-up step samples greedily). Compiled here
+    rows sampled) and, with ``MOESERVE_SAMPLER=triton``, the top-k/top-p kernels (a warm-up step
+    samples greedily). Compiled here
     on scratch inputs, so that no request pays seconds for one."""
     from moeserve.kernels.mla_decode import LONG_CONTEXT, LONG_CONTEXT_BATCHES, MAX_KV_SPLITS, mla_decode
     from moeserve.layers.attention import MLAAttention
@@ -47,7 +48,8 @@ def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None
         from moeserve.kernels import logit_filter, sampling
 
         sampling.compile_variants(runner.config.max_num_seqs, runner.model_config.vocab_size, runner.device)
-        logit_filter.compile_variants(runner.model_config.vocab_size, runner.device)
+        if runner.filter_kernel:
+            logit_filter.compile_variants(runner.model_config.vocab_size, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
 

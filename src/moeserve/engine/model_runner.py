@@ -17,7 +17,7 @@ from moeserve.config import ModelConfig
 from moeserve.engine.compile_ahead import compile_moe_tiles, compile_step_sized_variants
 from moeserve.engine.config import EngineConfig, resolve_dtype
 from moeserve.step_context import StepContext, shared_prefix_runs, step_context
-from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device
+from moeserve.engine.sampler import DeviceSample, PromptLogprobs, SampleResult, prompt_logprobs_on_device, triton_sampler_requested
 from moeserve.engine.sampling_state import SamplingState
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import checkpoint_files, load_model_weights
@@ -103,6 +103,7 @@ class ModelRunner:
                 self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
+        self.filter_kernel = False  # sampled rows' top-k/top-p by kernels.logit_filter (MOESERVE_SAMPLER=triton)
         self.moe_backend: str | None = None  # who runs INT4 routed experts (--moe-backend), once kernels are on
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
             self._use_kernels()
@@ -203,6 +204,8 @@ class ModelRunner:
 
         linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
         needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
+        if triton_sampler_requested():
+            needed.add("logit_filter")
         draft = self.drafter.model if self.drafter is not None else None
         modules = list(self.model.modules()) + (list(draft.modules()) if draft is not None else [])
         for m in modules:
@@ -222,6 +225,7 @@ class ModelRunner:
             if isinstance(m, linears):
                 m.method.use_kernels(ok)
         self.sample_kernel = "sampling" in ok
+        self.filter_kernel = "logit_filter" in ok
         self.moe_backend = use_moe_backend([m for m in modules if isinstance(m, RoutedExperts)], self.config.moe_backend, self.dtype)
         log.info("fast path: Triton attention + fused MoE; kernels on: %s", ", ".join(sorted(ok)) or "none")
         compile_moe_tiles(self)
@@ -373,7 +377,7 @@ class ModelRunner:
 
     def sample_async(self, step: StepInput, logits: torch.Tensor) -> PendingStep:
         prompt, self._prompt_logprobs = self._prompt_logprobs, None
-        drawn = self.sampling.draw(step, logits, use_kernel=self.sample_kernel)
+        drawn = self.sampling.draw(step, logits, use_kernel=self.sample_kernel, filter_kernel=self.filter_kernel)
         if drawn is None and prompt is None:
             return PendingStep(None, None, None)
         if self.device.type != "cuda":

@@ -8,6 +8,7 @@ filtering), as vLLM reports them by default.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -172,6 +173,19 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams], *, use_ker
     return logit_filter_ref.apply_thresholds(x, tau)
 
 
+SAMPLER_VARIANTS = ("torch", "triton")  # MOESERVE_SAMPLER: what filters and draws the sampled rows
+
+
+def triton_sampler_requested() -> bool:
+    """``MOESERVE_SAMPLER=triton``: sampled rows through ``kernels.logit_filter`` (threshold search
+    and draw, no sort). Not measured on a GPU yet: the default (``torch``: ``torch.topk``
+    candidates, a sort for top-p alone) stays until ``scripts/sessions/sampling.sh`` shows it wins."""
+    value = os.environ.get("MOESERVE_SAMPLER", "torch") or "torch"
+    if value not in SAMPLER_VARIANTS:
+        raise ValueError(f"MOESERVE_SAMPLER must be one of {', '.join(SAMPLER_VARIANTS)}, not {value!r}")
+    return value == "triton"
+
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -263,6 +277,7 @@ def _sample_batch(
     generators: list[torch.Generator | None],
     *,
     use_kernel: bool = False,
+    filter_kernel: bool = False,
     adjusted: torch.Tensor | None = None,
 ) -> DeviceSample:
     """logits: [B, V] float32, one row per sequence that samples this step. No host sync.
@@ -270,8 +285,9 @@ def _sample_batch(
     ``adjusted``: the logits the tokens are drawn from where some row has penalties or a bias
     (``logit_adjust``); the logprobs stay those of ``logits``.
     ``use_kernel``: greedy ids and the log-sum-exp from one split-row Triton pass
-    (``kernels.sampling``) instead of torch's one-CTA-per-row ``argmax`` and ``log_softmax``,
-    and the sampled rows' thresholds and draws from ``kernels.logit_filter`` (no sort).
+    (``kernels.sampling``) instead of torch's one-CTA-per-row ``argmax`` and ``log_softmax``.
+    ``filter_kernel``: the sampled rows' thresholds and draws from ``kernels.logit_filter`` (no
+    sort, no ``torch.topk``; ``MOESERVE_SAMPLER=triton``).
     Either way the full ``log_softmax`` is only computed when some row wants top-N logprobs.
     """
     lse = None
@@ -284,7 +300,7 @@ def _sample_batch(
         tokens = choose_from.argmax(dim=-1)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
-        _draw(choose_from, tokens, params, generators, random_rows, use_kernel)
+        _draw(choose_from, tokens, params, generators, random_rows, filter_kernel)
     want = [p.logprobs for p in params]
     top_n = max((n for n in want if n is not None), default=None)
     if top_n is not None:
@@ -312,6 +328,7 @@ def sample_on_device(
     generators: list[torch.Generator | None],
     *,
     use_kernel: bool = False,
+    filter_kernel: bool = False,
     errors: dict[int, str] | None = None,
     adjusted: torch.Tensor | None = None,
 ) -> DeviceSample:
@@ -327,8 +344,9 @@ def sample_on_device(
     for i in errors:
         params[i], generators[i] = _FALLBACK, None
     states = [g.get_state() if g is not None else None for g in generators]
+    kernels = dict(use_kernel=use_kernel, filter_kernel=filter_kernel)
     try:
-        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel, adjusted=adjusted)
+        drawn = _sample_batch(logits, params, generators, adjusted=adjusted, **kernels)
     except Exception:  # noqa: BLE001 - find the rows to blame; a failure of every row re-raises below
         log.exception("sampling a batch of %d rows failed; trying each row alone", len(params))
         for g, state in zip(generators, states):
@@ -337,11 +355,11 @@ def sample_on_device(
         for i in range(len(params)):
             try:
                 row = adjusted[i : i + 1] if adjusted is not None else None
-                _sample_batch(logits[i : i + 1], [params[i]], [_copy(generators[i])], use_kernel=use_kernel, adjusted=row)
+                _sample_batch(logits[i : i + 1], [params[i]], [_copy(generators[i])], adjusted=row, **kernels)
             except Exception as e:  # noqa: BLE001
                 errors[i] = f"{type(e).__name__}: {e}"
                 params[i], generators[i] = _FALLBACK, None
-        drawn = _sample_batch(logits, params, generators, use_kernel=use_kernel, adjusted=adjusted)
+        drawn = _sample_batch(logits, params, generators, adjusted=adjusted, **kernels)
     drawn.errors = errors
     return drawn
 

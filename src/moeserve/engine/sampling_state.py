@@ -20,14 +20,15 @@ class SamplingState:
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=device)  # last step's samples
         self._last_rows: dict[int, int] = {}  # seq id -> its row in _last_tokens
 
-    def draw(self, step: StepInput, logits: torch.Tensor, use_kernel: bool) -> DeviceSample | None:
+    def draw(self, step: StepInput, logits: torch.Tensor, use_kernel: bool, filter_kernel: bool = False) -> DeviceSample | None:
         """Sample every row of ``logits`` (adjusted and masked as the step's rows ask) and keep the
         samples for the next step's deferred tokens; None when the step samples no row."""
         gens, errors = self.row_generators(step)  # also when no row samples: drops finished sequences'
         if not logits.shape[0]:
             return None
         adjusted = masked_logits(logits, self.adjusted_logits(step, logits), step.grammar_mask)
-        drawn = sample_on_device(logits, step.sample_params, gens, use_kernel=use_kernel, errors=errors, adjusted=adjusted)
+        kernels = dict(use_kernel=use_kernel, filter_kernel=filter_kernel)
+        drawn = sample_on_device(logits, step.sample_params, gens, errors=errors, adjusted=adjusted, **kernels)
         self.keep_samples(step, drawn.tokens)
         return drawn
 

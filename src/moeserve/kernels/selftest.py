@@ -89,9 +89,15 @@ def check_gemv(device: torch.device) -> bool:
 
 
 def check_sampling(device: torch.device) -> bool:
-    from moeserve.kernels import logit_filter, sampling
+    from moeserve.kernels.sampling import selfcheck
 
-    return sampling.selfcheck(device) and logit_filter.selfcheck(device)  # argmax + lse; top-k/p thresholds and draws
+    return selfcheck(device)  # argmax + log-sum-exp
+
+
+def check_logit_filter(device: torch.device) -> bool:
+    from moeserve.kernels.logit_filter import selfcheck
+
+    return selfcheck(device)  # top-k/top-p thresholds and draws (MOESERVE_SAMPLER=triton)
 
 
 def check_int4_moe(device: torch.device) -> bool:
@@ -125,6 +131,7 @@ CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "moe_gemv": check_moe_gemv,
     "gemv": check_gemv,
     "sampling": check_sampling,
+    "logit_filter": check_logit_filter,
     "int4_moe": check_int4_moe,
     "int4_spread": check_int4_spread,
     "fp8_linear": check_fp8_linear,
