@@ -53,6 +53,8 @@ GEMV configs below); every wrapper takes a ``config`` override for such a sweep.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -961,7 +963,30 @@ def int4_fused_moe(
 # start-up check
 
 
-def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
+@dataclass
+class SelfcheckCase:
+    """A tiny seeded case for start-up checks: routed experts of a rank holding 4 of 8 experts
+    (some routed ids are another rank's) and shared experts of one whole and one partial slice."""
+
+    x: torch.Tensor
+    experts: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # packed w13, scales, packed w2, scales
+    weights: torch.Tensor
+    ids: torch.Tensor
+    first: int
+    shared: tuple[torch.Tensor, torch.Tensor]
+    ref: torch.Tensor  # the routed experts' output (int4_moe_ref)
+    shared_ref: torch.Tensor  # the shared experts' output
+
+    @property
+    def routed_args(self) -> tuple:
+        return (self.x, *self.experts, self.weights, self.ids, self.first)
+
+    def close(self, outs: list[tuple[torch.Tensor, torch.Tensor]]) -> bool:
+        tol = 1e-4 if self.x.dtype == torch.float32 else 2e-2
+        return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
+
+
+def selfcheck_case(device: torch.device, dtype: torch.dtype) -> SelfcheckCase:
     g = torch.Generator().manual_seed(11)
     T, H, I, E, K, Is, first = 3, 64, 32, 4, 2, 48, 2
     x = torch.randn(T, H, generator=g).to(device, dtype)
@@ -976,16 +1001,21 @@ def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
     ref = int4_moe_ref(x.float(), p13, s13.float(), p2, s2.float(), w, ids, first)
     gate, up = torch.nn.functional.linear(x.float(), sw13.float()).chunk(2, dim=-1)
     shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2.float())
+    return SelfcheckCase(x, (p13, s13, p2, s2), w, ids, first, (sw13, sw2), ref, shared)
+
+
+def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
+    c = selfcheck_case(device, dtype)
     # The grouped GEMM at the decode-like table row's tile shape (wgmma with 64 weight rows),
     # forced: three tokens would otherwise go to the GEMV.
     tile = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=2)
-    outs = [
-        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first), ref),
-        (int4_moe_gemv(x, p13, s13, p2, s2, w, ids, first, sw13, sw2), ref + shared),
-        (int4_fused_moe(x, p13, s13, p2, s2, w, ids, first, config=tile), ref),
-    ]
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
+    return c.close(
+        [
+            (int4_moe_gemv(*c.routed_args), c.ref),
+            (int4_moe_gemv(*c.routed_args, *c.shared), c.ref + c.shared_ref),
+            (int4_fused_moe(*c.routed_args, config=tile), c.ref),
+        ]
+    )
 
 
 def selfcheck(device: torch.device) -> bool:

@@ -47,7 +47,7 @@ import triton
 import triton.language as tl
 
 from moeserve.kernels.fp8_moe import gemv_spread
-from moeserve.kernels.int4_moe import _DOT_WORD_ASM, GROUP, PACK, _check_shapes, _nibbles, int4_moe_ref, shared_slot_args
+from moeserve.kernels.int4_moe import _DOT_WORD_ASM, GROUP, PACK, _check_shapes, _nibbles, selfcheck_case, shared_slot_args
 from moeserve.kernels.utils import interpreting
 
 DEFAULT_SM_COUNT = 132  # an H100 / H200; the wrapper asks the device when it has one
@@ -615,31 +615,15 @@ def int4_moe_gemv_spread(
 
 
 def _selfcheck_case(device: torch.device, dtype: torch.dtype) -> bool:
-    from moeserve.kernels.int4_ref import kernel_words, quantize_int4
-
-    g = torch.Generator().manual_seed(11)
-    T, H, I, E, K, Is, first = 3, 64, 32, 4, 2, 48, 2
-    x = torch.randn(T, H, generator=g).to(device, dtype)
-    p13, s13 = quantize_int4(torch.randn(E, 2 * I, H, generator=g) * H**-0.5)
-    p2, s2 = quantize_int4(torch.randn(E, H, I, generator=g) * I**-0.5)
-    p13, p2 = kernel_words(p13).to(device), kernel_words(p2).to(device)
-    s13, s2 = s13.to(device, dtype), s2.to(device, dtype)
-    ids = torch.tensor([[2, 5], [7, 3], [4, 0]], device=device)  # 7 and 0: another rank's experts
-    w = (torch.rand(T, K, generator=g) + 0.1).to(device)
-    sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(device, dtype)  # one whole slice, one partial
-    sw2 = (torch.randn(H, Is, generator=g) * Is**-0.5).to(device, dtype)
-    ref = int4_moe_ref(x.float(), p13, s13.float(), p2, s2.float(), w, ids, first)
-    gate, up = torch.nn.functional.linear(x.float(), sw13.float()).chunk(2, dim=-1)
-    shared = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, sw2.float())
-    args = (x, p13, s13, p2, s2, w, ids, first)
-    total = 2 * E  # as a rank of 4 of 8 experts: one routed group a token; the split-K pass too
-    outs = [
-        (int4_moe_gemv_spread(*args, num_experts_total=total), ref),
-        (int4_moe_gemv_spread(*args, sw13, sw2, num_experts_total=total), ref + shared),
-        (int4_moe_gemv_spread(*args, gate_up_config={"SPLIT_K": 2}, num_experts_total=total), ref),
-    ]
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    return all(torch.allclose(o.float().cpu(), r.cpu(), atol=tol * (r.abs().max().item() + 1e-6), rtol=tol) for o, r in outs)
+    c = selfcheck_case(device, dtype)
+    total = 8  # the case's rank holds 4 of 8 experts: one routed group a token; the split-K pass too
+    return c.close(
+        [
+            (int4_moe_gemv_spread(*c.routed_args, num_experts_total=total), c.ref),
+            (int4_moe_gemv_spread(*c.routed_args, *c.shared, num_experts_total=total), c.ref + c.shared_ref),
+            (int4_moe_gemv_spread(*c.routed_args, gate_up_config={"SPLIT_K": 2}, num_experts_total=total), c.ref),
+        ]
+    )
 
 
 def selfcheck(device: torch.device) -> bool:
