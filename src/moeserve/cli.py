@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--num-prompts", type=int, default=64)
     b.add_argument("--dataset", default="random", help="random | FILE.jsonl with a 'prompt' per line")
     b.add_argument("--api-key", default=None)
+    b.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help='--url: fields added to every request, e.g. \'{"response_format": {"type": "json_object"}, "top_p": 0.95}\'',
+    )
     b.add_argument("--vocab", type=int, default=256, help="random prompts draw token ids below this")
     b.add_argument(
         "--shared-prefix-len", type=int, default=0, help="random prompts all start with the same this many tokens (prefix caching)"

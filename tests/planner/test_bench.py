@@ -197,3 +197,26 @@ def test_offline_bench_sweeps_draft_tokens(tmp_path, capsys):
     assert json.loads((tmp_path / "k0" / "offline.json").read_text())["speculative"] is None
     assert main([*argv, "--num-speculative-tokens", "1"]) == 2  # nothing to sweep
     assert "--speculative-config" in capsys.readouterr().err
+
+
+def test_extra_body_reaches_every_request(server, tmp_path):
+    """--extra-body: a constrained run completes (a JSON object's grammar may end a reply before
+    max_tokens), and a field the server refuses fails every request, so it did reach them."""
+    from moeserve.bench.online import extra_body_fields
+
+    json_object = {"response_format": {"type": "json_object"}}
+    (r,) = run_serving(
+        server.url, [2], num_prompts=4, input_len=8, output_len=6, result_dir=str(tmp_path), quiet=True, extra_body=json_object
+    )
+    assert r["completed"] == 4 and r["failed"] == 0 and r["extra_body"] == json_object
+    assert 4 <= r["total_output_tokens"] <= 4 * 6
+    bad = {"response_format": {"type": "xml"}}
+    (r,) = run_serving(
+        server.url, [2], num_prompts=2, input_len=8, output_len=4, result_dir=str(tmp_path / "bad"), quiet=True, extra_body=bad
+    )
+    assert r["completed"] == 0 and r["failed"] == 2
+    assert extra_body_fields('{"top_p": 0.9}') == {"top_p": 0.9}
+    with pytest.raises(ValueError, match="cannot set prompt, stream"):
+        extra_body_fields({"stream": False, "prompt": "x"})
+    with pytest.raises(ValueError, match="not JSON"):
+        extra_body_fields("{top_p: 1}")

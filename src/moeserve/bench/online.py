@@ -122,6 +122,27 @@ def file_prompts(path: str, n: int) -> list[str]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
+# What the bench itself sets in every request and measures by: not for --extra-body
+BENCH_OWNED_FIELDS = ("model", "prompt", "stream", "stream_options")
+
+
+def extra_body_fields(extra: dict | str | None) -> dict:
+    """``--extra-body``'s fields (a JSON object, or its text), refusing those the bench owns."""
+    if extra is None:
+        return {}
+    if isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--extra-body is not JSON: {e}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--extra-body must be a JSON object, not {type(extra).__name__}")
+    owned = sorted(set(extra) & set(BENCH_OWNED_FIELDS))
+    if owned:
+        raise ValueError(f"--extra-body cannot set {', '.join(owned)}: the bench sets them")
+    return extra
+
+
 async def one_request(
     session: aiohttp.ClientSession,
     url: str,
@@ -131,6 +152,7 @@ async def one_request(
     headers: dict,
     want_ids: bool = False,
     temperature: float = 0.0,
+    extra_body: dict | None = None,
 ) -> RequestRecord:
     body = {
         "model": model,
@@ -138,6 +160,7 @@ async def one_request(
         "max_tokens": output_len,
         "temperature": temperature,
         "ignore_eos": True,
+        **(extra_body or {}),
         "stream": True,
         "stream_options": {"include_usage": True},
     }
@@ -200,6 +223,7 @@ async def run_level(
     progress=None,
     timeout: float = 600.0,
     temperature: float = 0.0,
+    extra_body: dict | None = None,
 ) -> dict:
     """``prompts``: one per request, or conversations (lists of turns, see ``conversations``)
     whose turns go one after another; ``concurrency`` bounds the requests in flight."""
@@ -208,7 +232,7 @@ async def run_level(
 
         async def bounded(p, want_ids=False):
             async with sem:
-                rec = await one_request(session, url, model, p, output_len, headers, want_ids, temperature)
+                rec = await one_request(session, url, model, p, output_len, headers, want_ids, temperature, extra_body)
                 if progress is not None:
                     progress()
                 return rec
@@ -257,9 +281,11 @@ def run_serving(
     shared_prefix_len: int = 0,
     multi_turn: int = 1,
     temperature: float = 0.0,
+    extra_body: dict | None = None,
 ) -> list[dict]:
     """``tags`` (e.g. layout, hardware) are copied into every result, so that
-    ``moeserve plan --calibrate`` can read them."""
+    ``moeserve plan --calibrate`` can read them. ``extra_body``: fields added to every request
+    (``response_format``, ``top_p``, ...; see ``extra_body_fields``)."""
     from tqdm import tqdm
 
     url = url.rstrip("/")
@@ -267,6 +293,7 @@ def run_serving(
     model = model or asyncio.run(detect_model(url, headers))
     if shared_prefix_len < 0:
         raise ValueError(f"shared_prefix_len must be >= 0, got {shared_prefix_len}")
+    extra_body = extra_body_fields(extra_body)
 
     def level_prompts(level_seed: int) -> list:
         if dataset != "random":
@@ -278,7 +305,10 @@ def run_serving(
     for i, c in enumerate(concurrencies):
         prompts = level_prompts(seed + i)
         bar = tqdm(total=num_prompts, desc=f"concurrency {c}", disable=quiet)
-        res = asyncio.run(run_level(url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1), temperature=temperature))
+        level = run_level(
+            url, model, prompts, output_len, c, headers, progress=lambda: bar.update(1), temperature=temperature, extra_body=extra_body
+        )
+        res = asyncio.run(level)
         bar.close()
         res.update(
             model=model,
@@ -290,6 +320,8 @@ def run_serving(
             multi_turn=multi_turn,
             temperature=temperature,
         )
+        if extra_body:
+            res["extra_body"] = extra_body
         if label:
             res["label"] = label
         res.update(tags or {})
@@ -330,6 +362,7 @@ def run_serving_cli(args) -> int:
         shared_prefix_len=args.shared_prefix_len,
         multi_turn=args.multi_turn,
         temperature=args.temperature,
+        extra_body=args.extra_body,
         tags={k: v for k, v in (("layout", args.layout), ("hardware", args.hardware)) if v},
     )
     from moeserve.bench.report import markdown_table
