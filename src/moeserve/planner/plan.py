@@ -26,7 +26,8 @@ from moeserve.planner.memory import (
     structural_problems,
 )
 from moeserve.planner.rank import rank_layouts, recommend
-from moeserve.planner.speculative import speculative_step
+from moeserve.planner.eagle3 import draft_rank_bytes
+from moeserve.planner.speculative import speculation_problems, speculative_step
 from moeserve.planner.workload import DEFAULT_SETTINGS, EngineSettings, Workload
 
 __all__ = ["EngineSettings", "LayoutPlan", "Plan", "Workload", "evaluate_layout", "plan_layouts"]
@@ -90,9 +91,18 @@ def evaluate_layout(
         partition = resolve_partition(cfg, pp, partition)
     except ValueError:  # already among the problems; size memory with the default split
         partition = default_layer_partition(cfg.num_hidden_layers, pp)
+    spec = settings.speculative
+    problems += speculation_problems(spec, pp)
     world = tp * pp
-    mtp = settings.speculative is not None  # the MTP layer on the last stage: its weights and one more layer of KV
+    mtp = spec is not None and spec.method == "mtp"  # the MTP layer on the last stage: its weights and one more layer of KV
     weights = [rank_weight_sizes(cfg, tp, pp, ep, r, partition, mtp=mtp) for r in range(world)]
+    draft_kv = [0.0] * world  # an EAGLE-3 draft's cache a token on each rank (planner/eagle3.py)
+    if spec is not None and spec.method == "eagle3":
+        draft = spec.draft.for_target(cfg)
+        for r in range(world):
+            w, kv = draft_rank_bytes(draft, hw, tp, r % tp, 1, settings.kv_dtype_bytes)
+            weights[r]["eagle3 draft"] = Size(0, int(w))
+            draft_kv[r] = kv
     wanted = min(workload.concurrency, settings.max_num_seqs)
     reserve = runtime_reserve(cfg, tp, pp, ep, workload.capacity_len, wanted, settings.max_num_batched_tokens)
     ranges = stage_layer_ranges(partition)
@@ -102,7 +112,7 @@ def evaluate_layout(
         start, end = ranges[r // tp]
         f = kv_budget_bytes(hw.memory_bytes, settings.gpu_memory_utilization, sum(s.bytes for s in w.values()), reserve)
         free.append(f)
-        kv_caps.append(max(0.0, f) / ((end - start + (mtp and r // tp == pp - 1)) * kv_layer))
+        kv_caps.append(max(0.0, f) / ((end - start + (mtp and r // tp == pp - 1)) * kv_layer + draft_kv[r]))
     kv_tokens = int(min(kv_caps))
     # The GPU that limits: the most overfull one, else the one with the least KV room.
     tight = min(range(world), key=lambda r: (free[r], kv_caps[r]) if min(free) <= 0 else (kv_caps[r], 0))
@@ -139,7 +149,7 @@ def evaluate_layout(
     kv_bytes = settings.kv_dtype_bytes
 
     def step(h: Hardware, batch: int) -> StepTime:
-        if settings.speculative is None:
+        if settings.speculative is None or speculation_problems(settings.speculative, pp):  # unfit; sized without it
             return decode_step(cfg, h, tp, pp, ep, partition, batch, workload.kv_len, kv_bytes)
         return speculative_step(cfg, h, tp, pp, ep, partition, batch, workload.kv_len, settings.speculative, kv_bytes)
 

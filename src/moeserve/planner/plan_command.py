@@ -21,7 +21,7 @@ from moeserve.planner.engines import ENGINES, MOE_BACKENDS
 from moeserve.planner.layout_names import parse_layout
 from moeserve.planner.plan import plan_layouts
 from moeserve.planner.report import plan_json, render_plan
-from moeserve.planner.speculative import DEFAULT_MTP_ACCEPTANCE_RATE, Speculation, check_model
+from moeserve.planner.speculative import DEFAULT_EAGLE3_ACCEPTANCE_RATE, DEFAULT_MTP_ACCEPTANCE_RATE, Speculation, check_model
 from moeserve.planner.workload import KV_CACHE_DTYPES, EngineSettings, Workload
 
 
@@ -77,12 +77,17 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument(
         "--speculative-config",
         metavar="JSON",
-        help='model speculative decoding, vLLM\'s flag: \'{"method": "mtp", "num_speculative_tokens": 2}\'',
+        help='model speculative decoding, vLLM\'s flag: \'{"method": "mtp", "num_speculative_tokens": 2}\' or '
+        '\'{"method": "eagle3", "num_speculative_tokens": 3}\' (optional "model": a local draft directory, '
+        '"draft_vocab_size", "draft_intermediate_size")',
     )
     wl.add_argument(
         "--draft-acceptance-rate",
         type=float,
-        help=f"with --speculative-config: chance a draft token is accepted after an accepted one (default {DEFAULT_MTP_ACCEPTANCE_RATE})",
+        help=(
+            "with --speculative-config: chance a draft token is accepted after an accepted one "
+            f"(default {DEFAULT_MTP_ACCEPTANCE_RATE} for mtp, {DEFAULT_EAGLE3_ACCEPTANCE_RATE} for eagle3)"
+        ),
     )
     parser.add_argument(
         "--layout", action="append", help="evaluate only this layout (tp8, pp8, ep8, tp4xpp2, pp8-balanced, ...); repeatable"

@@ -19,36 +19,44 @@ A cycle with ``k`` draft tokens a sequence (DeepSeek's MTP layer, chained ``k`` 
 measured where the planner runs. The default, 0.8, puts ``tau`` at 1.8 for one draft token and
 2.95 for three, as SGLang reports for DeepSeek-V3's MTP layer (about 1.9 with one draft token,
 2.5 to 3 with three; DeepSeek's report gives 85-90 % for the second token).
+
+EAGLE-3 (``planner/eagle3.py``) has the same cycle with its own draft: the target's verify step of
+``k + 1`` tokens, then the draft's first pass over them and ``k - 1`` chained passes of one token,
+each pass one dense decoder layer, ``fc`` and the draft's lm_head; pp must be 1. Its default rate,
+0.74, gives ``tau`` = 2.69 with three drafts: lightseekorg/kimi-k2.5-eagle3's accept_length on
+MTBench (https://huggingface.co/lightseekorg/kimi-k2.5-eagle3, SGLang, 3 steps, top-k 1).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from moeserve.config import ModelConfig
 from moeserve.planner.cost import StepTime, Terms, decode_step, extras_terms, kernel_terms, layer_terms, runs_eager
+from moeserve.planner.eagle3 import PIPELINE_REFUSED, Eagle3Draft, draft_pass_terms
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.kernels import ACT_BYTES, Kernel, KernelKind
 
 DEFAULT_MTP_ACCEPTANCE_RATE = 0.8
-METHODS = ("mtp",)
+DEFAULT_EAGLE3_ACCEPTANCE_RATE = 0.74
+DEFAULT_ACCEPTANCE_RATES = {"mtp": DEFAULT_MTP_ACCEPTANCE_RATE, "eagle3": DEFAULT_EAGLE3_ACCEPTANCE_RATE}
+METHODS = tuple(DEFAULT_ACCEPTANCE_RATES)
+EAGLE3_FIELDS = {"model", "draft_vocab_size", "draft_intermediate_size"}
 
 
 @dataclass(frozen=True)
 class Speculation:
-    """``--speculative-config`` as the planner models it."""
+    """``--speculative-config`` as the planner models it; ``draft``: the EAGLE-3 draft's shape."""
 
     method: str
     num_speculative_tokens: int
     acceptance_rate: float = DEFAULT_MTP_ACCEPTANCE_RATE
+    draft: Eagle3Draft = field(default_factory=Eagle3Draft)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
-            raise ValueError(
-                f"speculative method {self.method!r} is not modelled by the planner (it models: {', '.join(METHODS)}); "
-                "EAGLE-3 drafts have their own size, which the plan does not know"
-            )
+            raise ValueError(f"speculative method {self.method!r} is not modelled by the planner (it models: {', '.join(METHODS)})")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if not 0.0 <= self.acceptance_rate <= 1.0:
@@ -76,19 +84,42 @@ class Speculation:
             raise ValueError(
                 '--speculative-config must be a JSON object with a "method", e.g. {"method": "mtp", "num_speculative_tokens": 2}'
             )
-        unknown = set(spec) - {"method", "num_speculative_tokens"}
+        method = str(spec["method"]).lower()
+        allowed = {"method", "num_speculative_tokens"} | (EAGLE3_FIELDS if method == "eagle3" else set())
+        unknown = set(spec) - allowed
         if unknown:
             raise ValueError(f"--speculative-config: the planner does not model {', '.join(sorted(unknown))}")
         k = spec.get("num_speculative_tokens", 1)
         if not isinstance(k, int) or isinstance(k, bool):
             raise ValueError(f"num_speculative_tokens must be an integer, got {k!r}")
-        rate = DEFAULT_MTP_ACCEPTANCE_RATE if acceptance_rate is None else acceptance_rate
-        return cls(str(spec["method"]).lower(), k, rate)
+        rate = DEFAULT_ACCEPTANCE_RATES.get(method, DEFAULT_MTP_ACCEPTANCE_RATE) if acceptance_rate is None else acceptance_rate
+        draft = Eagle3Draft.from_spec(spec) if method == "eagle3" else Eagle3Draft()
+        return cls(method, k, rate, draft)
+
+
+def rate_from_accepted_fraction(fraction: float, k: int) -> float:
+    """The per-position rate ``a`` whose chain accepts ``fraction`` of ``k`` drafts on average, as
+    vLLM reports it ("draft acceptance rate": accepted / proposed): ``a + ... + a^k = k * fraction``."""
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"accepted fraction must be in [0, 1], got {fraction}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if sum(mid**i for i in range(1, k + 1)) < k * fraction:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
 
 
 def check_model(cfg: ModelConfig, spec: Speculation) -> None:
     if spec.method == "mtp" and not cfg.num_nextn_predict_layers:
         raise ValueError("--speculative-config method mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
+
+
+def speculation_problems(spec: Speculation | None, pp: int) -> list[str]:
+    """Why a layout cannot run this speculation (empty when it can)."""
+    return [PIPELINE_REFUSED] if spec is not None and spec.method == "eagle3" and pp > 1 else []
 
 
 def mtp_pass_terms(
@@ -109,6 +140,15 @@ def mtp_pass_terms(
     )
 
 
+def draft_pass_of(
+    cfg: ModelConfig, hw: Hardware, spec: Speculation, tp: int, ep: int, pp: int, seqs: int, tokens_per_seq: int, kv_len: float, kv_dtype_bytes: int
+) -> Terms:
+    """One pass of the method's draft: the MTP layer on the last stage, or the EAGLE-3 draft."""
+    if spec.method == "eagle3":
+        return draft_pass_terms(spec.draft.for_target(cfg), hw, tp, pp, seqs, tokens_per_seq, kv_len, kv_dtype_bytes)
+    return mtp_pass_terms(cfg, hw, tp, ep, pp, seqs, tokens_per_seq, kv_len, kv_dtype_bytes)
+
+
 def speculative_step(
     cfg: ModelConfig,
     hw: Hardware,
@@ -125,9 +165,10 @@ def speculative_step(
     batch = max(1, batch)
     mb = -(-batch // min(pp, batch))
     k = spec.num_speculative_tokens
-    draft = mtp_pass_terms(cfg, hw, tp, ep, pp, mb, k + 1, kv_len, kv_dtype_bytes)
+    args = (cfg, hw, spec, tp, ep, pp, mb)
+    draft = draft_pass_of(*args, k + 1, kv_len, kv_dtype_bytes)
     if k > 1:
-        draft = draft + mtp_pass_terms(cfg, hw, tp, ep, pp, mb, 1, kv_len, kv_dtype_bytes).scaled(k - 1)
+        draft = draft + draft_pass_of(*args, 1, kv_len, kv_dtype_bytes).scaled(k - 1)
     return decode_step(
         cfg, hw, tp, pp, ep, partition, batch, kv_len, kv_dtype_bytes, k + 1, last_stage_extra=draft, gained_per_seq=spec.acceptance_length
     )
