@@ -11,7 +11,10 @@ from moeserve.planner.cost import decode_step
 from moeserve.planner.hardware import resolve_hardware
 from moeserve.planner.kernels import layer_work
 from moeserve.planner.plan_command import add_plan_arguments, run_plan
-from moeserve.planner.speculative import Speculation, speculative_step
+from moeserve.planner.eagle3 import Eagle3Draft
+from moeserve.planner.fidelity import hardware as fidelity_hardware
+from moeserve.planner.published import DECODE_BENCH_OUTPUT
+from moeserve.planner.speculative import DEFAULT_EAGLE3_ACCEPTANCE_RATE, Speculation, rate_from_accepted_fraction, speculative_step
 
 V3 = load_model_config("deepseek-v3")
 H200X8_VLLM = resolve_hardware(8, gpu="h200", engine="vllm")
@@ -103,7 +106,9 @@ def test_plan_with_speculation_counts_the_tokens_gained(capsys):
     "extra, match",
     [
         (("--speculative-config", "{mtp"), "--speculative-config is not JSON"),
-        (("--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}'), "not modelled by the planner"),
+        (("--speculative-config", '{"method": "medusa", "num_speculative_tokens": 3}'), "not modelled by the planner"),
+        (("--speculative-config", '{"method": "mtp", "draft_vocab_size": 32000}'), "does not model draft_vocab_size"),
+        (("--speculative-config", '{"method": "eagle3", "draft_vocab_size": "32k"}'), "draft_vocab_size must be an integer"),
         (("--speculative-config", '{"method": "mtp", "num_speculative_tokens": 0}'), "num_speculative_tokens must be in [1, 16]"),
         (("--speculative-config", '{"method": "mtp", "draft_tensor_parallel_size": 1}'), "does not model draft_tensor_parallel_size"),
         (("--speculative-config", '{"method": "mtp"}', "--draft-acceptance-rate", "1.5"), "--draft-acceptance-rate must be in [0, 1]"),
@@ -138,3 +143,120 @@ def test_speculation_counts_the_mtp_layer_on_the_last_stage():
         # the MTP layer's own embedding and lm_head
         assert all(extra[r] > 11 / layout.tp for r in last) and all(extra[r] == 0 for r in range(layout.world_size) if r not in last)
         assert with_mtp.kv_tokens < plain.kv_tokens
+
+
+# ---- EAGLE-3 (planner/eagle3.py) ----
+
+K26 = load_model_config("kimi-k2.6")
+RTX6KPRO_TP8 = fidelity_hardware("rtx-pro-6000", 8, "pcie", "custom", 102.6)  # the rtx6kpro-k26-tp8 source's machine
+BENCH_KV_LEN = DECODE_BENCH_OUTPUT / 2  # llm_decode_bench --skip-prefill at ctx 0, as the published comparison
+
+
+def test_default_draft_is_the_published_k26_mla_draft():
+    """lightseekorg/kimi-k2.6-eagle3-mla's model.safetensors is 6.03 GB: the draft the planner counts
+    (layer, fc, the full-vocabulary lm_head, bf16) plus its copy of the target's embedding."""
+    draft = Eagle3Draft().for_target(K26)
+    embedding = K26.vocab_size * K26.hidden_size * 2
+    assert draft.weight_bytes_total + embedding == pytest.approx(6.03e9, rel=0.01)
+    assert draft.kv_bytes_per_token(1) == 576  # MLA: the latent and the rope key, fp8
+
+
+def test_accepted_fraction_converts_to_the_per_position_rate():
+    a = rate_from_accepted_fraction(0.316, 3)
+    assert (a + a**2 + a**3) / 3 == pytest.approx(0.316)
+    assert rate_from_accepted_fraction(1.0, 3) == pytest.approx(1.0)
+    assert rate_from_accepted_fraction(0.0, 2) == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize(
+    "batch, accepted_fraction, published",
+    [(1, 0.316, 125.0 / 91.5), (128, 0.430, 2510.3 / 2164.7)],
+)
+def test_eagle3_projection_near_rtx6kpro_k26_speedup(batch, accepted_fraction, published):
+    """github.com/voipmonitor/rtx6kpro models/kimi-k26.md: Kimi K2.6 on 8x RTX PRO 6000 (PCIe), vLLM
+    TP8, fp8 KV, ctx 0: 91.5 tok/s at C1 and 2164.7 at C128 without a draft ('DCP=1, No MTP'), 125.0
+    and 2510.3 with lightseekorg/kimi-k2.6-eagle3-mla (converted to FP8 there), 3 draft tokens
+    ('10.229.14.14 Turin Retest: K2.6 FP8 Tensor Draft', a later run on that host). Its server-reported
+    accept rate, 0.316 at C1 and 0.430 at C128, is vLLM's accepted / proposed drafts; the planner's rate
+    a position is the one whose chain accepts that share (a = 0.526 and 0.634). The planner (bf16
+    draft, vLLM's split over TP8), within 25 %, with no constant fitted to these figures."""
+    a = rate_from_accepted_fraction(accepted_fraction, 3)
+    base = decode_step(K26, RTX6KPRO_TP8, 8, 1, 1, [61], batch, BENCH_KV_LEN, 1)
+    spec = speculative_step(K26, RTX6KPRO_TP8, 8, 1, 1, [61], batch, BENCH_KV_LEN, Speculation("eagle3", 3, a), 1)
+    speedup = spec.tok_s / base.tok_s
+    print(f"batch {batch}: projected {speedup:.2f}x, published {published:.2f}x")
+    assert speedup == pytest.approx(published, rel=0.25)
+
+
+def test_more_drafts_cost_more_a_cycle():
+    hw = resolve_hardware(8, gpu="h200")
+    steps = [speculative_step(K26, hw, 8, 1, 1, [61], 1, KV_LEN, Speculation("eagle3", k, 0.7)) for k in (1, 2, 3, 4, 6)]
+    cycles = [s.cycle_ms for s in steps]
+    assert cycles == sorted(cycles) and len(set(cycles)) == len(cycles)
+    full = [speculative_step(K26, hw, 8, 1, 1, [61], 1, KV_LEN, Speculation("eagle3", k, 1.0)).tok_s for k in (1, 2, 3, 4)]
+    assert full == sorted(full)  # everything accepted: each draft pays for itself
+    # at a = 0.7 the gain flattens while the cost grows: the best k is a middle one
+    best = max(range(len(steps)), key=lambda i: steps[i].tok_s)
+    assert 0 < best < len(steps) - 1
+    base = decode_step(K26, hw, 8, 1, 1, [61], 1, KV_LEN)
+    assert speculative_step(K26, hw, 8, 1, 1, [61], 1, KV_LEN, Speculation("eagle3", 3, 0.0)).tok_s < base.tok_s
+
+
+def test_eagle3_on_a_pipeline_is_refused(capsys):
+    from moeserve.distributed.layout import Layout
+    from moeserve.planner.plan import Workload, evaluate_layout
+    from moeserve.planner.workload import EngineSettings
+
+    hw = resolve_hardware(8, gpu="h200")
+    plan = evaluate_layout(K26, hw, Layout(4, 2, 1), Workload(), EngineSettings(speculative=Speculation("eagle3", 3, 0.7)))
+    assert not plan.fits and "EAGLE-3 drafts need pp=1" in plan.why
+    with pytest.raises(ValueError, match="need pp=1"):
+        speculative_step(K26, hw, 4, 2, 1, [31, 30], 1, KV_LEN, Speculation("eagle3", 3, 0.7))
+    argv = ("--model", "kimi-k2.6", "--gpus", "8", "--gpu", "h200", "--layout", "tp4xpp2", "--json")
+    assert run_plan(_args(*argv, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}')) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert "EAGLE-3 drafts need pp=1" in out["layouts"][0]["why"]
+
+
+@pytest.mark.parametrize("engine, holders", [("moeserve", 1), ("vllm", 8)])
+def test_eagle3_draft_memory_where_the_engine_holds_it(engine, holders):
+    from moeserve.distributed.layout import Layout
+    from moeserve.planner.plan import Workload, evaluate_layout
+    from moeserve.planner.workload import EngineSettings
+
+    hw = resolve_hardware(8, gpu="h200", engine=engine)
+    plain = evaluate_layout(K26, hw, Layout(8, 1, 1), Workload())
+    spec = evaluate_layout(K26, hw, Layout(8, 1, 1), Workload(), EngineSettings(speculative=Speculation("eagle3", 3)))
+    extra = [a - b for a, b in zip(spec.weights_gb_per_gpu, plain.weights_gb_per_gpu)]
+    draft_gb = Eagle3Draft().for_target(K26).weight_bytes_total / 1e9
+    assert extra[:holders] == pytest.approx([draft_gb / holders] * holders, rel=1e-3)
+    assert all(x == 0 for x in extra[holders:])
+    assert spec.kv_tokens < plain.kv_tokens
+
+
+def test_eagle3_flags_read_the_draft_shape(tmp_path, capsys):
+    draft_dir = tmp_path / "draft"
+    draft_dir.mkdir()
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": 7168,
+        "intermediate_size": 18432,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 163840,
+        "draft_vocab_size": 32000,
+    }
+    (draft_dir / "config.json").write_text(json.dumps(config))
+    spec = Speculation.from_flags(json.dumps({"method": "eagle3", "num_speculative_tokens": 3, "model": str(draft_dir)}), None)
+    assert spec.draft == Eagle3Draft(7168, 18432, 64, 32000, "llama", num_key_value_heads=8, head_dim=128)
+    assert spec.acceptance_rate == DEFAULT_EAGLE3_ACCEPTANCE_RATE
+    small = Speculation.from_flags('{"method": "eagle3", "num_speculative_tokens": 3, "draft_vocab_size": 32000}', 0.6)
+    assert small.draft.draft_vocab_size == 32000 and small.draft.attention == "mla"
+    # a hub name that is not a local directory keeps the defaults
+    assert Speculation.from_flags('{"method": "eagle3", "model": "lightseekorg/kimi-k2.6-eagle3-mla"}', None).draft == Eagle3Draft()
+    argv = ("--model", "kimi-k2.6", "--gpus", "8", "--gpu", "h200", "--layout", "tp8", "--json")
+    assert run_plan(_args(*argv, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}')) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"]["engine"]["speculative"]["method"] == "eagle3"
+    assert out["layouts"][0]["fits"]
