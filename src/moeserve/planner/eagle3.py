@@ -180,7 +180,9 @@ def draft_pass_work(draft: Eagle3Draft, tp: int, seqs: int, tokens_per_seq: int,
         kv_bytes=seqs * kv_len * draft.kv_bytes_per_token(kv_dtype_bytes, tp),  # each sequence's cache read once a pass
         flops=attn_flops,
     )
-    elementwise = [Kernel(f"draft {n}", KernelKind.ELEMENTWISE) for n in ("norms", "rope+kv_write", "post_attention_norm", "act", "final_norm")]
+    elementwise = [
+        Kernel(f"draft {n}", KernelKind.ELEMENTWISE) for n in ("norms", "rope+kv_write", "post_attention_norm", "act", "final_norm")
+    ]
     kernels = (
         [gemv("fc"), elementwise[0]]
         + projections

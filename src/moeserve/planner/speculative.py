@@ -141,7 +141,16 @@ def mtp_pass_terms(
 
 
 def draft_pass_of(
-    cfg: ModelConfig, hw: Hardware, spec: Speculation, tp: int, ep: int, pp: int, seqs: int, tokens_per_seq: int, kv_len: float, kv_dtype_bytes: int
+    cfg: ModelConfig,
+    hw: Hardware,
+    spec: Speculation,
+    tp: int,
+    ep: int,
+    pp: int,
+    seqs: int,
+    tokens_per_seq: int,
+    kv_len: float,
+    kv_dtype_bytes: int,
 ) -> Terms:
     """One pass of the method's draft: the MTP layer on the last stage, or the EAGLE-3 draft."""
     if spec.method == "eagle3":
