@@ -259,4 +259,6 @@ def test_eagle3_flags_read_the_draft_shape(tmp_path, capsys):
     assert run_plan(_args(*argv, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}')) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["hardware"]["engine"]["speculative"]["method"] == "eagle3"
+    assert out["hardware"]["engine"]["speculative"]["draft"]["draft_vocab_size"] == 163840
+    assert out["hardware"]["engine"]["speculative"]["draft"]["hidden_size"] == 7168
     assert out["layouts"][0]["fits"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from typing import Any
 
 from rich.console import Console
@@ -78,6 +79,7 @@ def hardware_summary(plan: Plan, calibration: Calibration | None = None) -> dict
                 "num_speculative_tokens": plan.settings.speculative.num_speculative_tokens,
                 "acceptance_rate": plan.settings.speculative.acceptance_rate,
                 "acceptance_length": round(plan.settings.speculative.acceptance_length, 4),
+                **_draft_shape(plan),
             },
         },
         "notes": plan.notes,
@@ -338,3 +340,11 @@ def render_calibration(cal: Calibration, console: Console) -> None:
         f"RMS error {cal.rms_error_before:.1f}% -> {cal.rms_error_after:.1f}%"
         + (f"; held out: {cal.holdout_rms_error:.1f}%" if cal.holdout else "")
     )
+
+
+def _draft_shape(plan: Plan) -> dict[str, object]:
+    """An EAGLE-3 draft's shape as the plan counts it (planner/eagle3.py); nothing for MTP."""
+    spec = plan.settings.speculative
+    if spec is None or spec.method != "eagle3":
+        return {}
+    return {"draft": asdict(spec.draft.for_target(plan.model))}
