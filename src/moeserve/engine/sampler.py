@@ -161,8 +161,9 @@ def filter_logits(logits: torch.Tensor, params: list[SamplingParams], *, use_ker
         rows = torch.arange(len(params), device=dev)
         tau = thresholds(logits, rows, temperature, top_k, top_p, min_p, logits.argmax(dim=-1))
     elif not use_kernel:
-        few = [i for i, p in enumerate(params) if _top_k(p, V) <= min(TOPK_CANDIDATES, V - 1)]
-        many = [i for i, p in enumerate(params) if _filters(p, V) and i not in few]
+        by_topk = [_top_k(p, V) <= min(TOPK_CANDIDATES, V - 1) for p in params]  # one pass: a step samples every row
+        few = [i for i, t in enumerate(by_topk) if t]
+        many = [i for i, p in enumerate(params) if not by_topk[i] and _filters(p, V)]
         if few:
             idx = to_device(few, dev)
             kmax = max(_top_k(params[i], V) for i in few)
