@@ -12,7 +12,7 @@ py=.venv/bin/python; [ -x "$py" ] || py=python3
 # fastapi needs opentelemetry-api and a newer typing-extensions than the GPU image holds.
 for pkg in fastapi uvicorn starlette pydantic pydantic_core annotated-types typing-inspection annotated-doc \
     opentelemetry-api typing-extensions anyio uvloop httptools aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl \
-    humming-kernels xgrammar; do
+    humming-kernels xgrammar apache-tvm-ffi; do
   version=$("$py" -c "import importlib.metadata as m; print(m.version('$pkg'))" 2>/dev/null || true)
   spec=$pkg${version:+==$version}
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

@@ -2,7 +2,7 @@
 # and one archive at the end (the device returns at most 8 files).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
-out=${1:?output dir}
+out=${1:?output dir}; mkdir -p "$out"
 work=$(mktemp -d)
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1  # wheels installed with --target stay on the path
 step() {  # name, seconds, command...: run with a time limit, log to $work/name.log, one summary line

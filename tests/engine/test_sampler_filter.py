@@ -129,9 +129,11 @@ def test_the_triton_sampler_is_asked_for_by_name(monkeypatch):
     from moeserve.engine.sampler import triton_sampler_requested
 
     monkeypatch.delenv("MOESERVE_SAMPLER", raising=False)
-    assert not triton_sampler_requested()  # not measured on a GPU yet: torch by default
+    assert triton_sampler_requested("cuda") and not triton_sampler_requested("cpu")  # auto: the kernels on a GPU
+    monkeypatch.setenv("MOESERVE_SAMPLER", "torch")
+    assert not triton_sampler_requested("cuda")
     monkeypatch.setenv("MOESERVE_SAMPLER", "triton")
-    assert triton_sampler_requested()
+    assert triton_sampler_requested("cpu")
     monkeypatch.setenv("MOESERVE_SAMPLER", "sorted")
-    with pytest.raises(ValueError, match="MOESERVE_SAMPLER must be one of torch, triton"):
+    with pytest.raises(ValueError, match="MOESERVE_SAMPLER must be one of auto, torch, triton"):
         triton_sampler_requested()

@@ -52,9 +52,27 @@ def kept_sets(logits, temperature, top_k, top_p, min_p, **kw) -> tuple[torch.Ten
 )
 @pytest.mark.parametrize("seed", range(4))
 def test_kept_sets_are_the_sorts(B, V, kw, seed):
-    ref, kernel = kept_sets(*random_case(B, V, seed * 31 + V), **kw)
-    assert torch.equal(ref, kernel), (ref != kernel).any(-1).nonzero().flatten().tolist()
+    case = random_case(B, V, seed * 31 + V)
+    ref, kernel = kept_sets(*case, **kw)
+    if V <= 2000:
+        assert torch.equal(ref, kernel), (ref != kernel).any(-1).nonzero().flatten().tolist()
+    else:  # float32 sums of 163,840 masses in two orders: a token whose mass ahead is top_p may flip
+        assert_differ_only_at_top_p(case, ref, kernel)
     assert kernel.any(-1).all()
+
+
+def assert_differ_only_at_top_p(case, ref: torch.Tensor, kernel: torch.Tensor, tol: float = 1e-4) -> None:
+    """Each row's two kept sets are nested, and every token in one and not the other has, in
+    float64, a probability mass ahead of it within ``tol`` of the row's top_p."""
+    logits, temperature, top_k, top_p, min_p = case
+    x = scale_and_min_p(logits, temperature, min_p).double()
+    for row in (ref != kernel).any(-1).nonzero().flatten().tolist():
+        small, big = sorted((ref[row], kernel[row]), key=lambda m: int(m.sum()))
+        assert not (small & ~big).any(), f"row {row}: kept sets not nested"
+        probs = x[row].softmax(-1)
+        for value in x[row][big & ~small].unique().tolist():
+            ahead = probs[x[row] > value].sum().item()
+            assert abs(ahead - top_p[row].item()) <= tol, f"row {row}: mass ahead {ahead} vs top_p {top_p[row].item()}"
 
 
 def test_one_round_leaves_the_window_to_the_one_program_narrowing(monkeypatch):

@@ -114,6 +114,20 @@ def test_spec_validation_names_the_field():
     assert SamplingParams(structured_outputs={"choice": ["a"]}).structured_outputs.kind == "choice"
 
 
+def test_a_missing_grammar_library_is_not_blamed_on_the_request(monkeypatch):
+    """On a GPU machine xgrammar once imported without its tvm_ffi dependency: every schema was
+    refused as "invalid json". The message must say the server lacks structured outputs."""
+    import sys
+
+    from moeserve.structured import spec
+
+    spec._grammar.cache_clear()
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # import xgrammar raises ImportError
+    with pytest.raises(ValueError, match="response_format: structured outputs are not available on this server"):
+        StructuredOutputs.from_fields({"json": {"type": "object"}}, field="response_format")
+    spec._grammar.cache_clear()
+
+
 def test_schemas_regex_choice_and_plain_rows_in_one_batch(model_dir):
     """Every output ending with ``stop`` validates; a plain greedy row beside them is the same
     as alone; the matchers are released at the end."""

@@ -153,8 +153,13 @@ def test_random_model_preemption_through_graphs(random_mtp, random_draft, plain,
         assert len(drafter.draft.cache.keys) < len(prompts) and set(drafter.offsets) == set(drafter.draft.cache.keys)
 
 
-@pytest.mark.triton_on_cpu
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA"))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        pytest.param("cpu", marks=pytest.mark.triton_on_cpu),
+        pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")),
+    ],
+)
 def test_eagle3_aux_states_after_replays_equal_eager_steps(random_mtp, random_draft, monkeypatch, device):
     """The target's aux-layer inputs that the EAGLE-3 draft reads, step by step, after piecewise
     replays (padded to captured sizes; real graphs on a GPU, emulated on CPU) and after the same

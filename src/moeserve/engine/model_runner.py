@@ -103,7 +103,7 @@ class ModelRunner:
                 self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)
-        self.filter_kernel = False  # sampled rows' top-k/top-p by kernels.logit_filter (MOESERVE_SAMPLER=triton)
+        self.filter_kernel = False  # sampled rows' top-k/top-p by kernels.logit_filter (MOESERVE_SAMPLER)
         self.moe_backend: str | None = None  # who runs INT4 routed experts (--moe-backend), once kernels are on
         if self.backend.name == "triton":  # the fast path: Triton MoE and norms beside Triton attention
             self._use_kernels()
@@ -204,7 +204,7 @@ class ModelRunner:
 
         linears = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
         needed = {"rmsnorm", "router", "rope_cache", "gemv", "sampling"}
-        if triton_sampler_requested():
+        if triton_sampler_requested(self.device.type):
             needed.add("logit_filter")
         draft = self.drafter.model if self.drafter is not None else None
         modules = list(self.model.modules()) + (list(draft.modules()) if draft is not None else [])

@@ -114,6 +114,8 @@ class StructuredOutputs:
                 raise ValueError(f"{self.field}: a JSON schema must be an object")
         try:
             grammar(self)
+        except ImportError as e:  # the server's fault, not the request's: say so
+            raise ValueError(f"{self.field}: structured outputs are not available on this server: {e}") from None
         except Exception as e:  # noqa: BLE001 - xgrammar says what is wrong as a RuntimeError
             raise ValueError(f"{self.field}: invalid {self.kind}: {_first_line(e)}") from None
 
