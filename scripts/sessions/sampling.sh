@@ -4,8 +4,8 @@
 # GPU's kept-set check; then seeded rows), the sampler's kernel tests at real shapes and the no-sync
 # tests, and Moonlight offline decode (dummy bf16, batch 1/64/256) greedy against temperature 0.8 +
 # top-p 0.95 + top-k 50 and against top-p 0.95 alone (2026-12-03, before: 0.88-0.91x greedy).
-# The sampled modes run the default sampler (torch.topk candidates; a sort for top-p alone); the
-# *_triton ones MOESERVE_SAMPLER=triton (kernels/logit_filter.py, not the default until this wins).
+# The sampled modes run MOESERVE_SAMPLER=torch (torch.topk candidates; a sort for top-p alone); the
+# *_triton ones MOESERVE_SAMPLER=triton (kernels/logit_filter.py, the default on a GPU since 2026-12-06).
 #   env: MODES="greedy topkp topp topkp_triton" (the offline runs), OFFLINE_S=75 (each one's limit)
 #   run: bash scripts/gpu_session.sh sampling $OUT
 source "$(dirname "$0")/steps.sh"
