@@ -14,7 +14,6 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.demo.random_model import ensure_random_model
-from moeserve.structured import StructuredOutputs
 from moeserve.structured.matcher import GrammarCompilers
 
 SCHEMA = {
@@ -154,43 +153,3 @@ def test_the_offline_api_waits_for_a_slow_compile(llm, monkeypatch):
     outs = llm.generate(["y", "x"], [constrained(schema), PLAIN])
     assert outs[0].outputs[0].finish_reason == "stop" and outs[1].outputs[0].finish_reason == "length"
     jsonschema.validate(json.loads(outs[0].outputs[0].text), schema)
-
-
-def test_a_steps_rows_filled_on_threads_equal_filled_one_by_one():
-    """``step_bitmask`` fills several rows on xgrammar's threads: the same mask, row for row, as
-    filling each row alone, with matchers at different points of different grammars (and an
-    unconstrained row and a dormant one left out)."""
-    import random
-
-    import torch
-
-    from moeserve.engine.tokenizer import load_tokenizer
-    from moeserve.structured.matcher import step_bitmask
-
-    tok = load_tokenizer(ensure_random_model())
-    vocab = len(tok)
-    compilers = GrammarCompilers(tok, vocab, [tok.eos_token_id])
-    specs = [
-        StructuredOutputs.from_fields({"json": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}),
-        StructuredOutputs.from_fields({"regex": "[a-c]{3,9}x"}),
-        StructuredOutputs.from_fields({"choice": ["alpha", "beta", "gamma"]}),
-    ]
-    rng = random.Random(0)
-    grammars = []
-    for i in range(9):
-        g = compilers.matcher(compilers.compile(specs[i % 3]).result())
-        for _ in range(i // 3):  # advance by tokens the grammar allows
-            one = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
-            g.fill(one, 0)
-            allowed = [t for t in range(vocab) if (int(one[0, t // 32]) >> (t % 32)) & 1 and t != tok.eos_token_id]
-            g.accept(rng.choice(allowed))
-        grammars.append(g)
-    grammars.insert(4, None)
-    grammars.append(compilers.matcher(compilers.compile(specs[0]).result(), after="</think>"))
-    rows, mask = step_bitmask(grammars, vocab)
-    assert rows == [0, 1, 2, 3, 5, 6, 7, 8, 9]
-    for r, j in enumerate(rows):
-        alone = torch.zeros(1, mask.shape[1], dtype=torch.int32)
-        grammars[j].fill(alone, 0)
-        assert (alone.numpy()[0] == mask[r]).all(), f"row {j}"
-    compilers.shutdown()

@@ -17,7 +17,6 @@ import os
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -27,7 +26,6 @@ from moeserve.structured.spec import StructuredOutputs, grammar
 
 MAX_COMPILED = 128  # compiled grammars kept (a schema used again is not compiled again)
 WORKERS = max(1, min(4, (os.cpu_count() or 1) // 2))  # grammars compiled at once
-FILL_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))  # threads filling one step's bitmask rows
 
 
 class GrammarCompilers:
@@ -138,16 +136,6 @@ def step_bitmask(grammars: list[SequenceGrammar | None], vocab_size: int) -> tup
     if not rows:
         return None
     mask = torch.zeros(len(rows), (vocab_size + 31) // 32, dtype=torch.int32)
-    if len(rows) == 1:
-        grammars[rows[0]].fill(mask, 0)
-    else:  # on xgrammar's threads: filled one by one, 32 schema rows of a 163,840-token vocabulary
-        # steps took 5.8 ms longer than plain ones on an H100 (BENCHMARKS.md, 2026-12-06)
-        _batch_filler().batch_fill_next_token_bitmask([grammars[j].matcher for j in rows], mask)
+    for r, j in enumerate(rows):
+        grammars[j].fill(mask, r)
     return rows, mask.numpy()
-
-
-@lru_cache(maxsize=1)
-def _batch_filler():
-    import xgrammar as xgr
-
-    return xgr.BatchGrammarMatcher(max_threads=FILL_THREADS)
