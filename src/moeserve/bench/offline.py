@@ -62,6 +62,12 @@ def run_batch(
     per_step = max(1, min(batch, llm.config.max_num_batched_tokens // input_len))
     warm = torch.randint(0, cfg.vocab_size, (per_step, input_len), generator=g).tolist()
     llm.generate([{"prompt_token_ids": p} for p in warm], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    # ... and at the timed decode's batch, for several steps: a speculative step's kernels (the
+    # verify's k + 1 tokens a row, the drafter's passes) first run from the second decode step. With
+    # only the warm-up above, a V3 MTP step measured 11.15 ms here against 6.43 ms after 12 warm
+    # steps (scripts/profile/spec_profile.py, H100, 2026-12-06).
+    short = torch.randint(0, cfg.vocab_size, (batch, 16), generator=g).tolist()
+    llm.generate([{"prompt_token_ids": p} for p in short], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=output_len, ignore_eos=True, seed=seed if temperature else None
     )
