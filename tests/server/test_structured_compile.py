@@ -14,6 +14,7 @@ import pytest
 
 from moeserve import LLM, SamplingParams
 from moeserve.demo.random_model import ensure_random_model
+from moeserve.structured import StructuredOutputs
 from moeserve.structured.matcher import GrammarCompilers
 
 SCHEMA = {
@@ -153,3 +154,46 @@ def test_the_offline_api_waits_for_a_slow_compile(llm, monkeypatch):
     outs = llm.generate(["y", "x"], [constrained(schema), PLAIN])
     assert outs[0].outputs[0].finish_reason == "stop" and outs[1].outputs[0].finish_reason == "length"
     jsonschema.validate(json.loads(outs[0].outputs[0].text), schema)
+
+
+def test_reading_the_vocabulary_does_not_hold_up_the_caller(monkeypatch):
+    """xgrammar reads the tokenizer's vocabulary on a worker (seconds for 163,840 tokens, which
+    stalled every request behind the first constrained one): making the compilers and asking
+    for a compile return at once; the compile follows once the vocabulary is read. A tokenizer
+    xgrammar cannot read fails the first compile, then every request at once (a 400)."""
+    import xgrammar as xgr
+
+    from moeserve.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(ensure_random_model())
+    read = xgr.TokenizerInfo.from_huggingface
+    release = threading.Event()
+
+    def slow_read(*a, **k):
+        assert release.wait(10)
+        return read(*a, **k)
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", slow_read)
+    spec = StructuredOutputs.from_fields({"regex": "[ab]{2}"})
+    compilers = GrammarCompilers(tok, len(tok), [tok.eos_token_id])
+    future = compilers.compile(spec)
+    assert not future.done()
+    release.set()
+    assert future.result(10) is not None
+    compilers.shutdown()
+
+    release.clear()
+
+    def unreadable(*a, **k):
+        assert release.wait(10)
+        raise RuntimeError("no vocabulary here")
+
+    monkeypatch.setattr(xgr.TokenizerInfo, "from_huggingface", unreadable)
+    compilers = GrammarCompilers(tok, len(tok), [tok.eos_token_id])
+    first = compilers.compile(spec)
+    release.set()
+    with pytest.raises(ValueError, match="structured_outputs: structured outputs are not available with this tokenizer: RuntimeError"):
+        first.result(10)
+    with pytest.raises(ValueError, match="^structured outputs are not available with this tokenizer"):
+        compilers.compile(spec)
+    compilers.shutdown()

@@ -33,25 +33,22 @@ class GrammarCompilers:
     than the tokenizer's: the extra ids are never allowed)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
-        import xgrammar as xgr
-
         self.vocab_size = vocab_size
         stops = sorted(t for t in stop_token_ids if 0 <= t < vocab_size)
-        try:
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
-        except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the request's 400, not a crash
-            raise ValueError(f"structured outputs are not available with this tokenizer: {type(e).__name__}: {e}") from None
-        # xgrammar's own cache would keep every grammar ever compiled: this one keeps MAX_COMPILED
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._compiled: OrderedDict[tuple, Any] = OrderedDict()
         self._pending: dict[tuple, Future] = {}  # compiles under way, by spec key
         self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="moeserve-grammar")
+        # Reading a 163,840-token vocabulary takes xgrammar seconds: on a worker too, ahead of the
+        # first compile (queued first), so the first constrained request does not stall the loop.
+        self._compiler = self._pool.submit(_grammar_compiler, tokenizer, vocab_size, stops)
 
     def compile(self, spec: StructuredOutputs) -> Future:
         """Its compiled grammar, as a future: done at once when cached, else compiled on a worker
         thread; requests that ask for one spec while it compiles share its future. A compile that
         fails sets a ValueError naming the spec's field."""
         self.collect()
+        if self._compiler.done() and self._compiler.exception() is not None:
+            raise self._compiler.exception()  # (a ValueError: the tokenizer xgrammar cannot read)
         key = spec.key()
         hit = self._compiled.get(key)
         if hit is not None:
@@ -66,7 +63,11 @@ class GrammarCompilers:
 
     def _compile(self, spec: StructuredOutputs) -> Any:
         try:
-            return self._compiler.compile_grammar(grammar(spec))
+            compiler = self._compiler.result()
+        except ValueError as e:
+            raise ValueError(f"{spec.field}: {e}") from None
+        try:
+            return compiler.compile_grammar(grammar(spec))
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{spec.field}: cannot compile the {spec.kind} for this tokenizer: {e}") from None
 
@@ -88,6 +89,17 @@ class GrammarCompilers:
         import xgrammar as xgr
 
         return SequenceGrammar(xgr.GrammarMatcher(compiled), after)
+
+
+def _grammar_compiler(tokenizer: Any, vocab_size: int, stops: list[int]) -> Any:
+    import xgrammar as xgr
+
+    try:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stops or None)
+    except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot read: the requests' error, not a crash
+        raise ValueError(f"structured outputs are not available with this tokenizer: {type(e).__name__}: {e}") from None
+    # xgrammar's own cache would keep every grammar ever compiled: GrammarCompilers keeps MAX_COMPILED
+    return xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
 
 
 @dataclass
