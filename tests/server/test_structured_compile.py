@@ -197,3 +197,23 @@ def test_reading_the_vocabulary_does_not_hold_up_the_caller(monkeypatch):
     with pytest.raises(ValueError, match="^structured outputs are not available with this tokenizer"):
         compilers.compile(spec)
     compilers.shutdown()
+
+
+def test_the_masks_are_filled_after_the_forward_is_launched(llm, monkeypatch):
+    """In one process the host fills a step's grammar masks while the device runs its forward:
+    each constrained step's forward is launched before its masks are filled, and the outputs
+    still follow their grammars."""
+    from moeserve.structured import matcher
+
+    events: list[str] = []
+    runner = llm.engine.executor.runner
+    forward, fill = runner.forward, matcher.step_bitmask
+    monkeypatch.setattr(runner, "forward", lambda *a, **k: events.append("forward") or forward(*a, **k))
+    monkeypatch.setattr(matcher, "step_bitmask", lambda *a, **k: events.append("fill") or fill(*a, **k))
+    params = SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": SCHEMA})
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}], params, use_tqdm=False)
+    for out in outs:
+        jsonschema.validate(json.loads(out.outputs[0].text), SCHEMA)
+    fills = [i for i, e in enumerate(events) if e == "fill"]
+    # (filled before the launch, the order would be fill, forward, fill, forward, ...)
+    assert len(fills) >= 3 and events[:2] == ["forward", "fill"] and all(events[i - 1] == "forward" for i in fills), events

@@ -13,6 +13,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Protocol
 
 from moeserve.cache.allocator import PagedAllocator, salted_root
@@ -42,6 +43,9 @@ class Executor(Protocol):
     kv_capacity_pages: int
     page_size: int
     settings: ResolvedSettings  # max_model_len, async_scheduling, max_in_flight: resolved once, by the executor
+    # The sampling rank is in this process: a step may carry its grammar masks as a function that
+    # runs once the forward is launched (``StepInput.grammar_mask``), not as bytes.
+    samples_in_process: bool
 
     def submit(self, step: StepInput) -> object: ...
 
@@ -442,7 +446,11 @@ class LLMEngine:
         from moeserve.structured.matcher import step_bitmask
 
         by_id = {s.seq_id: s for s in batch.seqs}
-        step.grammar_mask = step_bitmask([by_id[i].grammar for i in step.sample_seq_ids], self.model_config.vocab_size)
+        grammars = [by_id[i].grammar for i in step.sample_seq_ids]
+        if self.executor.samples_in_process:  # filled while the device runs the forward
+            step.grammar_mask = partial(step_bitmask, grammars, self.model_config.vocab_size)
+        else:  # (the step travels to the sampling rank as bytes)
+            step.grammar_mask = step_bitmask(grammars, self.model_config.vocab_size)
 
     @staticmethod
     def _first_chunks(batch: ScheduledBatch) -> list[str]:

@@ -26,7 +26,8 @@ class SamplingState:
         gens, errors = self.row_generators(step)  # also when no row samples: drops finished sequences'
         if not logits.shape[0]:
             return None
-        adjusted = masked_logits(logits, self.adjusted_logits(step, logits), step.grammar_mask)
+        mask = step.grammar_mask() if callable(step.grammar_mask) else step.grammar_mask  # (after the forward's launch)
+        adjusted = masked_logits(logits, self.adjusted_logits(step, logits), mask)
         kernels = dict(use_kernel=use_kernel, filter_kernel=filter_kernel)
         drawn = sample_on_device(logits, step.sample_params, gens, errors=errors, adjusted=adjusted, **kernels)
         self.keep_samples(step, drawn.tokens)

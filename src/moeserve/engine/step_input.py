@@ -4,7 +4,7 @@ process and sent to each rank (or handed over directly with one process)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from moeserve.engine.scheduler import ScheduledBatch
 from moeserve.sampling_params import SamplingParams
@@ -33,8 +33,10 @@ class StepInput:
     # position and after, top-N). The last stage computes them (``ModelRunner.forward``).
     prompt_logprobs: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
     # (sampling rows under a grammar, their token bitmask [rows, ceil(V/32)] int32), set by the
-    # engine (``structured.matcher.step_bitmask``); applied before sampling (``structured.mask``)
-    grammar_mask: tuple[list[int], Any] | None = None
+    # engine (``structured.matcher.step_bitmask``); applied before sampling (``structured.mask``).
+    # In one process, the function that makes it: called once the forward is launched, so that the
+    # host fills the masks while the device runs the forward.
+    grammar_mask: tuple[list[int], Any] | Callable[[], tuple[list[int], Any] | None] | None = None
     # Speculative decoding (None without it): per sampling row, the draft tokens at the end of its
     # tokens (``logits_indices`` then holds all 1 + k of its positions); per row, the known token
     # after its last one, or -1 where the step samples it (the draft model reads the next token of

@@ -53,6 +53,8 @@ def _free_port() -> int:  # noqa: D103 - a port for the rendezvous of a single-h
 
 
 class MultiProcessExecutor:
+    samples_in_process = False  # the sampling rank is a worker: grammar masks travel as bytes
+
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.layout = Layout.build(
             model_config.num_hidden_layers,
