@@ -328,7 +328,7 @@ def main() -> int:
     bw = copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s ({torch.cuda.get_device_name()})", flush=True)
     rows: list[dict] = []
-    path = os.path.join(args.out, "moe_kernel_bench.json")
+    json_path = os.path.join(args.out, "moe_kernel_bench.json")
     humming_reason = None
     if args.humming:
         from moeserve.kernels import humming_moe
@@ -338,7 +338,7 @@ def main() -> int:
 
     def record(**row) -> None:
         rows.append(row)
-        with open(path, "w") as f:
+        with open(json_path, "w") as f:
             json.dump({"bandwidth": bw, "rows": rows}, f, indent=0)
 
     for fmt_name in args.formats.split(","):
