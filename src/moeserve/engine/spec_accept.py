@@ -91,8 +91,7 @@ def accept_drafts(
         # exponential race: argmax(w / E), E ~ Exp(1), draws from w normalized
         replacement = (residual / noise).argmax(dim=-1)
         tokens[idx] = torch.where(accept[idx], sub_nxt, replacement)
-    accept_list = accept.tolist()
-    token_list = tokens.tolist()
+    accept_list, token_list = torch.stack([accept.long(), tokens]).tolist()  # one read-back, not two
     out_tokens: list[list[int]] = []
     out_pos: list[list[int]] = []
     counts: list[int] = []
