@@ -43,9 +43,6 @@ class Executor(Protocol):
     kv_capacity_pages: int
     page_size: int
     settings: ResolvedSettings  # max_model_len, async_scheduling, max_in_flight: resolved once, by the executor
-    # The sampling rank is in this process: a step may carry its grammar masks as a function that
-    # runs once the forward is launched (``StepInput.grammar_mask``), not as bytes.
-    samples_in_process: bool
 
     def submit(self, step: StepInput) -> object: ...
 
@@ -446,11 +443,9 @@ class LLMEngine:
         from moeserve.structured.matcher import step_bitmask
 
         by_id = {s.seq_id: s for s in batch.seqs}
-        grammars = [by_id[i].grammar for i in step.sample_seq_ids]
-        if self.executor.samples_in_process:  # filled while the device runs the forward
-            step.grammar_mask = partial(step_bitmask, grammars, self.model_config.vocab_size)
-        else:  # (the step travels to the sampling rank as bytes)
-            step.grammar_mask = step_bitmask(grammars, self.model_config.vocab_size)
+        # filled by whoever samples, once the forward is launched (an executor that sends the step
+        # to other processes fills it before: ``StepInput.grammar_mask``)
+        step.grammar_mask = partial(step_bitmask, [by_id[i].grammar for i in step.sample_seq_ids], self.model_config.vocab_size)
 
     @staticmethod
     def _first_chunks(batch: ScheduledBatch) -> list[str]:

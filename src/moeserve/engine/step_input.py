@@ -34,8 +34,8 @@ class StepInput:
     prompt_logprobs: list[tuple[int, int, int, list[int], int]] = field(default_factory=list)
     # (sampling rows under a grammar, their token bitmask [rows, ceil(V/32)] int32), set by the
     # engine (``structured.matcher.step_bitmask``); applied before sampling (``structured.mask``).
-    # In one process, the function that makes it: called once the forward is launched, so that the
-    # host fills the masks while the device runs the forward.
+    # The engine sets the function that makes it: called by the sampler once the forward is
+    # launched (the host fills while the device computes), or by an executor before it sends the step.
     grammar_mask: tuple[list[int], Any] | Callable[[], tuple[list[int], Any] | None] | None = None
     # Speculative decoding (None without it): per sampling row, the draft tokens at the end of its
     # tokens (``logits_indices`` then holds all 1 + k of its positions); per row, the known token

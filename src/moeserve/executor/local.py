@@ -18,8 +18,6 @@ log = logging.getLogger("moeserve")
 
 
 class LocalExecutor:
-    samples_in_process = True
-
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.runner = ModelRunner(model_config, config)
         self.kv_capacity_pages = self.runner.num_pages

@@ -53,8 +53,6 @@ def _free_port() -> int:  # noqa: D103 - a port for the rendezvous of a single-h
 
 
 class MultiProcessExecutor:
-    samples_in_process = False  # the sampling rank is a worker: grammar masks travel as bytes
-
     def __init__(self, model_config: ModelConfig, config: EngineConfig):
         self.layout = Layout.build(
             model_config.num_hidden_layers,
@@ -178,6 +176,8 @@ class MultiProcessExecutor:
 
     # ---- executor interface ----
     def submit(self, step: StepInput) -> int:
+        if callable(step.grammar_mask):  # the masks travel to the sampling rank as bytes
+            step.grammar_mask = step.grammar_mask()
         for conn in self.conns:
             try:
                 conn.send(("step", step))
