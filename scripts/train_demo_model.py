@@ -505,7 +505,7 @@ def engine_check(weights: Path, device: torch.device, n_tasks: int, say) -> dict
     shutil.copytree(MODEL_DIR, bf16, ignore=shutil.ignore_patterns("model.safetensors"))
     shutil.copy(weights, bf16 / "model.safetensors")
     samples = tasks.held_out_tasks(n_tasks)
-    params = SamplingParams(temperature=0, max_tokens=96)
+    params = SamplingParams(temperature=0, max_tokens=tasks.REPLY_MAX_TOKENS)
     runs: dict[str, list] = {}
     for name, path, backend in (
         ("bf16_reference", bf16, "reference"),

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     not TRAINED, reason=f"the packaged demo weights are provisional ({training_record()}): train them on a GPU (docs/demo-model.md)"
 )
 N_TASKS = 100
-GREEDY = SamplingParams(temperature=0, max_tokens=96)
+GREEDY = SamplingParams(temperature=0, max_tokens=tasks.REPLY_MAX_TOKENS)
 
 
 def run_tasks(path, samples) -> list:
@@ -106,6 +106,7 @@ def test_bf16_fast_path_gives_the_reference_tokens(held_out):
         assert runs["triton"] == runs["reference"]
     else:  # bf16 sums in another order: 149 of 150 held-out tasks gave the same tokens on the H200
         same = sum(a == b for a, b in zip(runs["triton"], runs["reference"])) / len(samples)
+        print(f"the fast path gave the reference path's tokens on {same:.1%} of {len(samples)} held-out tasks")
         assert same >= 0.97, same
 
 

@@ -502,6 +502,11 @@ def score(sample: Sample, reply: Reply) -> bool:
     return not reply.tool_calls and bool(reply.content.strip())
 
 
+# Generation budget of an evaluation: the longest held-out reply (three calls, thinking on, long
+# made-up names) is 128 tokens; a budget of 96 cut eleven of 300 and scored them as misses.
+REPLY_MAX_TOKENS = 192
+
+
 def accuracy(samples: list[Sample], texts: list[str]) -> dict[str, float]:
     """Scores of raw completions (decoded keeping the reasoning and tool-call tokens): the share
     of call tasks and of answer tasks right (``score``), and of call tasks with exact ids."""
