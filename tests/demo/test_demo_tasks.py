@@ -1,6 +1,6 @@
 """The demo model does its job, greedy, through the offline API, on held-out tasks (cities and
 numbers it never saw in training): tool name and arguments exact, answers that hold the tool's
-results; its INT4 and FP8 copies at most one task below bf16; the bf16 fast path gives the reference
+results; its INT4 and FP8 copies within 2 points of bf16; the bf16 fast path gives the reference
 path's tokens (every held-out task on a GPU; in the Triton interpreter, a few tokens); the MTP
 layer's next-next-token accuracy.
 
@@ -19,7 +19,7 @@ TRAINED = training_record().get("trained_on") == "cuda"
 pytestmark = pytest.mark.skipif(
     not TRAINED, reason=f"the packaged demo weights are provisional ({training_record()}): train them on a GPU (docs/demo-model.md)"
 )
-N_TASKS = 100
+N_TASKS = 200
 GREEDY = SamplingParams(temperature=0, max_tokens=tasks.REPLY_MAX_TOKENS)
 
 
@@ -51,25 +51,22 @@ def bf16_accuracy(held_out):
 
 def test_held_out_tool_calls_and_answers(bf16_accuracy, held_out):
     print(f"held-out accuracy ({N_TASKS} tasks): {bf16_accuracy}")
-    # tool names and JSON arguments exact, several calls in order. Issue 32 asks 95 %; the packaged
-    # weights (docs/demo-model.md) reach 94.8 % here and 92.9 % over 150 tasks on the H200: the model
-    # still swaps pieces of some real held-out city names (Canberra -> Itberra). This holds that level.
-    assert bf16_accuracy["call"] >= 0.92
+    # issue 32's bar: tool names and JSON arguments exact (several calls in order) for 95 %; the
+    # packaged weights give 98.3 % here, 96.7 % over 300 tasks (docs/demo-model.md)
+    assert bf16_accuracy["call"] >= 0.95
     assert bf16_accuracy["answer"] >= 0.95  # the answer holds every value of the results
     # the ids too (functions.NAME:IDX, IDX counted over the conversation, earlier turns' calls included)
-    assert bf16_accuracy["ids"] >= 0.9
+    assert bf16_accuracy["ids"] >= 0.95
 
 
 @pytest.mark.parametrize("fmt", ["int4", "fp8"])
 def test_quantized_copies_stay_near_bf16(fmt, bf16_accuracy, held_out):
-    """Issue 32 asks 2 points. Here one task is 1.7 (calls) to 2.4 (answers) points, and the INT4
-    copy misses one answer more than bf16 (95.2 vs 97.6 %; 97.0 vs 100 % over 150 tasks on the
-    H200): this holds at most one task fewer of each kind, the level the copies reach."""
+    """Issue 32's bar: within 2 points of bf16 on each kind of task (over 300 tasks: INT4 one
+    answer fewer, FP8 the same)."""
     got = accuracy(held_out, run_tasks(ensure_demo_model(fmt), held_out))
     print(f"{fmt} held-out accuracy: {got} (bf16: {bf16_accuracy})")
     for kind in ("call", "answer"):
-        one_task = 1 / sum(s.kind == kind for s in held_out)
-        assert got[kind] >= bf16_accuracy[kind] - one_task - 1e-9, (kind, got[kind], bf16_accuracy[kind])
+        assert got[kind] >= bf16_accuracy[kind] - 0.02 - 1e-9, (kind, got[kind], bf16_accuracy[kind])
 
 
 def test_chat_api_greets_and_calls_a_tool():
