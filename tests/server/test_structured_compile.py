@@ -217,3 +217,39 @@ def test_the_masks_are_filled_after_the_forward_is_launched(llm, monkeypatch):
     fills = [i for i, e in enumerate(events) if e == "fill"]
     # (filled before the launch, the order would be fill, forward, fill, forward, ...)
     assert len(fills) >= 3 and events[:2] == ["forward", "fill"] and all(events[i - 1] == "forward" for i in fills), events
+
+
+def test_async_scheduling_keeps_its_overlap_under_a_grammar(monkeypatch):
+    """With asynchronous scheduling a constrained step's forward is launched before the step in
+    flight is taken in: its masks then complete that step (the host reads its tokens and fills
+    the masks while the device runs the forward). Each fill after the first follows the next
+    step's forward and the last step's result (without overlap: the fill follows its own forward,
+    then its result), and the outputs equal those without asynchronous scheduling."""
+    from moeserve.structured import matcher
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs={"json": SCHEMA}),
+        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+    ]
+    prompts = [{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [9, 10]}]
+    outputs, orders = {}, {}
+    for overlap in (False, True):
+        with LLM(str(ensure_random_model()), device="cpu", dtype="float32", async_scheduling=overlap) as llm:
+            events: list[str] = []
+            runner, engine = llm.engine.executor.runner, llm.engine
+            forward, fill, process = runner.forward, matcher.step_bitmask, engine.process_result
+            monkeypatch.setattr(runner, "forward", lambda *a, **k: events.append("forward") or forward(*a, **k))
+            monkeypatch.setattr(matcher, "step_bitmask", lambda *a, **k: events.append("fill") or fill(*a, **k))
+            monkeypatch.setattr(engine, "process_result", lambda *a, **k: events.append("result") or process(*a, **k))
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            outputs[overlap] = [(o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
+            orders[overlap] = events
+            monkeypatch.undo()
+    jsonschema.validate(json.loads(outputs[True][0][1]), SCHEMA)
+    assert outputs[True] == outputs[False]
+    plain, overlapped = orders[False], orders[True]
+    # (the grammar compiles while the plain request's first steps run: look from the first fill)
+    fills = [i for i, e in enumerate(plain) if e == "fill"]
+    assert len(fills) >= 3 and all(plain[i - 1 : i + 2] == ["forward", "fill", "result"] for i in fills), plain
+    fills = [i for i, e in enumerate(overlapped) if e == "fill"][1:]
+    assert len(fills) >= 3 and all(overlapped[i - 2 : i + 1] == ["forward", "result", "fill"] for i in fills), overlapped

@@ -13,7 +13,6 @@ from concurrent.futures import FIRST_COMPLETED, Future, wait
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Callable, Protocol
 
 from moeserve.cache.allocator import PagedAllocator, salted_root
@@ -97,6 +96,8 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._finished_seq_ids: list[int] = []
         self._in_flight: deque[tuple[ScheduledBatch, StepInput, object]] = deque()
+        # Steps completed early (a grammar's masks needed their tokens), their deltas not yet returned
+        self._completed: list[tuple[Request, RequestDelta]] = []
         self.speculative = config.speculative  # SpeculativeConfig or None
         # vLLM's spec-decode counters: rows scored with drafts, drafts scored, drafts accepted
         self.spec_num_drafts = self.spec_num_draft_tokens = self.spec_num_accepted_tokens = 0
@@ -387,17 +388,24 @@ class LLMEngine:
         return outputs
 
     def _run_step(self, after_launch: Callable[[], None] | None = None) -> list[tuple[Request, RequestDelta]]:
-        """Keep up to ``settings.max_in_flight`` batches submitted, then complete the oldest one."""
+        """Keep up to ``settings.max_in_flight`` batches submitted, then complete the oldest one
+        (or return the step that a grammar's masks completed while the next one was launched)."""
         failed = self._start_compiled() if self._compiling else []
         try:
             self._launch()
         finally:
             if after_launch is not None:
                 after_launch()
+        if self._completed:
+            done, self._completed = self._completed, []
+            return failed + done
         if not self._in_flight:
             if self._compiling and not failed:  # nothing else to do: not a busy loop meanwhile
                 wait(set(self._compiling.values()), GRAMMAR_WAIT_S, FIRST_COMPLETED)
             return failed
+        return failed + self._complete_oldest()
+
+    def _complete_oldest(self) -> list[tuple[Request, RequestDelta]]:
         batch, step, handle = self._in_flight.popleft()
         try:
             result = self.executor.wait(handle)
@@ -406,16 +414,14 @@ class LLMEngine:
             raise
         if self._trace is not None:
             self._trace_step(step)
-        return failed + self.process_result(batch, step, result)
+        return self.process_result(batch, step, result)
 
     def _launch(self) -> None:
-        """Schedule and submit batches until ``max_in_flight`` are in flight or none is left."""
+        """Schedule and submit batches until ``max_in_flight`` are in flight or none is left (or,
+        under a grammar, one step was completed early)."""
         depth = self.settings.max_in_flight
         async_scheduling = self.settings.async_scheduling
-        if async_scheduling and self._constrained:
-            # A grammar's mask for step n+1 needs step n's token: no overlap while one is running.
-            depth, async_scheduling = 1, False
-        while len(self._in_flight) < depth:
+        while len(self._in_flight) < depth and not self._completed:
             cap = None
             if depth > 1 and not async_scheduling:  # share the sequences out so every pipeline stage has work
                 cap = max(1, -(-(self.scheduler.num_running + self.scheduler.num_waiting) // depth))
@@ -440,12 +446,24 @@ class LLMEngine:
             self._in_flight.append((batch, step, handle))
 
     def _mask_grammar_rows(self, batch: ScheduledBatch, step: StepInput) -> None:
+        """Hand the sampler the function that fills the step's grammar masks (called once the
+        forward is launched; an executor that sends the step to other processes calls it before).
+        With asynchronous scheduling a mask needs the tokens of the step still in flight: the
+        function first completes that step (its deltas are the next ``_run_step``'s), so the host
+        takes them in and fills the masks while the device runs this step's forward."""
         from moeserve.structured.matcher import step_bitmask
 
         by_id = {s.seq_id: s for s in batch.seqs}
-        # filled by whoever samples, once the forward is launched (an executor that sends the step
-        # to other processes fills it before: ``StepInput.grammar_mask``)
-        step.grammar_mask = partial(step_bitmask, [by_id[i].grammar for i in step.sample_seq_ids], self.model_config.vocab_size)
+        rows = [by_id[i] for i in step.sample_seq_ids]
+        if not any(seq.grammar is not None for seq in rows):
+            return
+
+        def fill() -> tuple[list[int], Any] | None:
+            while self.settings.async_scheduling and self._in_flight:
+                self._completed += self._complete_oldest()
+            return step_bitmask([seq.grammar for seq in rows], self.model_config.vocab_size)
+
+        step.grammar_mask = fill
 
     @staticmethod
     def _first_chunks(batch: ScheduledBatch) -> list[str]:
