@@ -278,7 +278,7 @@ def evaluate(model: DemoModel, tok, device, n_tasks: int, n_text: int, pad: int,
     if n_tasks:
         samples = tasks.held_out_tasks(n_tasks)
         prompts = [tok.encode(s.prompt(), add_special_tokens=False).ids for s in samples]
-        outs = greedy(model, prompts, 96, stop, pad, device)
+        outs = greedy(model, prompts, tasks.REPLY_MAX_TOKENS, stop, pad, device)
         texts = [tok.decode(o, skip_special_tokens=True) for o in outs]
         acc = tasks.accuracy(samples, texts)
         result.update(call_accuracy=acc["call"], answer_accuracy=acc["answer"], call_ids_exact=acc["ids"])

@@ -29,7 +29,7 @@ figures base "$PWD/base"
 figures new "$PWD"
 export PYTHONPATH=$PWD/src:/tmp/site
 step checks_bf16 ${CHECK_S:-100} python3 scripts/gpu_check.py --out "$work/checks_bf16" --skip-bench --check-prompt-lens 7,300,1000
-step checks_fp32 ${CHECK_S:-100} python3 scripts/gpu_check.py --out "$work/checks_fp32" --skip-bench --dtype float32 --check-prompt-lens 7,300,1000
+step checks_fp32 ${FP32_S:-240} python3 scripts/gpu_check.py --out "$work/checks_fp32" --skip-bench --dtype float32 --check-prompt-lens 7,300,1000
 step demo_fast ${DEMO_S:-120} python3 -m pytest -q -s -p no:cacheprovider tests/demo/test_demo_tasks.py -k fast_path
 for tag in base new; do
   grep -h "^batch" "$work/${tag}_moon.log" | sed "s/^/$tag /" >> "$work/summary.txt"
