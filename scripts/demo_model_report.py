@@ -41,7 +41,10 @@ def main() -> None:
         path = ensure_demo_model(None if fmt == "bf16" else fmt)
         t = time.time()
         with LLM(str(path), device=args.device) as llm:
-            outs = llm.generate([{"prompt_token_ids": encode(s.prompt())} for s in samples], SamplingParams(temperature=0, max_tokens=tasks.REPLY_MAX_TOKENS))
+            outs = llm.generate(
+                [{"prompt_token_ids": encode(s.prompt())} for s in samples],
+                SamplingParams(temperature=0, max_tokens=tasks.REPLY_MAX_TOKENS),
+            )
         seconds = time.time() - t
         acc = tasks.accuracy(samples, [o.outputs[0].text for o in outs])
         model = DemoModel(load_model_config(str(path)))
