@@ -156,8 +156,8 @@ def test_schemas_regex_choice_and_plain_rows_in_one_batch(model_dir):
 
 def test_preemption_and_async_scheduling_keep_the_matcher(model_dir):
     """Greedy constrained outputs are the same with KV pages so few that sequences are preempted
-    (recomputed: the matcher keeps its tokens), and with asynchronous scheduling (no overlap while a
-    constrained sequence runs)."""
+    (recomputed: the matcher keeps its tokens), and with asynchronous scheduling (a step's masks
+    complete the step in flight before they are filled)."""
     params = [SamplingParams(temperature=0, max_tokens=16, structured_outputs={"json": s}) for s in SCHEMAS[:3]]
     params.append(SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
 
