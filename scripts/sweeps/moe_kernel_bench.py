@@ -18,6 +18,10 @@ INT4 up to ``INT4_GEMV_MAX_PAIRS`` pairs also times the GEMV's spread kernels (`
 ``kernels/int4_spread.py``, what ``MOESERVE_INT4_GEMV=spread`` runs; not the default until this
 shows they win) beside the default, checked against it and, at a few token counts, the reference.
 
+``--dot f16x2`` also times the INT4 GEMV with its words met in fp16 pairs (``DOT_F16X2_ASM``, what
+``MOESERVE_INT4_DOT=f16x2`` runs) at every GEMV point, checked against the default and the reference,
+and with ``--sweep`` its tiles by coordinate descent (variant ``f16x2-tile``).
+
 ``--sweep`` also times the GEMV and grouped-GEMM tiles around the defaults (coordinate descent for
 the GEMV's two kernels, and for the spread kernels over their tile lists), checks each against the
 default's output, and prints the best per point;
@@ -27,7 +31,7 @@ SiLU, the sum) on the same weights, routings and harness, checked against the sa
 is checked against the torch reference (``int4_moe_ref`` / ``fp8_moe_ref``) at a few token counts.
 
     python scripts/sweeps/moe_kernel_bench.py --out DIR [--formats int4,fp8] [--tokens 1,2,4,...]
-        [--sweep [spread]] [--humming] [--time-limit 500]
+        [--sweep [spread]] [--humming] [--dot f16x2] [--time-limit 500]
 
 Writes ``DIR/moe_kernel_bench.json`` (one row per case, tokens and variant) as it goes.
 """
@@ -46,7 +50,7 @@ import triton
 import triton.testing
 
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
-from moeserve.kernels.int4_moe import int4_fused_moe, int4_moe_gemv, int4_moe_ref
+from moeserve.kernels.int4_moe import DOT_F16X2_ASM, int4_fused_moe, int4_moe_gemv, int4_moe_ref
 from moeserve.kernels.int4_spread import INT4_DOWN_SPREAD_CONFIGS, INT4_GATE_UP_SPREAD_CONFIGS, int4_moe_gemv_spread
 from moeserve.kernels.limits import GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS
 from moeserve.quant.int4 import checkpoint_words
@@ -318,6 +322,7 @@ def main() -> int:
     ap.add_argument("--sweep-gemm-min-tokens", type=int, default=4)
     ap.add_argument("--compare-paths", action="store_true", help="also both paths at their default tiles from 4 to 32 tokens")
     ap.add_argument("--humming", action="store_true")
+    ap.add_argument("--dot", default="", help="'f16x2': also the INT4 GEMV with its fp16-pair dot product")
     ap.add_argument("--humming-cases", default="", help="default: every INT4 case")
     ap.add_argument("--humming-tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--time-limit", type=float, default=1e9, help="seconds; later points are skipped, the table still printed")
@@ -409,6 +414,19 @@ def main() -> int:
                             "spread-tile", fmt.spread, fmt.spread_gate_up_grid, fmt.spread_down_grid, point, default_out
                         )
                         line += f" | best spread {best or float('nan'):8.1f}"
+                if args.dot == "f16x2" and fmt_name == "int4" and T * TOPK <= fmt.gemv_max_pairs:
+
+                    def f16x2(x, w, tw, ids, first, gu=None, dn=None):
+                        return fmt.gemv(x, w, tw, ids, first, {**(gu or {}), "DOT": DOT_F16X2_ASM}, {**(dn or {}), "DOT": DOT_F16X2_ASM})
+
+                    hus = point("f16x2", f16x2, None, default_out)
+                    if hus is not None and ref_out is not None:
+                        rows[-1]["rel_err_vs_ref"] = rel_err(f16x2(*inputs[0]), ref_out)
+                        line += f" (err vs ref {rows[-1]['rel_err_vs_ref']:.2e})"
+                    line += f" | f16x2 {hus or float('nan'):8.1f} ({100 * moved / ((hus or 1e9) * 1e-6) / bw:4.1f} %)"
+                    if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
+                        best = coordinate_descent("f16x2-tile", f16x2, fmt.gemv_grid, fmt.down_grid, point, default_out)
+                        line += f" | best f16x2 {best or float('nan'):8.1f}"
                 if args.sweep == "all" and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                     best = coordinate_descent("gemv", fmt.gemv, fmt.gemv_grid, fmt.down_grid, point, default_out)
                     line += f" | best gemv {best or float('nan'):8.1f}"
@@ -439,7 +457,8 @@ def main() -> int:
 
     # the table: per point, the default, the best of each path, and the peer
     print(
-        "\nformat case        T     default us  %bw   best gemv   best gemm   humming  ours/humming   spread  %bw  default/spread",
+        "\nformat case        T     default us  %bw   best gemv   best gemm   humming  ours/humming   spread  %bw  default/spread"
+        "     f16x2  %bw  default/f16x2",
         flush=True,
     )
     keys = sorted({(r["format"], r["case"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
@@ -454,10 +473,13 @@ def main() -> int:
         eff = next((r["efficiency"] for r in sel if r["variant"] == "default"), float("nan"))
         h = best("humming")
         sp = min((v for v in (best("spread"), best("spread-tile")) if v == v), default=float("nan"))  # v == v: not NaN
+        hx = min((v for v in (best("f16x2"), best("f16x2-tile")) if v == v), default=float("nan"))
+        hx_eff = next((r["efficiency"] for r in sel if r["variant"] in ("f16x2", "f16x2-tile") and r["us"] == hx), float("nan"))
         sp_eff = next((r["efficiency"] for r in sel if r["variant"] in ("spread", "spread-tile") and r["us"] == sp), float("nan"))
         print(
             f"{k[0]:6s} {k[1]:11s} {k[2]:4d} {d:10.1f} {100 * eff:5.1f} {best('gemv'):10.1f} {best('gemm'):10.1f} {h:9.1f} {d / h:8.2f}"
             f" {sp:9.1f} {100 * sp_eff:5.1f} {d / sp:8.2f}"
+            f" {hx:9.1f} {100 * hx_eff:5.1f} {d / hx:8.2f}"
         )
     return 0
 

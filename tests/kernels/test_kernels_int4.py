@@ -11,6 +11,7 @@ import torch
 triton = pytest.importorskip("triton")  # conftest runs it in the interpreter without CUDA
 
 from moeserve.kernels.int4_moe import (  # noqa: E402
+    INT4_DOT_VARIANTS,
     INT4_GEMV_MAX_PAIRS,
     SHARED_MEMORY_BUDGET,
     fit_int4_shared_memory,
@@ -450,8 +451,9 @@ def random_packed_experts(E, hidden, inter, gen, dtype):
 
 
 @real
+@pytest.mark.parametrize("dot", ["f32", "f16x2"])
 @pytest.mark.parametrize("T, with_shared", [(1, False), (1, True), (4, True)])
-def test_int4_gemv_kimi_k26_decode(T, with_shared):
+def test_int4_gemv_kimi_k26_decode(T, with_shared, dot):
     g = torch.Generator().manual_seed(T)
     H, I, E, K, Is = K26["hidden"], K26["inter"], K26["E"], K26["K"], K26["shared"]
     experts = random_packed_experts(E, H, I, g, torch.bfloat16)
@@ -470,11 +472,71 @@ def test_int4_gemv_kimi_k26_decode(T, with_shared):
     if with_shared:
         sw13 = (torch.randn(2 * Is, H, generator=g) * H**-0.5).to(DEV, torch.bfloat16)
         sw2 = (torch.randn(H, Is, generator=g) * Is**-0.5).to(DEV, torch.bfloat16)
-        out = int4_moe_gemv(x, *experts, weights, ids, first, sw13, sw2)
+        out = int4_moe_gemv(x, *experts, weights, ids, first, sw13, sw2, **dot_configs(dot))
         ref = ref + shared_ref(x.float(), sw13.float(), sw2.float())
     else:
-        out = int4_moe_gemv(x, *experts, weights, ids, first)
+        out = int4_moe_gemv(x, *experts, weights, ids, first, **dot_configs(dot))
     check(out, ref, torch.bfloat16)
+
+
+def dot_configs(name: str) -> dict:
+    dot = INT4_DOT_VARIANTS[name]
+    return dict(gate_up_config={"DOT": dot}, down_config={"DOT": dot})
+
+
+@real
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,K,E,first,total,hidden,inter,shared", GEMV_CASES)
+def test_int4_moe_gemv_f16x2_matches_reference(T, K, E, first, total, hidden, inter, shared, dtype):
+    """The fp16-pair dot product (GPU only: inline assembly) at the small shapes, shared experts
+    and other ranks' experts included; float32 activations never take it."""
+    g = torch.Generator().manual_seed(T * 37 + E + first + shared)
+    experts = make_experts(E, hidden, inter, g, dtype)
+    x = torch.randn(T, hidden, generator=g).to(DEV, dtype)
+    weights, ids = routing(T, K, total, g)
+    ref = reference(x, experts, weights, ids, first)
+    sh = ()
+    if shared:
+        sh = (
+            (torch.randn(2 * shared, hidden, generator=g) * hidden**-0.5).to(DEV, dtype),
+            (torch.randn(hidden, shared, generator=g) * shared**-0.5).to(DEV, dtype),
+        )
+        ref = ref + shared_ref(x.float(), *(t.float() for t in sh))
+    check(int4_moe_gemv(x, *experts, weights, ids, first, *sh, **dot_configs("f16x2")), ref, dtype)
+
+
+@real
+def test_int4_moe_gemv_f16x2_saturates_huge_activations():
+    """An activation beyond fp16's range is clamped to it, not turned into inf: the output stays
+    finite. (Where the clamp bites the result is that of the clamped activation: fp16 pairs are
+    for activations inside fp16's range, as every bf16 checkpoint we serve has them.)"""
+    g = torch.Generator().manual_seed(9)
+    experts = make_experts(4, 64, 32, g, torch.bfloat16)
+    x = torch.randn(1, 64, generator=g).to(DEV, torch.bfloat16)
+    x[0, 5] = 1e6
+    weights, ids = routing(1, 2, 4, g)
+    out = int4_moe_gemv(x, *experts, weights, ids, 0, **dot_configs("f16x2"))
+    assert torch.isfinite(out).all() and out.abs().max() > 0
+
+
+def test_gemv_dot_choice(monkeypatch):
+    """Which dot product the GEMV kernels compile: never fp16 pairs for float32 activations; the
+    fp32 assembly unless a config or ``MOESERVE_INT4_DOT`` asks for the pairs; Triton's ops
+    under the interpreter."""
+    import moeserve.kernels.int4_moe as m
+
+    monkeypatch.setattr(m, "interpreting", lambda: False)
+    monkeypatch.delenv("MOESERVE_INT4_DOT", raising=False)
+    assert m.gemv_dot(torch.bfloat16) == m.DOT_F32_ASM
+    assert m.gemv_dot(torch.bfloat16, m.DOT_F16X2_ASM) == m.DOT_F16X2_ASM
+    monkeypatch.setenv("MOESERVE_INT4_DOT", "f16x2")
+    assert m.gemv_dot(torch.bfloat16) == m.gemv_dot(torch.float16) == m.DOT_F16X2_ASM
+    assert m.gemv_dot(torch.float32) == m.gemv_dot(torch.float32, m.DOT_F16X2_ASM) == m.DOT_F32_ASM
+    monkeypatch.setenv("MOESERVE_INT4_DOT", "fp4")
+    with pytest.raises(ValueError, match="MOESERVE_INT4_DOT"):
+        m.gemv_dot(torch.bfloat16)
+    monkeypatch.setattr(m, "interpreting", lambda: True)
+    assert m.gemv_dot(torch.bfloat16, m.DOT_F16X2_ASM) == m.DOT_TRITON
 
 
 @real

@@ -53,6 +53,7 @@ GEMV configs below); every wrapper takes a ``config`` override for such a sweep.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -209,14 +210,146 @@ fma.rn.f32 $0, v, $9, $0;
 )
 
 
+# Four packed words (one scale group) against their 32 activations in fp16 pairs: per pair of
+# neighbouring elements (the nibbles at bits 4j and 4j + 16) one AND-OR into fp16x2 ``1024 +
+# nibble`` (0x6400 is fp16 1024, whose ulp is 1; a nibble at bit 4 gives ``1024 + 16 * nibble``),
+# one exact FMA to ``(nibble - 8) / 256`` and one FMA into a half2 sum; the sum's two halves are
+# added in fp32 once a group. 13 instructions a word (1.7 a weight) where the fp32 dot above
+# takes 25. The 1/256 keeps the 16 products a half adds below ``|x| / 2``: no overflow for any
+# activation that fits fp16 (they are clamped to it), and fp16's 11-bit significand holds a
+# bf16 activation exactly; the sum's rounding is the cost (about 2**-11 of a group's sum).
+_DOT_GROUP_F16X2_ASM: tl.constexpr = tl.constexpr(
+    """
+{
+.reg .b32 t, h, a, m0, c0, m1, c1;
+.reg .b16 lo, hi;
+.reg .f32 fl, fh;
+mov.b32 m0, 0x1C001C00;
+mov.b32 c0, 0xC408C408;
+mov.b32 m1, 0x0C000C00;
+mov.b32 c1, 0xB480B480;
+lop3.b32 t, $1, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+mul.rn.f16x2 a, t, $5;
+lop3.b32 t, $1, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $6, a;
+shr.u32 h, $1, 8;
+lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $7, a;
+lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $8, a;
+lop3.b32 t, $2, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $9, a;
+lop3.b32 t, $2, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $10, a;
+shr.u32 h, $2, 8;
+lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $11, a;
+lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $12, a;
+lop3.b32 t, $3, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $13, a;
+lop3.b32 t, $3, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $14, a;
+shr.u32 h, $3, 8;
+lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $15, a;
+lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $16, a;
+lop3.b32 t, $4, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $17, a;
+lop3.b32 t, $4, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $18, a;
+shr.u32 h, $4, 8;
+lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m0, c0;
+fma.rn.f16x2 a, t, $19, a;
+lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
+fma.rn.f16x2 t, t, m1, c1;
+fma.rn.f16x2 a, t, $20, a;
+mov.b32 {lo, hi}, a;
+cvt.f32.f16 fl, lo;
+cvt.f32.f16 fh, hi;
+add.f32 $0, fl, fh;
+}
+"""
+)
+
+# Two fp32 activations -> one fp16 pair (the first in the low half), saturated to fp16's range.
+_PACK_F16X2_ASM: tl.constexpr = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
+
+DOT_TRITON, DOT_F32_ASM, DOT_F16X2_ASM = 0, 1, 2  # ``DOT``: how a packed word meets its activations
+
+
 @triton.jit
-def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+def _split4(t, A: tl.constexpr):
+    """``[A, 4]`` -> its four ``[A]`` columns in order."""
+    a, b = tl.split(tl.reshape(t, [A, 2, 2]))  # column 2p + q: split q, then p
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _split4_rows(t, A: tl.constexpr, B: tl.constexpr):
+    """``[A, B, 4]`` -> its four ``[A, B]`` slices in order."""
+    a, b = tl.split(tl.reshape(t, [A, B, 2, 2]))
+    t0, t2 = tl.split(a)
+    t1, t3 = tl.split(b)
+    return t0, t1, t2, t3
+
+
+@triton.jit
+def _f16x2_pairs(v, BLOCK_K: tl.constexpr):
+    """fp32 activations ``[BLOCK_K]`` -> 16 int32 ``[BLOCK_K / 32]`` vectors of fp16 pairs, word q
+    then pair j: group g's holds elements ``32g + 8q + 2j`` (low half) and ``+ 1`` (high half),
+    the pair meeting nibbles 4j and 4j + 16 of the group's word q."""
+    G: tl.constexpr = BLOCK_K // 32
+    even, odd = tl.split(tl.reshape(v, [BLOCK_K // 2, 2]))
+    pairs = tl.inline_asm_elementwise(_PACK_F16X2_ASM, "=r,f,f", [even, odd], dtype=tl.int32, is_pure=True, pack=1)
+    j0, j1, j2, j3 = _split4_rows(tl.reshape(pairs, [G, 4, 4]), G, 4)  # [G, 4 (q)] each
+    p00, p10, p20, p30 = _split4(j0, G)
+    p01, p11, p21, p31 = _split4(j1, G)
+    p02, p12, p22, p32 = _split4(j2, G)
+    p03, p13, p23, p33 = _split4(j3, G)
+    return p00, p01, p02, p03, p10, p11, p12, p13, p20, p21, p22, p23, p30, p31, p32, p33
+
+
+@triton.jit
+def _int4_row_dots(words, scales, v, ROWS: tl.constexpr, BLOCK_K: tl.constexpr, DOT: tl.constexpr):
     """``[ROWS, BLOCK_K / 32]`` partial dot products of packed rows (the kernels' nibble order)
     with a vector chunk ``v`` (fp32): each scale group's 32 products are summed first (inside
     one thread), then scaled once, so the scale costs one multiply per group rather than per
-    weight. ``ASM``: a word at a time through the inline assembly above (not in the interpreter)."""
+    weight. ``DOT``: ``DOT_F32_ASM`` a word at a time through the fp32 inline assembly above,
+    ``DOT_F16X2_ASM`` a group at a time in fp16 pairs (16-bit activations only: fp16 rounds a
+    float32 activation), ``DOT_TRITON`` Triton's ops (the interpreter)."""
     WORDS: tl.constexpr = BLOCK_K // 8
-    if ASM:
+    if DOT == 2:
+        p = _f16x2_pairs(v, BLOCK_K)
+        w0, w1, w2, w3 = _split4_rows(tl.reshape(words, [ROWS, BLOCK_K // 32, 4]), ROWS, BLOCK_K // 32)
+        dots = tl.inline_asm_elementwise(
+            _DOT_GROUP_F16X2_ASM,
+            "=f" + ",r" * 20,
+            [w0, w1, w2, w3] + [q[None, :] for q in p],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=1,
+        )
+        return dots * (scales * 256.0)
+    if DOT == 1:
         # v's element 8w + k in 8 vectors by nibble slot: slot j < 4 holds element 2j, j + 4 holds 2j + 1
         even, odd = tl.split(tl.reshape(v, [WORDS, 2, 2, 2]))  # element 4a + 2b + c: split c, then b, then a
         e04, e26 = tl.split(even)
@@ -254,7 +387,7 @@ def _int4_gate_up_rows(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    ASM: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """Gate and up dot products of ``BLOCK_N`` packed rows with one token's activations.
     ``p_gate`` / ``s_gate``: ``[BLOCK_N, 1]`` pointers to the rows' first word / scale; the up
@@ -277,7 +410,7 @@ def _int4_gate_up_rows(
         w_ptrs = p_gate + k0 // 8 + offs_w[None, :]
         s_ptrs = s_gate + k0 // 32 + offs_g[None, :]
         gate += _int4_row_dots(
-            tl.load(w_ptrs, mask=mw, other=0), tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K, ASM
+            tl.load(w_ptrs, mask=mw, other=0), tl.load(s_ptrs, mask=mg, other=0.0).to(tl.float32), x, BLOCK_N, BLOCK_K, DOT
         )
         up += _int4_row_dots(
             tl.load(w_ptrs + up_words, mask=mw, other=0),
@@ -285,7 +418,7 @@ def _int4_gate_up_rows(
             x,
             BLOCK_N,
             BLOCK_K,
-            ASM,
+            DOT,
         )
     return tl.sum(gate, axis=1), tl.sum(up, axis=1)
 
@@ -330,7 +463,7 @@ def _int4_gate_up_gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    ASM: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -355,7 +488,7 @@ def _int4_gate_up_gemv(
             BLOCK_N,
             BLOCK_K,
             STAGES,
-            ASM,
+            DOT,
         )
     else:  # slice j of the shared experts: rows [j * I, (j + 1) * I) of their gate and up
         row0 = (slot - TOPK) * inter_size
@@ -394,7 +527,7 @@ def _int4_down_gemv(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
-    ASM: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     # One pipelined loop over (local slot, K chunk), then one over the shared slots' chunks: a
     # program streams every chosen local expert's rows of its output tile with ``STAGES`` chunks
@@ -432,7 +565,7 @@ def _int4_down_gemv(
             v,
             BLOCK_N,
             BLOCK_K,
-            ASM,
+            DOT,
         )
     out = tl.sum(acc_q, axis=1)
     if SHARED_SLOTS > 0:
@@ -467,7 +600,29 @@ INT4_DOWN_CONFIG_MORE = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "STAGES"
 INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 1, "STAGES": 1}
 
 
-def _gemv_configs(T: int, inter: int, gate_up_config: dict | None, down_config: dict | None) -> tuple[dict, dict]:
+# How the GEMVs' words meet the activations (``DOT`` in a config): the fp32 assembly is the
+# measured default; the fp16-pair one (``DOT_F16X2_ASM``, 16-bit activations only) is chosen by
+# ``MOESERVE_INT4_DOT=f16x2`` or a config until the GPU sweep says it wins.
+INT4_DOT_VARIANTS = {"f32": DOT_F32_ASM, "f16x2": DOT_F16X2_ASM}
+
+
+def gemv_dot(dtype: torch.dtype, requested: int | None = None) -> int:
+    """The ``DOT`` of the GEMV kernels for activations of ``dtype``: Triton's ops under the
+    interpreter, the fp32 assembly for float32 activations (fp16 would round them), else
+    ``requested`` or ``MOESERVE_INT4_DOT``."""
+    if interpreting():
+        return DOT_TRITON
+    if dtype == torch.float32:
+        return DOT_F32_ASM
+    if requested is not None:
+        return requested
+    name = os.environ.get("MOESERVE_INT4_DOT", "f32") or "f32"
+    if name not in INT4_DOT_VARIANTS:
+        raise ValueError(f"MOESERVE_INT4_DOT must be one of {', '.join(INT4_DOT_VARIANTS)}, not {name!r}")
+    return INT4_DOT_VARIANTS[name]
+
+
+def _gemv_configs(T: int, inter: int, dtype: torch.dtype, gate_up_config: dict | None, down_config: dict | None) -> tuple[dict, dict]:
     if interpreting():
         gu, dn = INTERPRETER_GEMV_CONFIG, INTERPRETER_GEMV_CONFIG
     else:
@@ -477,6 +632,7 @@ def _gemv_configs(T: int, inter: int, gate_up_config: dict | None, down_config: 
     for cfg in (gu, dn):
         if cfg["BLOCK_K"] % GROUP:
             raise ValueError(f"BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the scale group ({GROUP})")
+        cfg["DOT"] = gemv_dot(dtype, cfg.get("DOT"))
     return gu, dn
 
 
@@ -524,7 +680,7 @@ def int4_moe_gemv(
     out = torch.empty_like(x)
     if T == 0:
         return out
-    gu, dn = _gemv_configs(T, inter_size, gate_up_config, down_config)
+    gu, dn = _gemv_configs(T, inter_size, x.dtype, gate_up_config, down_config)
     slots = K + shared_slots
     ids = topk_ids.reshape(-1).contiguous()
     weights = topk_weights.reshape(-1).contiguous()
@@ -550,7 +706,6 @@ def int4_moe_gemv(
         inter.stride(0),
         TOPK=K,
         SHARED_SLOTS=shared_slots,
-        ASM=not interpreting(),
         **gu,
     )
     _int4_down_gemv[(T, triton.cdiv(hidden, dn["BLOCK_N"]))](
@@ -575,7 +730,6 @@ def int4_moe_gemv(
         INTER=inter_size,
         TOPK=K,
         SHARED_SLOTS=shared_slots,
-        ASM=not interpreting(),
         **dn,
     )
     return out
