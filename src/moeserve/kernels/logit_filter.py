@@ -35,6 +35,7 @@ NPIV = 16  # points evaluated per round
 CAP = 16 if interpreting() else 2048
 ROUNDS = 3  # rounds of points before the last, compacting, round
 SWEEP = 1024  # columns per loop step of the one-program passes
+STEP = 1024  # columns per loop step of the compaction and the draw (one block reduction a step)
 # A row's state between rounds: its mode, float fields and int fields.
 SEARCH, WINDOW, COMPACTED, DONE = (tl.constexpr(i) for i in range(4))
 F_LO, F_HI, F_MASS_HI, F_THR, F_TAU = (tl.constexpr(i) for i in range(5))
@@ -56,30 +57,35 @@ def _scaled(X, row, stride_x, cols, n_cols, t, m, min_p):
 @triton.jit
 def _sums_above(X, row, stride_x, start, length, n_cols, t, m, min_p, pts, BLOCK: tl.constexpr, NPIV: tl.constexpr):
     """Over columns ``[start, start + length)``: the mass and the count of data above each of
-    ``pts`` [NPIV], and the smallest data value."""
+    ``pts`` [NPIV], and the smallest data value. The tile is ``[NPIV, BLOCK]``: the columns
+    broadcast along its first dimension stay in the registers they were loaded into (with
+    ``[BLOCK, NPIV]`` Triton moved them through shared memory, 178 instructions a column on sm_90
+    against 131)."""
     lanes = tl.arange(0, BLOCK)
-    mass = tl.zeros([BLOCK, NPIV], tl.float32)
-    count = tl.zeros([BLOCK, NPIV], tl.int32)
+    mass = tl.zeros([NPIV, BLOCK], tl.float32)
+    count = tl.zeros([NPIV, BLOCK], tl.int32)
     low = tl.full([BLOCK], float("inf"), tl.float32)
     for off in range(0, length, BLOCK):
         cols = start + off + lanes
         x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
-        above = data[:, None] & (x[:, None] > pts[None, :])
-        mass += tl.where(above, e[:, None], 0.0)
+        above = data[None, :] & (x[None, :] > pts[:, None])
+        mass += tl.where(above, e[None, :], 0.0)
         count += above.to(tl.int32)
         low = tl.minimum(low, tl.where(data, x, float("inf")))
-    return tl.sum(mass, axis=0), tl.sum(count, axis=0), tl.min(low, axis=0)
+    return tl.sum(mass, axis=1), tl.sum(count, axis=1), tl.min(low, axis=0)
 
 
 @triton.jit
 def _compact(X, row, stride_x, start, length, n_cols, t, m, min_p, lo, hi, Out, Fill, BLOCK: tl.constexpr):
     """Append the data in ``(lo, hi]`` of columns ``[start, start + length)`` to ``Out``, at
-    places reserved from the counter ``Fill`` (the caller knows they fit)."""
+    places reserved from the counter ``Fill`` (the caller knows they fit). A step's count is one
+    reduction over the block, and the cumulative sum runs only in a step holding some: the window
+    is a few hundred of a row's columns."""
     lanes = tl.arange(0, BLOCK)
     for off in range(0, length, BLOCK):
         cols = start + off + lanes
         x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
-        inside = (data & (x > lo) & (x <= hi)).to(tl.int32)
+        inside = (data & (x > lo) & (x <= hi) & (off + lanes < length)).to(tl.int32)
         n = tl.sum(inside, axis=0)
         if n > 0:
             base = tl.atomic_add(Fill, n)
@@ -153,6 +159,7 @@ def _round_kernel(
     NPIV: tl.constexpr,
     CAP: tl.constexpr,
     CHUNKS_P2: tl.constexpr,
+    STEP: tl.constexpr,
 ):
     """Round ``rnd``: merge the previous round's sums into this row's window, then either
     compact the window (it fits ``CAP``), or sum above new points in it, or (LAST) leave it."""
@@ -198,7 +205,7 @@ def _round_kernel(
     if mode == SEARCH:
         start = c * CHUNK
         if count_lo - count_hi <= CAP:
-            _compact(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, BLOCK)
+            _compact(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, STEP)
             mode = tl.full([], COMPACTED, tl.int32)
         elif LAST:
             mode = tl.full([], WINDOW, tl.int32)
@@ -353,6 +360,7 @@ def thresholds(
             NPIV=NPIV,
             CAP=cap,
             CHUNKS_P2=triton.next_power_of_2(chunks),
+            STEP=min(STEP, triton.next_power_of_2(chunk)),
             num_warps=4,
         )
     _resolve_kernel[(R,)](
@@ -369,7 +377,9 @@ def thresholds(
 def _draw_kernel(
     X, stride_x, Rows, Temp, MinP, Best, Tau, Keys, PartBest, PartIdx, n_cols, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr
 ):
-    """Per chunk: the kept token of largest ``x + Gumbel noise`` (lowest index on ties)."""
+    """Per chunk: the kept token of largest ``x + Gumbel noise`` (lowest index on ties). The
+    noise (Philox and two logs, most of a step's arithmetic) is drawn only in steps that hold a
+    kept token: with top-k, or top-p on a peaked distribution, nearly none do."""
     r = tl.program_id(0)
     c = tl.program_id(1)
     row, t, min_p, m = _row(X, stride_x, Rows, Best, Temp, MinP, r)
@@ -382,10 +392,12 @@ def _draw_kernel(
     for off in range(0, CHUNK, BLOCK):
         cols = start + off + lanes
         x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
-        u = tl.rand(key, cols)
-        score = tl.where(data & (x >= tau), x - tl.log(-tl.log(u)), float("-inf"))
-        idx = tl.where(score > best, cols, idx)
-        best = tl.maximum(best, score)
+        kept = data & (x >= tau) & (off + lanes < CHUNK)
+        if tl.max(kept.to(tl.int32), axis=0) > 0:
+            u = tl.rand(key, cols)
+            score = tl.where(kept, x - tl.log(-tl.log(u)), float("-inf"))
+            idx = tl.where(score > best, cols, idx)
+            best = tl.maximum(best, score)
     top = tl.max(best, axis=0)
     out = r.to(tl.int64) * num_chunks + c
     tl.store(PartBest + out, top)
@@ -424,7 +436,7 @@ def sample(
     part_idx = torch.empty(R, chunks, dtype=torch.int32, device=logits.device)
     _draw_kernel[(R, chunks)](
         logits, logits.stride(0), rows, temperature, min_p, best, tau, keys, part_best, part_idx, V, chunks,
-        CHUNK=chunk, BLOCK=BLOCK, num_warps=4,
+        CHUNK=chunk, BLOCK=min(STEP, triton.next_power_of_2(chunk)), num_warps=4,
     )  # fmt: skip
     _draw_merge_kernel[(R,)](part_best, part_idx, rows, best, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
 
