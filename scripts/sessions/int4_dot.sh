@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call for issue 29's one-token INT4 GEMV: the words met in fp16 pairs (DOT_F16X2_ASM) against the fp32 dot.
+# The kernel tests of both dot products at Kimi K2.6's shapes, the routed-expert bench at the GEMV's
+# token counts with --dot f16x2 (each point checked against the default and, at 1 token, the
+# reference), then K2.6 (8 layers, dummy INT4, Triton backend) decode at batch 1 and 8 with
+# MOESERVE_INT4_DOT=f32 and =f16x2 on the same warm machine.
+#   env: CASES (bench cases), TOKENS (bench token counts), SWEEP=1 (also sweep f16x2 tiles)
+#   run: bash scripts/gpu_session.sh int4_dot $OUT
+source "$(dirname "$0")/steps.sh"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
+cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
+K26='{"num_hidden_layers": 8}'
+step tests ${TESTS_S:-110} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_int4.py -k "f16x2 or kimi_k26_decode or dot_choice"
+step bench ${BENCH_S:-170} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/bench" --formats int4 \
+  --cases ${CASES:-tp1,tp2,tp8,ep8-1local,ep8-2local,ep2-4local} --tokens ${TOKENS:-1,2,4,8,16} --dot f16x2 \
+  ${SWEEP:+--sweep --sweep-gemv-max-tokens 1} --time-limit $(( ${BENCH_S:-170} - 10 ))
+for dot in ${DOTS:-f32 f16x2}; do
+  step e2e_k26_$dot ${E2E_S:-120} env MOESERVE_INT4_DOT=$dot python3 scripts/gpu_check.py --model kimi-k2.6 --hf-overrides "$K26" \
+    --out "$work/k26_$dot" --batch-sizes 1,8 --input-len 1024 --output-len 128 --skip-checks --profile '' --moe-backend triton
+done
+tail -4 "$work/tests.log" >> "$work/summary.txt"
+grep -h "FAILED\|Error" "$work/tests.log" | head -10 >> "$work/summary.txt"
+sed -n '/^format case/,$p' "$work/bench.log" >> "$work/summary.txt"
+for f in "$work"/e2e_*.log; do
+  echo "== $(basename "$f")" >> "$work/summary.txt"
+  grep -h "^batch\|│ *[0-9]\|Error" "$f" | head -8 >> "$work/summary.txt"
+done
+pack
