@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import jsonschema
 import pytest
@@ -130,6 +131,33 @@ def test_abort_while_compiling(llm, monkeypatch):
     assert eng.requests[later].seqs[0].grammar is not None and gate.calls == 1
     _, reasons, error = run_until_done(eng, [later])[later]
     assert error is None and reasons == {0: "stop"}
+
+
+def test_abort_cancels_a_compile_still_queued(llm, monkeypatch):
+    """With every compile worker busy, a request's grammar waits in the pool's queue: aborting it
+    cancels that compile (it never runs), unless another request still waits for the same spec."""
+    from moeserve.structured import matcher
+
+    eng = llm.engine
+    gate = Gate(monkeypatch)
+    busy = [eng.add_request("y", constrained({**SCHEMA, "title": f"busy{i}"})) for i in range(matcher.WORKERS)]
+    deadline = time.monotonic() + 30
+    while gate.calls < matcher.WORKERS and time.monotonic() < deadline:  # every worker holds one
+        time.sleep(0.01)
+    assert gate.calls == matcher.WORKERS
+    queued = eng.add_request("y", constrained({**SCHEMA, "title": "queued"}))
+    shared = [eng.add_request("y", constrained({**SCHEMA, "title": "shared"})) for _ in range(2)]
+    queued_future = eng._compiling[queued]
+    shared_future = eng._compiling[shared[0]]
+    eng.abort_request(queued)
+    eng.abort_request(shared[0])
+    assert queued_future.cancelled() and not shared_future.cancelled()  # shared[1] still waits for it
+    assert constrained({**SCHEMA, "title": "queued"}).structured_outputs.key() not in eng._grammars._pending
+    gate.open()
+    results = run_until_done(eng, busy + [shared[1]])
+    assert all(error is None for _, _, error in results.values())
+    assert gate.calls == matcher.WORKERS + 1  # the busy ones and the shared one; never the cancelled
+    assert not eng.has_unfinished_requests()
 
 
 def test_a_compile_that_fails_after_submit_fails_its_request_alone(llm, monkeypatch):

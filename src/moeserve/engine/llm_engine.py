@@ -313,8 +313,13 @@ class LLMEngine:
         if req is None:
             return
         req.aborted = True
-        if request_id in self._compiling:  # the compile goes on (into the cache); its result is not taken
+        if request_id in self._compiling:
+            # Its result is not taken. A compile still queued that no other request shares is
+            # cancelled; one under way goes on into the cache.
+            future = self._compiling[request_id]
             self._stop_compiling(request_id)
+            if all(other is not future for other in self._compiling.values()):
+                self._grammars.cancel(future)
         for seq in req.seqs:
             if not seq.finished and not seq.in_flight:
                 self._finish(seq, "abort")

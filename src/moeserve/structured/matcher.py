@@ -71,13 +71,24 @@ class GrammarCompilers:
         except Exception as e:  # noqa: BLE001
             raise ValueError(f"{spec.field}: cannot compile the {spec.kind} for this tokenizer: {e}") from None
 
+    def cancel(self, future: Future) -> bool:
+        """Drop a compile no request waits for any more, if it has not started: a client that
+        aborts (or disconnects) while its grammar waits behind others' leaves no work queued.
+        One already compiling runs on into the cache (xgrammar cannot be interrupted)."""
+        if not future.cancel():
+            return False
+        for key, pending in list(self._pending.items()):
+            if pending is future:
+                del self._pending[key]
+        return True
+
     def collect(self) -> None:
         """Move finished compiles into the cache (the engine's thread: the cache is its alone)."""
         for key, future in list(self._pending.items()):
             if not future.done():
                 continue
             del self._pending[key]
-            if future.exception() is None:
+            if not future.cancelled() and future.exception() is None:
                 self._compiled[key] = future.result()
                 if len(self._compiled) > MAX_COMPILED:
                     self._compiled.popitem(last=False)
