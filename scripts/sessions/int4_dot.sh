@@ -9,7 +9,7 @@
 source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
-K26='{"num_hidden_layers": 8}'
+K26=${K26:-'{"num_hidden_layers": 8}'}  # 6 layers on an 80 GB card: 8 leave no KV cache
 step tests ${TESTS_S:-110} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_kernels_int4.py -k "f16x2 or kimi_k26_decode or dot_choice"
 step bench ${BENCH_S:-170} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/bench" --formats int4 \
   --cases ${CASES:-tp1,tp2,tp8,ep8-1local,ep8-2local,ep2-4local} --tokens ${TOKENS:-1,2,4,8,16} --dot f16x2 \

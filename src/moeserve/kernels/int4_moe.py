@@ -218,75 +218,28 @@ fma.rn.f32 $0, v, $9, $0;
 # takes 25. The 1/256 keeps the 16 products a half adds below ``|x| / 2``: no overflow for any
 # activation that fits fp16 (they are clamped to it), and fp16's 11-bit significand holds a
 # bf16 activation exactly; the sum's rounding is the cost (about 2**-11 of a group's sum).
-_DOT_GROUP_F16X2_ASM: tl.constexpr = tl.constexpr(
-    """
-{
-.reg .b32 t, h, a, m0, c0, m1, c1;
-.reg .b16 lo, hi;
-.reg .f32 fl, fh;
-mov.b32 m0, 0x1C001C00;
-mov.b32 c0, 0xC408C408;
-mov.b32 m1, 0x0C000C00;
-mov.b32 c1, 0xB480B480;
-lop3.b32 t, $1, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-mul.rn.f16x2 a, t, $5;
-lop3.b32 t, $1, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $6, a;
-shr.u32 h, $1, 8;
-lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $7, a;
-lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $8, a;
-lop3.b32 t, $2, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $9, a;
-lop3.b32 t, $2, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $10, a;
-shr.u32 h, $2, 8;
-lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $11, a;
-lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $12, a;
-lop3.b32 t, $3, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $13, a;
-lop3.b32 t, $3, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $14, a;
-shr.u32 h, $3, 8;
-lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $15, a;
-lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $16, a;
-lop3.b32 t, $4, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $17, a;
-lop3.b32 t, $4, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $18, a;
-shr.u32 h, $4, 8;
-lop3.b32 t, h, 0x000f000f, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m0, c0;
-fma.rn.f16x2 a, t, $19, a;
-lop3.b32 t, h, 0x00f000f0, 0x64006400, 0xea;
-fma.rn.f16x2 t, t, m1, c1;
-fma.rn.f16x2 a, t, $20, a;
-mov.b32 {lo, hi}, a;
-cvt.f32.f16 fl, lo;
-cvt.f32.f16 fh, hi;
-add.f32 $0, fl, fh;
-}
-"""
-)
+def _dot_group_f16x2_asm() -> str:
+    """The assembly: word q (``$1 + q``) into its own half2 sum (four short chains, not one long
+    one: at one token each thread holds few groups, so the chains' latency is not hidden by other
+    work), the four added, then the two halves in fp32."""
+    lines = ["{", ".reg .b32 t, h, m0, c0, m1, c1, a0, a1, a2, a3;", ".reg .b16 lo, hi;", ".reg .f32 fl, fh;"]
+    lines += ["mov.b32 m0, 0x1C001C00;", "mov.b32 c0, 0xC408C408;", "mov.b32 m1, 0x0C000C00;", "mov.b32 c1, 0xB480B480;"]
+    for q in range(4):
+        w, pair = f"${1 + q}", 5 + 4 * q
+        for j, (src, mask, m, c) in enumerate(
+            [(w, "0x000f000f", "m0", "c0"), (w, "0x00f000f0", "m1", "c1"), ("h", "0x000f000f", "m0", "c0"), ("h", "0x00f000f0", "m1", "c1")]
+        ):
+            if j == 2:
+                lines.append(f"shr.u32 h, {w}, 8;")
+            lines.append(f"lop3.b32 t, {src}, {mask}, 0x64006400, 0xea;")
+            lines.append(f"fma.rn.f16x2 t, t, {m}, {c};")
+            lines.append(f"mul.rn.f16x2 a{q}, t, ${pair + j};" if j == 0 else f"fma.rn.f16x2 a{q}, t, ${pair + j}, a{q};")
+    lines += ["add.rn.f16x2 a0, a0, a1;", "add.rn.f16x2 a2, a2, a3;", "add.rn.f16x2 a0, a0, a2;"]
+    lines += ["mov.b32 {lo, hi}, a0;", "cvt.f32.f16 fl, lo;", "cvt.f32.f16 fh, hi;", "add.f32 $0, fl, fh;", "}"]
+    return "\n".join(lines)
+
+
+_DOT_GROUP_F16X2_ASM: tl.constexpr = tl.constexpr(_dot_group_f16x2_asm())
 
 # Two fp32 activations -> one fp16 pair (the first in the low half), saturated to fp16's range.
 _PACK_F16X2_ASM: tl.constexpr = tl.constexpr("cvt.rn.satfinite.f16x2.f32 $0, $2, $1;")
