@@ -420,10 +420,10 @@ def main() -> int:
                         return fmt.gemv(x, w, tw, ids, first, {**(gu or {}), "DOT": DOT_F16X2_ASM}, {**(dn or {}), "DOT": DOT_F16X2_ASM})
 
                     hus = point("f16x2", f16x2, None, default_out)
+                    line += f" | f16x2 {hus or float('nan'):8.1f} ({100 * moved / ((hus or 1e9) * 1e-6) / bw:4.1f} %)"
                     if hus is not None and ref_out is not None:
                         rows[-1]["rel_err_vs_ref"] = rel_err(f16x2(*inputs[0]), ref_out)
-                        line += f" (err vs ref {rows[-1]['rel_err_vs_ref']:.2e})"
-                    line += f" | f16x2 {hus or float('nan'):8.1f} ({100 * moved / ((hus or 1e9) * 1e-6) / bw:4.1f} %)"
+                        line += f" err vs ref {rows[-1]['rel_err_vs_ref']:.2e}"
                     if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                         best = coordinate_descent("f16x2-tile", f16x2, fmt.gemv_grid, fmt.down_grid, point, default_out)
                         line += f" | best f16x2 {best or float('nan'):8.1f}"

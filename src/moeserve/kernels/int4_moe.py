@@ -356,8 +356,16 @@ def _int4_gate_up_rows(
     offs_g = tl.arange(0, BLOCK_G)
     gate = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # per scale group, summed once at the end
     up = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
+    # The fp16-pair dot reads the activations in registers, and the pipeliner leaves that load
+    # synchronous (the fp32 dot's goes through shared memory, asynchronously): so the next chunk's
+    # activations are asked for one iteration ahead here.
+    x_next = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
-        x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < hidden, other=0.0).to(tl.float32)
+        if DOT == 2:
+            x = x_next.to(tl.float32)
+            x_next = tl.load(x_row + k0 + BLOCK_K + offs_k, mask=k0 + BLOCK_K + offs_k < hidden, other=0.0)
+        else:
+            x = tl.load(x_row + k0 + offs_k, mask=k0 + offs_k < hidden, other=0.0).to(tl.float32)
         mw = mask_n[:, None] & (k0 // 8 + offs_w < hidden // 8)[None, :]
         mg = mask_n[:, None] & (k0 // 32 + offs_g < hidden // 32)[None, :]
         w_ptrs = p_gate + k0 // 8 + offs_w[None, :]
@@ -455,6 +463,20 @@ def _int4_gate_up_gemv(
 
 
 @triton.jit
+def _down_chunk(
+    inter_row0, stride_i, weights, offs_s, mine, rank, it, total, offs_k, INTER: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """Iteration ``it``'s chunk of its local slot's intermediate row (``inter_row0``: the token's
+    first) times the slot's router weight; zeros past ``total``."""
+    slot = tl.sum(tl.where(mine & (rank == it // CHUNKS), offs_s, 0), 0)
+    k0 = (it % CHUNKS) * BLOCK_K
+    live = it < total
+    weight = tl.where(live, tl.load(weights + slot).to(tl.float32), 0.0)  # (past the end: slot 0, in bounds)
+    v = tl.load(inter_row0 + slot * stride_i + k0 + offs_k, mask=k0 + offs_k < INTER, other=0.0)
+    return v.to(tl.float32) * weight
+
+
+@triton.jit
 def _int4_down_gemv(
     Inter,
     P2,
@@ -502,14 +524,27 @@ def _int4_down_gemv(
     mine = (offs_s < TOPK) & (local_e >= 0) & (local_e < num_local)
     rank = tl.cumsum(mine.to(tl.int32), 0) - 1  # the j-th local slot has rank j
     acc_q = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # routed (INT4) slots, per scale group
-    for it in tl.range(0, tl.sum(mine.to(tl.int32), 0) * CHUNKS, num_stages=STAGES):
+    n_local = tl.sum(mine.to(tl.int32), 0)
+    inter_row0 = Inter + token * (TOPK + SHARED_SLOTS) * stride_i
+    # (the fp16-pair dot: the next iteration's intermediate chunk asked for one iteration ahead, as
+    # in the gate/up kernel)
+    v_next = _down_chunk(
+        inter_row0, stride_i, Weights + token * TOPK, offs_s, mine, rank, 0, n_local * CHUNKS, offs_k, INTER, CHUNKS, BLOCK_K
+    )
+    for it in tl.range(0, n_local * CHUNKS, num_stages=STAGES):
         pick = mine & (rank == it // CHUNKS)
         slot = tl.sum(tl.where(pick, offs_s, 0), 0)
         e = tl.sum(tl.where(pick, local_e, 0), 0)
         k0 = (it % CHUNKS) * BLOCK_K
-        weight = tl.load(Weights + token * TOPK + slot).to(tl.float32)
-        inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
-        v = tl.load(inter_row + k0 + offs_k, mask=k0 + offs_k < INTER, other=0.0).to(tl.float32) * weight
+        if DOT == 2:
+            v = v_next
+            v_next = _down_chunk(
+                inter_row0, stride_i, Weights + token * TOPK, offs_s, mine, rank, it + 1, n_local * CHUNKS, offs_k, INTER, CHUNKS, BLOCK_K
+            )
+        else:
+            weight = tl.load(Weights + token * TOPK + slot).to(tl.float32)
+            inter_row = Inter + (token * (TOPK + SHARED_SLOTS) + slot) * stride_i
+            v = tl.load(inter_row + k0 + offs_k, mask=k0 + offs_k < INTER, other=0.0).to(tl.float32) * weight
         mw = mask_n[:, None] & (k0 // 8 + offs_w < INTER // 8)[None, :]
         mg = mask_n[:, None] & (k0 // 32 + offs_g < INTER // 32)[None, :]
         acc_q += _int4_row_dots(
