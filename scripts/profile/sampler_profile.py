@@ -29,6 +29,10 @@ def logits(B: int, V: int, flat: bool) -> torch.Tensor:
     return -1.1 * ranks.log() + 0.3 * torch.randn(B, V, generator=g, device="cuda")
 
 
+def _device_us(event) -> float:
+    return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+
+
 def run(x: torch.Tensor, params: list[SamplingParams], calls: int) -> tuple[float, list[tuple[str, float, int]]]:
     gens = [None] * len(params)
 
@@ -46,7 +50,7 @@ def run(x: torch.Tensor, params: list[SamplingParams], calls: int) -> tuple[floa
         for _ in range(calls):
             once()
         torch.cuda.synchronize()
-    rows = [(e.key, e.device_time_total / calls, e.count // calls) for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [(e.key, _device_us(e) / calls, e.count // calls) for e in prof.key_averages() if _device_us(e) > 0]
     return wall, sorted(rows, key=lambda r: -r[1])
 
 
