@@ -5,8 +5,8 @@ The rule, and its torch paths, are ``logit_filter_ref``: each row keeps its data
 ``thresholds`` finds ``tau``. Each row is cut into chunks of ``CHUNK`` columns; a round sums the
 mass and the count of data above ``NPIV`` points of the row's window ``(lo, hi]`` (``tau`` lies
 in it) over all chunks at once, and the next round's programs merge those sums and keep the
-sub-window where the condition turns true. The first round's points sit below ``m`` on a fixed
-quadratic grid, the later ones evenly across the window. Once a window holds at most ``CAP``
+sub-window where the condition turns true. The first round's points, half as many, sit below ``m``
+on a fixed geometric grid, the later ones evenly across the window. Once a window holds at most ``CAP``
 data tokens they are compacted into a scratch row, which one program per row sorts
 (``tl.sort``) to read ``tau`` off. A window still wider after the last round (many near-equal
 values) is narrowed by that one program over the whole row: exact, slower, rare. A fixed number
@@ -180,7 +180,7 @@ def _round_kernel(
         count_lo = 1 << 30  # unknown before the first sums: more than any CAP
         count_hi = 0
         mode = tl.where((tl.load(TopP + r) >= 1.0) & (k > n_cols), DONE, SEARCH)
-        pts = tl.where(lanes == 0, float("-inf"), m - 0.125 * ((NPIV - lanes) * (NPIV - lanes)).to(tl.float32))
+        pts = tl.zeros([NPIV], tl.float32)  # (the first round's own points: below)
     else:
         lo, hi, mass_hi, thr, tau, count_lo, count_hi, mode = _load_state(StateF, StateI, new - n_rows)
         pts = tl.zeros([NPIV], tl.float32)
@@ -210,17 +210,30 @@ def _round_kernel(
         elif LAST:
             mode = tl.full([], WINDOW, tl.int32)
         else:
-            if not FIRST:
-                pts = lo + (hi - lo) * ((lanes + 1).to(tl.float32) / (NPIV + 1))
-            mass, count, low = _sums_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, pts, BLOCK, NPIV)
             own = (rnd % 2) * n_rows + r
-            part = (own * num_chunks + c).to(tl.int64) * NPIV + lanes
-            tl.store(PartMass + part, mass)
-            tl.store(PartCount + part, count)
+            part = (own * num_chunks + c).to(tl.int64) * NPIV
             if FIRST:
+                # Half the points, on a geometric grid below m (-inf, m - 24, m - 12, ..., m - 0.375),
+                # the other half +inf (nothing above them): the first pass reads every logit of the
+                # batch, and its cost is the points a column.
+                half = tl.arange(0, NPIV // 2)
+                first_pts = tl.where(half == 0, float("-inf"), m - 0.375 * tl.exp2((NPIV // 2 - 1 - half).to(tl.float32)))
+                mass, count, low = _sums_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, first_pts, BLOCK, NPIV // 2)
+                tl.store(PartMass + part + half, mass)
+                tl.store(PartMass + part + NPIV // 2 + half, tl.zeros([NPIV // 2], tl.float32))
+                tl.store(PartCount + part + half, count)
+                tl.store(PartCount + part + NPIV // 2 + half, tl.zeros([NPIV // 2], tl.int32))
                 tl.store(PartMin + r.to(tl.int64) * num_chunks + c, low)
-            if c == 0:
-                tl.store(Points + own.to(tl.int64) * NPIV + lanes, pts)
+                if c == 0:
+                    tl.store(Points + own.to(tl.int64) * NPIV + half, first_pts)
+                    tl.store(Points + own.to(tl.int64) * NPIV + NPIV // 2 + half, tl.full([NPIV // 2], float("inf"), tl.float32))
+            else:
+                pts = lo + (hi - lo) * ((lanes + 1).to(tl.float32) / (NPIV + 1))
+                mass, count, low = _sums_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, pts, BLOCK, NPIV)
+                tl.store(PartMass + part + lanes, mass)
+                tl.store(PartCount + part + lanes, count)
+                if c == 0:
+                    tl.store(Points + own.to(tl.int64) * NPIV + lanes, pts)
     if c == 0:
         tl.store(StateF + new * 8 + F_LO, lo)
         tl.store(StateF + new * 8 + F_HI, hi)
