@@ -357,8 +357,9 @@ def _int4_gate_up_rows(
     gate = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)  # per scale group, summed once at the end
     up = tl.zeros([BLOCK_N, BLOCK_G], dtype=tl.float32)
     # The fp16-pair dot reads the activations in registers, and the pipeliner leaves that load
-    # synchronous (the fp32 dot's goes through shared memory, asynchronously): so the next chunk's
-    # activations are asked for one iteration ahead here.
+    # synchronous (the fp32 dot's goes through shared memory, asynchronously), so the next chunk's
+    # activations are asked for one iteration ahead here. (Measured on an H100: TP8 slices a few
+    # percent faster, TP1 no better; BENCHMARKS.md, 2026-12-06, twentieth session.)
     x_next = tl.load(x_row + offs_k, mask=offs_k < hidden, other=0.0)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=STAGES):
         if DOT == 2:
