@@ -251,10 +251,13 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
             out = model(to_device(next_ids, dev), mtp_ctx.positions, hidden[keep_t])
         last_hidden = out[mtp_ctx.logits_indices]
         tokens = model.compute_logits(last_hidden).argmax(dim=-1)
-    proposals = [[t] for t in tokens.tolist()]
+    # The drafts stay on the device until the chain ends: one read-back for all k of them (the
+    # chain's inputs are the device tokens; which rows go on depends on their pages alone).
+    drafted = [tokens]
     # Chain: one token per sampling row at the position after its newest one, while its pages last.
     sample_rows = [i for i, nxt in enumerate(step.next_token_ids) if nxt < 0]  # batch row of sampling row r
     active = list(range(len(sample_rows)))
+    chained: list[list[int]] = []  # the sampling rows of each chained draft
     pos = [context_lens[i] for i in sample_rows]  # where each sampling row's next draft goes
     ps = runner.page_size
     for _ in range(drafter.k - 1):
@@ -286,9 +289,17 @@ def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: tor
             else:
                 last_hidden = model(tokens, chain_ctx.positions, last_hidden)
             tokens = model.compute_logits(last_hidden).argmax(dim=-1)
-        for r, t in zip(active, tokens.tolist()):
-            proposals[r].append(t)
+        drafted.append(tokens)
+        chained.append(active)
+        for r in active:
             pos[r] += 1
+    values = torch.cat(drafted).tolist()
+    proposals = [[t] for t in values[: len(sample_rows)]]
+    at = len(sample_rows)
+    for rows_of_step in chained:
+        for r, t in zip(rows_of_step, values[at : at + len(rows_of_step)]):
+            proposals[r].append(t)
+        at += len(rows_of_step)
     return proposals
 
 
