@@ -8,6 +8,7 @@
 #   needs: humming-kernels, compressed-tensors + loguru + pydantic (scripts/fetch_server_wheels.sh;
 #   .whl carried and installed first); .hcache/cache.tgz (an earlier call's hcache.tgz, carried)
 #   saves humming's compiles
+#   env: E2E_BACKENDS, K26 (the hf-overrides of Kimi K2.6: 6 layers on an 80 GB card)
 #   run: E2E_BACKENDS="auto triton" bash scripts/gpu_session.sh experts $OUT
 source "$(dirname "$0")/steps.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv > "$work/gpu.txt" 2>&1
@@ -15,7 +16,7 @@ cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" >
 export HUMMING_CACHE_DIR=${HUMMING_CACHE_DIR:-/tmp/hcache}
 mkdir -p "$HUMMING_CACHE_DIR"
 [ -f .hcache/cache.tgz ] && tar xzf .hcache/cache.tgz -C "$HUMMING_CACHE_DIR"  # an earlier call's hcache.tgz
-K26='{"num_hidden_layers": 8}'
+K26=${K26:-'{"num_hidden_layers": 8}'}  # 8 layers leave no KV cache on an 80 GB card: K26='{"num_hidden_layers": 6}' there
 V3='{"num_hidden_layers": 5}'
 step tests ${TESTS_S:-90} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py -x
 step fp8_kernels ${FP8_S:-70} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/fp8" --formats fp8 \
