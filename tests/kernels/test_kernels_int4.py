@@ -520,18 +520,24 @@ def test_int4_moe_gemv_f16x2_saturates_huge_activations():
 
 
 def test_gemv_dot_choice(monkeypatch):
-    """Which dot product the GEMV kernels compile: never fp16 pairs for float32 activations; the
-    fp32 assembly unless a config or ``MOESERVE_INT4_DOT`` asks for the pairs; Triton's ops
-    under the interpreter."""
+    """Which dot product the GEMV kernels compile: never fp16 pairs for float32 activations; by
+    default (``auto``) fp16 pairs for slices up to ``F16X2_MAX_INTER`` wide (a TP8 rank's of
+    K2.6, where they measured faster) and the fp32 assembly for wider ones; a config or
+    ``MOESERVE_INT4_DOT`` forces one; Triton's ops under the interpreter."""
     import moeserve.kernels.int4_moe as m
 
     monkeypatch.setattr(m, "interpreting", lambda: False)
     monkeypatch.delenv("MOESERVE_INT4_DOT", raising=False)
-    assert m.gemv_dot(torch.bfloat16) == m.DOT_F32_ASM
-    assert m.gemv_dot(torch.bfloat16, m.DOT_F16X2_ASM) == m.DOT_F16X2_ASM
+    assert m.gemv_dot(torch.bfloat16, inter=2048) == m.gemv_dot(torch.bfloat16, inter=512) == m.DOT_F32_ASM
+    assert m.gemv_dot(torch.bfloat16, inter=256) == m.gemv_dot(torch.float16, inter=128) == m.DOT_F16X2_ASM
+    assert m.gemv_dot(torch.float32, inter=256) == m.DOT_F32_ASM
+    assert m.gemv_dot(torch.bfloat16, m.DOT_F16X2_ASM, inter=2048) == m.DOT_F16X2_ASM
+    assert m.gemv_dot(torch.bfloat16, m.DOT_F32_ASM, inter=256) == m.DOT_F32_ASM
     monkeypatch.setenv("MOESERVE_INT4_DOT", "f16x2")
-    assert m.gemv_dot(torch.bfloat16) == m.gemv_dot(torch.float16) == m.DOT_F16X2_ASM
+    assert m.gemv_dot(torch.bfloat16, inter=2048) == m.gemv_dot(torch.float16) == m.DOT_F16X2_ASM
     assert m.gemv_dot(torch.float32) == m.gemv_dot(torch.float32, m.DOT_F16X2_ASM) == m.DOT_F32_ASM
+    monkeypatch.setenv("MOESERVE_INT4_DOT", "f32")
+    assert m.gemv_dot(torch.bfloat16, inter=256) == m.DOT_F32_ASM
     monkeypatch.setenv("MOESERVE_INT4_DOT", "fp4")
     with pytest.raises(ValueError, match="MOESERVE_INT4_DOT"):
         m.gemv_dot(torch.bfloat16)

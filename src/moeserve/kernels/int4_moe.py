@@ -589,25 +589,31 @@ INT4_DOWN_CONFIG_MORE = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "STAGES"
 INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 1, "STAGES": 1}
 
 
-# How the GEMVs' words meet the activations (``DOT`` in a config): the fp32 assembly is the
-# measured default; the fp16-pair one (``DOT_F16X2_ASM``, 16-bit activations only) is chosen by
-# ``MOESERVE_INT4_DOT=f16x2`` or a config until the GPU sweep says it wins.
+# How the GEMVs' words meet the activations (``DOT`` in a config). Measured on an H100
+# (BENCHMARKS.md, 2026-12-06, twentieth session; Kimi K2.6 shapes, 1-16 tokens): the fp16-pair dot is
+# 1.04-1.23x faster on expert slices up to 256 wide (a TP8 rank's) and 0.65-0.95x on every wider
+# one (TP1, TP2, EP ranks' whole experts), so ``auto`` takes it up to that width.
+# ``MOESERVE_INT4_DOT=f32|f16x2`` forces one.
 INT4_DOT_VARIANTS = {"f32": DOT_F32_ASM, "f16x2": DOT_F16X2_ASM}
+F16X2_MAX_INTER = 256
 
 
-def gemv_dot(dtype: torch.dtype, requested: int | None = None) -> int:
-    """The ``DOT`` of the GEMV kernels for activations of ``dtype``: Triton's ops under the
-    interpreter, the fp32 assembly for float32 activations (fp16 would round them), else
-    ``requested`` or ``MOESERVE_INT4_DOT``."""
+def gemv_dot(dtype: torch.dtype, requested: int | None = None, inter: int | None = None) -> int:
+    """The ``DOT`` of the GEMV kernels for activations of ``dtype`` and experts (or slices)
+    ``inter`` wide: Triton's ops under the interpreter, the fp32 assembly for float32 activations
+    (fp16 would round them), else ``requested``, else ``MOESERVE_INT4_DOT`` (``auto``: fp16 pairs
+    up to ``F16X2_MAX_INTER`` wide)."""
     if interpreting():
         return DOT_TRITON
     if dtype == torch.float32:
         return DOT_F32_ASM
     if requested is not None:
         return requested
-    name = os.environ.get("MOESERVE_INT4_DOT", "f32") or "f32"
+    name = os.environ.get("MOESERVE_INT4_DOT", "auto") or "auto"
+    if name == "auto":
+        return DOT_F16X2_ASM if inter is not None and inter <= F16X2_MAX_INTER else DOT_F32_ASM
     if name not in INT4_DOT_VARIANTS:
-        raise ValueError(f"MOESERVE_INT4_DOT must be one of {', '.join(INT4_DOT_VARIANTS)}, not {name!r}")
+        raise ValueError(f"MOESERVE_INT4_DOT must be one of auto, {', '.join(INT4_DOT_VARIANTS)}, not {name!r}")
     return INT4_DOT_VARIANTS[name]
 
 
@@ -621,7 +627,7 @@ def _gemv_configs(T: int, inter: int, dtype: torch.dtype, gate_up_config: dict |
     for cfg in (gu, dn):
         if cfg["BLOCK_K"] % GROUP:
             raise ValueError(f"BLOCK_K ({cfg['BLOCK_K']}) must be a multiple of the scale group ({GROUP})")
-        cfg["DOT"] = gemv_dot(dtype, cfg.get("DOT"))
+        cfg["DOT"] = gemv_dot(dtype, cfg.get("DOT"), inter)
     return gu, dn
 
 
