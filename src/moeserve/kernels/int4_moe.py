@@ -591,8 +591,9 @@ INTERPRETER_GEMV_CONFIG = {"BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 1, "STAGES
 
 # How the GEMVs' words meet the activations (``DOT`` in a config). Measured on an H100
 # (BENCHMARKS.md, 2026-12-06, twentieth session; Kimi K2.6 shapes, 1-16 tokens): the fp16-pair dot is
-# 1.04-1.23x faster on expert slices up to 256 wide (a TP8 rank's) and 0.65-0.95x on every wider
-# one (TP1, TP2, EP ranks' whole experts), so ``auto`` takes it up to that width.
+# 1.09-1.23x faster at 1-4 tokens on expert slices up to 256 wide (a TP8 rank's; 1.01-1.07x at
+# 8-16) and 0.65-0.95x on every wider one (TP1, TP2, EP ranks' whole experts), so ``auto`` takes
+# it up to that width.
 # ``MOESERVE_INT4_DOT=f32|f16x2`` forces one.
 INT4_DOT_VARIANTS = {"f32": DOT_F32_ASM, "f16x2": DOT_F16X2_ASM}
 F16X2_MAX_INTER = 256
