@@ -180,7 +180,6 @@ def _round_kernel(
         count_lo = 1 << 30  # unknown before the first sums: more than any CAP
         count_hi = 0
         mode = tl.where((tl.load(TopP + r) >= 1.0) & (k > n_cols), DONE, SEARCH)
-        pts = tl.zeros([NPIV], tl.float32)  # (the first round's own points: below)
     else:
         lo, hi, mass_hi, thr, tau, count_lo, count_hi, mode = _load_state(StateF, StateI, new - n_rows)
         pts = tl.zeros([NPIV], tl.float32)
@@ -316,6 +315,11 @@ def _resolve_kernel(
     tl.store(Tau + r, tau)
 
 
+def _step(chunk: int) -> int:
+    """Columns per loop step of the compaction and the draw for chunks of ``chunk`` columns."""
+    return min(STEP, triton.next_power_of_2(chunk))
+
+
 def thresholds(
     logits: torch.Tensor,
     rows: torch.Tensor,
@@ -373,7 +377,7 @@ def thresholds(
             NPIV=NPIV,
             CAP=cap,
             CHUNKS_P2=triton.next_power_of_2(chunks),
-            STEP=min(STEP, triton.next_power_of_2(chunk)),
+            STEP=_step(chunk),
             num_warps=4,
         )
     _resolve_kernel[(R,)](
@@ -449,7 +453,7 @@ def sample(
     part_idx = torch.empty(R, chunks, dtype=torch.int32, device=logits.device)
     _draw_kernel[(R, chunks)](
         logits, logits.stride(0), rows, temperature, min_p, best, tau, keys, part_best, part_idx, V, chunks,
-        CHUNK=chunk, BLOCK=min(STEP, triton.next_power_of_2(chunk)), num_warps=4,
+        CHUNK=chunk, BLOCK=_step(chunk), num_warps=4,
     )  # fmt: skip
     _draw_merge_kernel[(R,)](part_best, part_idx, rows, best, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
 
