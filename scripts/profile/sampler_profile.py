@@ -33,7 +33,7 @@ def _device_us(event) -> float:
     return getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
 
 
-def run(x: torch.Tensor, params: list[SamplingParams], calls: int) -> tuple[float, list[tuple[str, float, int]]]:
+def run(x: torch.Tensor, params: list[SamplingParams], calls: int) -> tuple[float, list[tuple[str, float, int]], list[tuple[str, float]]]:
     gens = [None] * len(params)
 
     def once():
@@ -51,7 +51,18 @@ def run(x: torch.Tensor, params: list[SamplingParams], calls: int) -> tuple[floa
             once()
         torch.cuda.synchronize()
     rows = [(e.key, _device_us(e) / calls, e.count // calls) for e in prof.key_averages() if _device_us(e) > 0]
-    return wall, sorted(rows, key=lambda r: -r[1])
+    return wall, sorted(rows, key=lambda r: -r[1]), _launches(prof, calls)
+
+
+def _launches(prof, calls: int) -> list[tuple[str, float]]:
+    """The device's work of one call in launch order, each launch's time averaged over the calls
+    (the rounds of the threshold search apart)."""
+    ops = [e for e in prof.events() if str(getattr(e, "device_type", "")).endswith("CUDA")]
+    ops.sort(key=lambda e: e.time_range.start)
+    per_call = len(ops) // calls if calls else 0
+    if per_call == 0 or per_call * calls != len(ops):
+        return []
+    return [(ops[i].name, sum(e.time_range.elapsed_us() for e in ops[i::per_call]) / calls) for i in range(per_call)]
 
 
 def main() -> int:
@@ -68,12 +79,15 @@ def main() -> int:
         "p0.95": SamplingParams(temperature=1.0, top_p=0.95, max_tokens=8),
     }
     for name, p in configs.items():
-        wall, rows = run(x, [p] * args.batch, args.calls)
+        wall, rows, launches = run(x, [p] * args.batch, args.calls)
         gpu = sum(us for _, us, _ in rows)
         shape = f"batch {args.batch}, V {args.vocab}{' flat' if args.flat else ''}"
         print(f"== {name}, {shape}: wall {wall:.0f} us a call, kernels {gpu:.0f} us")
         for key, us, n in rows[:14]:
             print(f"   {us:8.1f} us  x{n:<3d} {key[:90]}")
+        print("   in launch order:")
+        for key, us in launches:
+            print(f"   {us:8.1f} us  {key[:90]}")
     return 0
 
 
