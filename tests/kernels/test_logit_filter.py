@@ -152,3 +152,25 @@ def test_a_rows_draw_depends_on_its_key_alone():
 
 def test_selfcheck():
     assert logit_filter.selfcheck(torch.device(DEV))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_drawing_from_the_compacted_top_draws_what_the_pass_draws(seed):
+    """``draw`` (rows whose whole top fits the scratch row drawn there) gives the tokens of
+    ``thresholds`` + ``sample`` (every row drawn by a pass over its logits), with rows of both
+    kinds in the batch; the same noise, so the same tokens."""
+    logits, temperature, top_k, top_p, min_p = random_case(10, 300, seed=seed + 40)
+    top_k[:5] = torch.tensor([1, 3, 8, 12, 15])  # a small k: the whole top fits cap 16
+    keys = (torch.arange(10) + 100 * seed) << 33
+    args = [t.to(DEV) for t in (logits, torch.arange(10), temperature, top_k, top_p, min_p, logits.argmax(-1))]
+    logits_on, rows, temperature_on, top_k_on, top_p_on, min_p_on, best = args
+    tau, drawn = logit_filter._search(*args, keys.to(DEV), 256, 16)
+    assert 0 < int(drawn.sum()) < 10, drawn.tolist()  # both paths taken
+    passed = best.clone()
+    logit_filter.sample(logits_on, rows, temperature_on, min_p_on, passed, logit_filter.thresholds(*args, chunk=256, cap=16), keys.to(DEV))
+    drawn_tokens = best.clone()
+    logit_filter.draw(*args[:6], drawn_tokens, keys.to(DEV), chunk=256, cap=16)
+    assert torch.equal(drawn_tokens.cpu(), passed.cpu())
+    x = scale_and_min_p(logits, temperature, min_p)
+    kept = apply_thresholds(x, sort_thresholds(x, top_k, top_p)) > NEG
+    assert kept[torch.arange(10), drawn_tokens.cpu()].all()

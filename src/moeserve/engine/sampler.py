@@ -227,10 +227,10 @@ def _draw(
         keys = [_philox_key(g) if g is not None else next(unseeded) for g in gens]
         temperature, top_k, top_p, min_p, idx, keys_on = _settings(sub, V, dev, random_rows, keys)
         if any(_filters(p, V) for p in sub):
-            tau = logit_filter.thresholds(choose_from, idx, temperature, top_k, top_p, min_p, tokens)
+            logit_filter.draw(choose_from, idx, temperature, top_k, top_p, min_p, tokens, keys_on)
         else:
             tau = torch.full((len(sub),), float("-inf"), device=dev)
-        logit_filter.sample(choose_from, idx, temperature, min_p, tokens, tau, keys_on)
+            logit_filter.sample(choose_from, idx, temperature, min_p, tokens, tau, keys_on)
         return
     idx = to_device(random_rows, dev)
     probs = filter_logits(choose_from[idx], sub).softmax(-1)

@@ -5,17 +5,21 @@ The rule, and its torch paths, are ``logit_filter_ref``: each row keeps its data
 ``thresholds`` finds ``tau``. Each row is cut into chunks of ``CHUNK`` columns; a round sums the
 mass and the count of data above ``NPIV`` points of the row's window ``(lo, hi]`` (``tau`` lies
 in it) over all chunks at once, and the next round's programs merge those sums and keep the
-sub-window where the condition turns true. The first round's points, half as many, sit below ``m``
-on a fixed geometric grid, the later ones evenly across the window. Once a window holds at most ``CAP``
-data tokens they are compacted into a scratch row, which one program per row sorts
-(``tl.sort``) to read ``tau`` off. A window still wider after the last round (many near-equal
-values) is narrowed by that one program over the whole row: exact, slower, rare. A fixed number
-of launches and no host synchronisation.
+sub-window where the condition turns true. The first round's points, half as many, sit below
+``m`` on a fixed geometric grid, the later ones evenly across the window. Once a window holds at
+most ``CAP`` data tokens they are compacted into a scratch row, with their columns, which one
+program per row sorts (``tl.sort``) to read ``tau`` off. Where every data token above the
+window's floor fits (the whole *top*: the kept set and more, as with a small top-k), that is
+what is compacted. A window still wider after the last round (many near-equal values) is
+narrowed by that one program over the whole row: exact, slower, rare. A fixed number of
+launches and no host synchronisation.
 
 ``sample`` then draws one token per row from its kept tokens by the Gumbel-max trick (the
 engine's exponential race: ``argmax(x - log E)``, ``E ~ Exp(1)``), its noise from Philox keyed
 by the row's 64-bit key and the column, so a row's draw depends on its key alone, not on the
-batch. NaN and ``+inf`` logits are not supported; a row that is all ``-inf`` neither.
+batch. ``draw`` does both, and draws a row whose whole top was compacted from its scratch row
+instead of a pass over its logits: the same noise, the same token. NaN and ``+inf`` logits are
+not supported; a row that is all ``-inf`` neither.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ ROUNDS = 3  # rounds of points before the last, compacting, round
 SWEEP = 1024  # columns per loop step of the one-program passes
 STEP = 1024  # columns per loop step of the compaction and the draw (one block reduction a step)
 # A row's state between rounds: its mode, float fields and int fields.
-SEARCH, WINDOW, COMPACTED, DONE = (tl.constexpr(i) for i in range(4))
+SEARCH, WINDOW, COMPACTED, DONE, TOP = (tl.constexpr(i) for i in range(5))
 F_LO, F_HI, F_MASS_HI, F_THR, F_TAU = (tl.constexpr(i) for i in range(5))
 I_COUNT_LO, I_COUNT_HI, I_MODE = (tl.constexpr(i) for i in range(3))
 
@@ -76,9 +80,9 @@ def _sums_above(X, row, stride_x, start, length, n_cols, t, m, min_p, pts, BLOCK
 
 
 @triton.jit
-def _compact(X, row, stride_x, start, length, n_cols, t, m, min_p, lo, hi, Out, Fill, BLOCK: tl.constexpr):
-    """Append the data in ``(lo, hi]`` of columns ``[start, start + length)`` to ``Out``, at
-    places reserved from the counter ``Fill`` (the caller knows they fit). A step's count is one
+def _compact(X, row, stride_x, start, length, n_cols, t, m, min_p, lo, hi, Out, OutCol, Fill, BLOCK: tl.constexpr):
+    """Append the data in ``(lo, hi]`` of columns ``[start, start + length)`` to ``Out`` and their
+    columns to ``OutCol``, at places reserved from the counter ``Fill`` (the caller knows they fit). A step's count is one
     reduction over the block, and the cumulative sum runs only in a step holding some: the window
     is a few hundred of a row's columns."""
     lanes = tl.arange(0, BLOCK)
@@ -89,7 +93,9 @@ def _compact(X, row, stride_x, start, length, n_cols, t, m, min_p, lo, hi, Out, 
         n = tl.sum(inside, axis=0)
         if n > 0:
             base = tl.atomic_add(Fill, n)
-            tl.store(Out + base + tl.cumsum(inside, axis=0) - 1, x, mask=inside != 0)
+            at = base + tl.cumsum(inside, axis=0) - 1
+            tl.store(Out + at, x, mask=inside != 0)
+            tl.store(OutCol + at, cols, mask=inside != 0)
 
 
 @triton.jit
@@ -147,6 +153,7 @@ def _round_kernel(
     StateF,
     StateI,
     Scratch,
+    ScratchCol,
     Fill,
     rnd,
     n_rows,
@@ -203,8 +210,15 @@ def _round_kernel(
                 lo = tl.maximum(low - (tl.abs(low) + 1.0) * 1e-6, -3.0e38)
     if mode == SEARCH:
         start = c * CHUNK
-        if count_lo - count_hi <= CAP:
-            _compact(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, STEP)
+        scratch = r.to(tl.int64) * CAP
+        if count_lo <= CAP:  # the whole top: no mass nor count above the window
+            hi = float("inf")
+            mass_hi = 0.0
+            count_hi = 0
+            _compact(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, lo, hi, Scratch + scratch, ScratchCol + scratch, Fill + r, STEP)
+            mode = tl.full([], TOP, tl.int32)
+        elif count_lo - count_hi <= CAP:
+            _compact(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, lo, hi, Scratch + scratch, ScratchCol + scratch, Fill + r, STEP)
             mode = tl.full([], COMPACTED, tl.int32)
         elif LAST:
             mode = tl.full([], WINDOW, tl.int32)
@@ -270,8 +284,11 @@ def _resolve_kernel(
     StateF,
     StateI,
     Scratch,
+    ScratchCol,
     Fill,
     Tau,
+    Keys,
+    Drawn,
     last,
     n_rows,
     n_cols,
@@ -279,9 +296,12 @@ def _resolve_kernel(
     NPIV: tl.constexpr,
     CAP: tl.constexpr,
     SWEEP: tl.constexpr,
+    DRAW: tl.constexpr,
 ):
     """One program per row: ``tau`` from its compacted window, after narrowing a window that
-    is still too wide over the whole row (each step drops at least its smallest value)."""
+    is still too wide over the whole row (each step drops at least its smallest value). With
+    ``DRAW``, a row whose whole top was compacted draws its token from it (``_draw_kernel``'s
+    rule and noise) and is marked in ``Drawn``."""
     r = tl.program_id(0)
     row, t, min_p, m = _row(X, stride_x, Rows, Best, Temp, MinP, r)
     k = tl.minimum(tl.load(TopK + r), n_cols + 1).to(tl.int32)
@@ -300,19 +320,31 @@ def _resolve_kernel(
                 tau = low
                 mode = tl.full([], DONE, tl.int32)
             elif count_lo - count_hi <= CAP:
-                _compact(X, row, stride_x, 0, n_cols, n_cols, t, m, min_p, lo, hi, Scratch + r.to(tl.int64) * CAP, Fill + r, SWEEP)
+                scratch = r.to(tl.int64) * CAP
+                _compact(X, row, stride_x, 0, n_cols, n_cols, t, m, min_p, lo, hi, Scratch + scratch, ScratchCol + scratch, Fill + r, SWEEP)
                 mode = tl.full([], COMPACTED, tl.int32)
-    if mode == COMPACTED:
+    drawn = 0
+    if (mode == COMPACTED) | (mode == TOP):
         tl.debug_barrier()  # the window this program compacted above, visible to all its threads
         idx = tl.arange(0, CAP)
         n = count_lo - count_hi
-        v = tl.load(Scratch + r.to(tl.int64) * CAP + idx, mask=idx < n, other=float("-inf"))
-        v = tl.sort(v, descending=True)
+        found = tl.load(Scratch + r.to(tl.int64) * CAP + idx, mask=idx < n, other=float("-inf"))
+        v = tl.sort(found, descending=True)
         e = tl.exp(v - m)
         before = mass_hi + tl.cumsum(e, axis=0) - e
         true = (before < thr) & ((count_hi + idx) < k) & (idx < n)
         tau = tl.max(tl.where(idx == tl.sum(true.to(tl.int32), axis=0) - 1, v, float("-inf")), axis=0)
+        if DRAW:
+            if mode == TOP:  # every kept token is in the scratch row
+                cols = tl.load(ScratchCol + r.to(tl.int64) * CAP + idx, mask=idx < n, other=n_cols)
+                u = tl.rand(tl.load(Keys + r), cols)
+                score = tl.where((idx < n) & (found >= tau), found - tl.log(-tl.log(u)), float("-inf"))
+                token = tl.min(tl.where(score == tl.max(score, axis=0), cols, n_cols), axis=0)
+                tl.store(Best + row, token.to(tl.int64))
+                drawn = 1
     tl.store(Tau + r, tau)
+    if DRAW:
+        tl.store(Drawn + r, drawn)
 
 
 def _step(chunk: int) -> int:
@@ -336,6 +368,41 @@ def thresholds(
     as ``filter_ref``'s; ``best`` [B] int64: each logits row's argmax, as the sampler has it).
     ``chunk`` (a multiple of ``BLOCK``; default ``CHUNK``) and ``cap`` (a power of two; default
     ``CAP``) for tests."""
+    return _search(logits, rows, temperature, top_k, top_p, min_p, best, None, chunk, cap)[0]
+
+
+def draw(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    best: torch.Tensor,
+    keys: torch.Tensor,
+    *,
+    chunk: int | None = None,
+    cap: int | None = None,
+) -> None:
+    """``thresholds`` then ``sample`` (their arguments; ``rows`` distinct), the same tokens: rows
+    whose whole top was compacted are drawn from it, the others by a pass over their logits."""
+    tau, drawn = _search(logits, rows, temperature, top_k, top_p, min_p, best, keys, chunk, cap)
+    sample(logits, rows, temperature, min_p, best, tau, keys, drawn=drawn)
+
+
+def _search(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    best: torch.Tensor,
+    keys: torch.Tensor | None,
+    chunk: int | None,
+    cap: int | None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``tau`` and, given ``keys``, which rows the resolve drew (int32 [R], their tokens in ``best``)."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     R, V = rows.numel(), logits.shape[1]
     dev = logits.device
@@ -350,10 +417,12 @@ def thresholds(
     state_f = torch.empty(ROUNDS + 1, R, 8, **f32)
     state_i = torch.empty(ROUNDS + 1, R, 4, dtype=torch.int32, device=dev)
     scratch = torch.empty(R, cap, **f32)
+    scratch_col = torch.empty(R, cap, dtype=torch.int32, device=dev)
     fill = torch.empty(R, dtype=torch.int32, device=dev)
     tau = torch.empty(R, **f32)
+    drawn = None if keys is None else torch.empty(R, dtype=torch.int32, device=dev)
     if R == 0:
-        return tau
+        return tau, drawn
     row_args = (logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, best)
     for rnd in range(ROUNDS + 1):
         _round_kernel[(R, chunks)](
@@ -365,6 +434,7 @@ def thresholds(
             state_f,
             state_i,
             scratch,
+            scratch_col,
             fill,
             rnd,
             R,
@@ -381,10 +451,11 @@ def thresholds(
             num_warps=4,
         )
     _resolve_kernel[(R,)](
-        logits, logits.stride(0), rows, temperature, top_k, min_p, best, state_f, state_i, scratch, fill, tau,
-        ROUNDS, R, V, BLOCK=BLOCK, NPIV=NPIV, CAP=cap, SWEEP=SWEEP, num_warps=8,
+        logits, logits.stride(0), rows, temperature, top_k, min_p, best, state_f, state_i, scratch, scratch_col, fill, tau,
+        tau if keys is None else keys, tau if drawn is None else drawn,
+        ROUNDS, R, V, BLOCK=BLOCK, NPIV=NPIV, CAP=cap, SWEEP=SWEEP, DRAW=keys is not None, num_warps=8,
     )  # fmt: skip
-    return tau
+    return tau, drawn
 
 
 # ---- Triton: the draw ----
@@ -392,12 +463,31 @@ def thresholds(
 
 @triton.jit(do_not_specialize=["n_cols", "num_chunks"])
 def _draw_kernel(
-    X, stride_x, Rows, Temp, MinP, Best, Tau, Keys, PartBest, PartIdx, n_cols, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr
+    X,
+    stride_x,
+    Rows,
+    Temp,
+    MinP,
+    Best,
+    Tau,
+    Keys,
+    Drawn,
+    PartBest,
+    PartIdx,
+    n_cols,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    SKIP: tl.constexpr,
 ):
     """Per chunk: the kept token of largest ``x + Gumbel noise`` (lowest index on ties). The
     noise (Philox and two logs, most of a step's arithmetic) is drawn only in steps that hold a
-    kept token: with top-k, or top-p on a peaked distribution, nearly none do."""
+    kept token: with top-k, or top-p on a peaked distribution, nearly none do. With ``SKIP``,
+    rows marked in ``Drawn`` are left alone."""
     r = tl.program_id(0)
+    if SKIP:
+        if tl.load(Drawn + r) != 0:
+            return
     c = tl.program_id(1)
     row, t, min_p, m = _row(X, stride_x, Rows, Best, Temp, MinP, r)
     tau = tl.load(Tau + r)
@@ -422,8 +512,11 @@ def _draw_kernel(
 
 
 @triton.jit(do_not_specialize=["n_cols", "num_chunks"])
-def _draw_merge_kernel(PartBest, PartIdx, Rows, Best, n_cols, num_chunks, CHUNKS_P2: tl.constexpr):
+def _draw_merge_kernel(PartBest, PartIdx, Rows, Best, Drawn, n_cols, num_chunks, CHUNKS_P2: tl.constexpr, SKIP: tl.constexpr):
     r = tl.program_id(0)
+    if SKIP:
+        if tl.load(Drawn + r) != 0:
+            return
     chunks = tl.arange(0, CHUNKS_P2)
     at = r.to(tl.int64) * num_chunks + chunks
     best = tl.load(PartBest + at, mask=chunks < num_chunks, other=float("-inf"))
@@ -439,10 +532,13 @@ def sample(
     best: torch.Tensor,
     tau: torch.Tensor,
     keys: torch.Tensor,
+    *,
+    drawn: torch.Tensor | None = None,
 ) -> None:
     """Draw one token per row of ``rows`` from its tokens kept by min-p and ``x >= tau`` (as
     ``thresholds``' arguments; ``rows`` distinct), with Philox noise keyed by ``keys`` [R]
-    int64, into ``best`` (each logits row's argmax, read first) at those rows."""
+    int64, into ``best`` (each logits row's argmax, read first) at those rows; rows marked in
+    ``drawn`` (int32 [R]) are left as they are."""
     assert logits.dim() == 2 and logits.stride(-1) == 1
     R, V = rows.numel(), logits.shape[1]
     if R == 0:
@@ -451,11 +547,15 @@ def sample(
     chunks = triton.cdiv(V, chunk)
     part_best = torch.empty(R, chunks, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(R, chunks, dtype=torch.int32, device=logits.device)
+    skip = dict(SKIP=drawn is not None)
+    marks = tau if drawn is None else drawn
     _draw_kernel[(R, chunks)](
-        logits, logits.stride(0), rows, temperature, min_p, best, tau, keys, part_best, part_idx, V, chunks,
-        CHUNK=chunk, BLOCK=_step(chunk), num_warps=4,
+        logits, logits.stride(0), rows, temperature, min_p, best, tau, keys, marks, part_best, part_idx, V, chunks,
+        CHUNK=chunk, BLOCK=_step(chunk), num_warps=4, **skip,
     )  # fmt: skip
-    _draw_merge_kernel[(R,)](part_best, part_idx, rows, best, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1)
+    _draw_merge_kernel[(R,)](
+        part_best, part_idx, rows, best, marks, V, chunks, CHUNKS_P2=triton.next_power_of_2(chunks), num_warps=1, **skip
+    )
 
 
 def compile_variants(n_cols: int, device: torch.device) -> None:
@@ -465,11 +565,12 @@ def compile_variants(n_cols: int, device: torch.device) -> None:
     logits = torch.zeros(1, n_cols, device=device)
     tau = thresholds(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, rows)
     sample(logits, rows, ones, ones * 0, rows, tau, rows)
+    draw(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, rows, rows)
 
 
 def selfcheck(device: torch.device) -> bool:
     """Kernels vs the sort at a tiny shape on ``device``: -inf entries, ties at the top, min-p,
-    top-k and top-p; and each row's draw is one of its kept tokens."""
+    top-k and top-p; each row's draw is one of its kept tokens, and ``draw`` draws the same."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(4, 300, generator=g) * 3
     x[1, ::5] = float("-inf")
@@ -481,5 +582,8 @@ def selfcheck(device: torch.device) -> bool:
     rows = torch.arange(4)
     logits, rows_on, temperature, top_k, top_p, min_p, best = (t.to(device) for t in (x, rows, *settings, x.argmax(-1)))
     tau = thresholds(logits, rows_on, temperature, top_k, top_p, min_p, best)
+    drawn = best.clone()
     sample(logits, rows_on, temperature, min_p, best, tau, rows_on + 7)
-    return torch.equal(apply_thresholds(ref, tau.cpu()) > float("-inf"), kept) and bool(kept[rows, best.cpu()].all())
+    draw(logits, rows_on, temperature, top_k, top_p, min_p, drawn, rows_on + 7)
+    same = torch.equal(best, drawn)
+    return same and torch.equal(apply_thresholds(ref, tau.cpu()) > float("-inf"), kept) and bool(kept[rows, best.cpu()].all())
