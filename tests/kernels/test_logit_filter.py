@@ -75,6 +75,24 @@ def assert_differ_only_at_top_p(case, ref: torch.Tensor, kernel: torch.Tensor, t
             assert abs(ahead - top_p[row].item()) <= tol, f"row {row}: mass ahead {ahead} vs top_p {top_p[row].item()}"
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_small_k_rows_count_alone_and_keep_the_sorts_tokens(seed):
+    """Rows whose top-k fits the scratch row (first pass: counts alone) against the sort: top-p
+    binding before k on peaked rows, ties at the k-th value, near-flat rows whose counts jump
+    past the cap between two points (later rounds), min-p, k = 1."""
+    logits, temperature, top_k, top_p, min_p = random_case(12, 700, seed=seed + 70)
+    g = torch.Generator().manual_seed(seed)
+    top_k = torch.randint(1, 17, (12,), generator=g)
+    top_k[0] = 1
+    logits[2] = torch.randn(700, generator=g) * 0.01  # near-flat: hundreds within m - 0.375
+    logits[3] = torch.randn(700, generator=g) * 8  # peaked: top-p binds first
+    top_p[3] = 0.5
+    logits[4, :30] = logits[4].max() + 0.5  # 30 tied at the top, k below them
+    ref, kernel = kept_sets(logits, temperature, top_k, top_p, min_p, cap=16, chunk=256)
+    assert torch.equal(ref, kernel), (ref != kernel).any(-1).nonzero().flatten().tolist()
+    assert kernel[4, :30].all()
+
+
 def test_one_round_leaves_the_window_to_the_one_program_narrowing(monkeypatch):
     """Windows still wider than CAP after the rounds: many equal values at the boundary, and
     values crowded into a sliver of float32 (few representable values apart)."""

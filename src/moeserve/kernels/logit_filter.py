@@ -6,7 +6,9 @@ The rule, and its torch paths, are ``logit_filter_ref``: each row keeps its data
 mass and the count of data above ``NPIV`` points of the row's window ``(lo, hi]`` (``tau`` lies
 in it) over all chunks at once, and the next round's programs merge those sums and keep the
 sub-window where the condition turns true. The first round's points, half as many, sit below
-``m`` on a fixed geometric grid, the later ones evenly across the window. Once a window holds at
+``m`` on a fixed geometric grid, the later ones evenly across the window; a row whose top-k fits
+``CAP`` counts alone above the first ones (its threshold is then below the highest point with
+``k`` above it). Once a window holds at
 most ``CAP`` data tokens they are compacted into a scratch row, with their columns, which one
 program per row sorts (``tl.sort``) to read ``tau`` off. Where every data token above the
 window's floor fits (the whole *top*: the kept set and more, as with a small top-k), that is
@@ -77,6 +79,23 @@ def _sums_above(X, row, stride_x, start, length, n_cols, t, m, min_p, pts, BLOCK
         count += above.to(tl.int32)
         low = tl.minimum(low, tl.where(data, x, float("inf")))
     return tl.sum(mass, axis=1), tl.sum(count, axis=1), tl.min(low, axis=0)
+
+
+@triton.jit
+def _counts_above(X, row, stride_x, start, length, n_cols, t, m, min_p, pts, BLOCK: tl.constexpr, NPIV: tl.constexpr):
+    """``_sums_above`` with the mass of all data alone, not above each point: a top-k row's first
+    pass (half the instructions a column of the sums)."""
+    lanes = tl.arange(0, BLOCK)
+    mass = tl.zeros([BLOCK], tl.float32)
+    count = tl.zeros([NPIV, BLOCK], tl.int32)
+    low = tl.full([BLOCK], float("inf"), tl.float32)
+    for off in range(0, length, BLOCK):
+        cols = start + off + lanes
+        x, e, data = _scaled(X, row, stride_x, cols, n_cols, t, m, min_p)
+        mass += tl.where(data, e, 0.0)
+        count += (data[None, :] & (x[None, :] > pts[:, None])).to(tl.int32)
+        low = tl.minimum(low, tl.where(data, x, float("inf")))
+    return tl.sum(mass, axis=0), tl.sum(count, axis=1), tl.min(low, axis=0)
 
 
 @triton.jit
@@ -202,7 +221,18 @@ def _round_kernel(
                 top_p = tl.load(TopP + r)
                 thr = tl.where(top_p >= 1.0, float("inf"), top_p * _pick(mass, lanes, 0))
                 count_lo = _pick(count, lanes, 0)
-            lo, hi, mass_hi, count_lo, count_hi = _narrow(pts, mass, count, thr, k, lo, hi, mass_hi, count_lo, count_hi, NPIV)
+            if (rnd == 1) & (k <= CAP):
+                # Counts alone above the first points: false where k or more lie above (or at
+                # -inf, by the mass too); true somewhere in (lo, m], its mass and count above 0.
+                false = (count >= k) | ((lanes == 0) & (mass >= thr))
+                n_false = tl.sum(false.to(tl.int32), axis=0)
+                if n_false == 0:
+                    hi = float("-inf")
+                else:
+                    lo = tl.max(tl.where(lanes == n_false - 1, pts, float("-inf")), axis=0)
+                    count_lo = _pick(count, lanes, n_false - 1)
+            else:
+                lo, hi, mass_hi, count_lo, count_hi = _narrow(pts, mass, count, thr, k, lo, hi, mass_hi, count_lo, count_hi, NPIV)
             if hi == float("-inf"):  # true at -inf: every data token stays
                 mode = tl.full([], DONE, tl.int32)
             elif lo == float("-inf"):  # a finite bound strictly below the data
@@ -228,10 +258,15 @@ def _round_kernel(
             if FIRST:
                 # Half the points, on a geometric grid below m (-inf, m - 24, m - 12, ..., m - 0.375),
                 # the other half +inf (nothing above them): the first pass reads every logit of the
-                # batch, and its cost is the points a column.
+                # batch, and its cost is the points a column. A row whose top-k fits CAP counts
+                # alone: its whole top is compacted once k or more lie above a point.
                 half = tl.arange(0, NPIV // 2)
                 first_pts = tl.where(half == 0, float("-inf"), m - 0.375 * tl.exp2((NPIV // 2 - 1 - half).to(tl.float32)))
-                mass, count, low = _sums_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, first_pts, BLOCK, NPIV // 2)
+                if k <= CAP:
+                    total, count, low = _counts_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, first_pts, BLOCK, NPIV // 2)
+                    mass = tl.where(half == 0, total, 0.0)
+                else:
+                    mass, count, low = _sums_above(X, row, stride_x, start, CHUNK, n_cols, t, m, min_p, first_pts, BLOCK, NPIV // 2)
                 tl.store(PartMass + part + half, mass)
                 tl.store(PartMass + part + NPIV // 2 + half, tl.zeros([NPIV // 2], tl.float32))
                 tl.store(PartCount + part + half, count)
