@@ -26,6 +26,8 @@ not supported; a row that is all ``-inf`` neither.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -382,6 +384,18 @@ def _resolve_kernel(
         tl.store(Drawn + r, drawn)
 
 
+def _workspace(device: torch.device, *specs: tuple[torch.dtype, tuple[int, ...]]) -> list[torch.Tensor]:
+    """Tensors of 4-byte dtypes carved out of one allocation (one a call, not one a tensor: the
+    host's time at a small batch), each on a 16-byte boundary (Triton specializes on it)."""
+    sizes = [math.prod(shape) for _, shape in specs]
+    buffer = torch.empty(sum(-(-n // 4) * 4 for n in sizes), dtype=torch.int32, device=device)
+    views, at = [], 0
+    for (dtype, shape), n in zip(specs, sizes):
+        views.append(buffer[at : at + n].view(dtype).view(shape))
+        at += -(-n // 4) * 4
+    return views
+
+
 def _step(chunk: int) -> int:
     """Columns per loop step of the compaction and the draw for chunks of ``chunk`` columns."""
     return min(STEP, triton.next_power_of_2(chunk))
@@ -444,18 +458,22 @@ def _search(
     chunk = min(chunk or CHUNK, triton.cdiv(V, BLOCK) * BLOCK)
     cap = cap or CAP
     chunks = triton.cdiv(V, chunk)
-    f32 = dict(dtype=torch.float32, device=dev)
-    points = torch.empty(2, R, NPIV, **f32)
-    part_mass = torch.empty(2, R, chunks, NPIV, **f32)
-    part_count = torch.empty(2, R, chunks, NPIV, dtype=torch.int32, device=dev)
-    part_min = torch.empty(R, chunks, **f32)
-    state_f = torch.empty(ROUNDS + 1, R, 8, **f32)
-    state_i = torch.empty(ROUNDS + 1, R, 4, dtype=torch.int32, device=dev)
-    scratch = torch.empty(R, cap, **f32)
-    scratch_col = torch.empty(R, cap, dtype=torch.int32, device=dev)
-    fill = torch.empty(R, dtype=torch.int32, device=dev)
-    tau = torch.empty(R, **f32)
-    drawn = None if keys is None else torch.empty(R, dtype=torch.int32, device=dev)
+    f32, i32 = torch.float32, torch.int32
+    points, part_mass, part_count, part_min, state_f, state_i, scratch, scratch_col, fill, tau, drawn = _workspace(
+        dev,
+        (f32, (2, R, NPIV)),
+        (f32, (2, R, chunks, NPIV)),
+        (i32, (2, R, chunks, NPIV)),
+        (f32, (R, chunks)),
+        (f32, (ROUNDS + 1, R, 8)),
+        (i32, (ROUNDS + 1, R, 4)),
+        (f32, (R, cap)),
+        (i32, (R, cap)),
+        (i32, (R,)),
+        (f32, (R,)),
+        (i32, (R,)),
+    )
+    drawn = None if keys is None else drawn
     if R == 0:
         return tau, drawn
     row_args = (logits, logits.stride(0), rows, temperature, top_k, top_p, min_p, best)
@@ -580,8 +598,7 @@ def sample(
         return
     chunk = min(CHUNK, triton.cdiv(V, BLOCK) * BLOCK)
     chunks = triton.cdiv(V, chunk)
-    part_best = torch.empty(R, chunks, dtype=torch.float32, device=logits.device)
-    part_idx = torch.empty(R, chunks, dtype=torch.int32, device=logits.device)
+    part_best, part_idx = _workspace(logits.device, (torch.float32, (R, chunks)), (torch.int32, (R, chunks)))
     skip = dict(SKIP=drawn is not None)
     marks = tau if drawn is None else drawn
     _draw_kernel[(R, chunks)](
