@@ -11,6 +11,9 @@ step() {  # name, seconds, command...: run with a time limit, log to $work/name.
   timeout "$limit" "$@" > "$work/$name.log" 2>&1
   local rc=$?
   echo "$name: rc $rc in $((SECONDS - t0)) s" | tee -a "$work/summary.txt"
+  # what is done so far, under $out at once: a call cut off by its limit still returns it
+  cp "$work/summary.txt" "$out/summary.txt"
+  tar czf "$out/results.tgz" -C "$work" . 2>/dev/null
 }
 pack() {  # copy the summary next to the archive of everything, and print it
   cp "$work/summary.txt" "$out/summary.txt"
