@@ -1,17 +1,15 @@
 #!/usr/bin/env bash
-# One short device call after a sampler change (issue 34): the sampler's GPU tests, its kernels one by
-# one at batch 256 and 1 beside greedy (scripts/profile/sampler_profile.py), and Moonlight offline decode
+# One short device call after a sampler change (issue 34): the sampler's GPU tests, Moonlight offline decode
 # (dummy bf16, batch 1/64/256, 128 in / 64 out) greedy against top-k 50 + top-p 0.95 + T 0.8 and
 # top-p 0.95 alone, both through the Triton sampler; then, in the same call (the issue's rule), one
 # `moeserve serve` (prefix cache off: a second pass over the same prompts would find them cached)
-# and `moeserve bench --url` greedy then top-k 50 + top-p 0.95 + T 0.8 on the same prompts.
+# and `moeserve bench --url` greedy then top-k 50 + top-p 0.95 + T 0.8 on the same prompts; last, the
+# sampler's kernels one by one at batch 256 and 1 beside greedy (scripts/profile/sampler_profile.py).
 #   env: MODES="greedy topkp topp" (the offline runs), CONCURRENCY="1 32 128" (served; empty: none)
 #   run: bash scripts/gpu_session.sh sampler_followup $OUT
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 step tests 60 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_logit_filter.py tests/engine/test_sampler_filter.py
-step profile 40 python3 scripts/profile/sampler_profile.py --batch 256 --flat
-step profile_b1 30 python3 scripts/profile/sampler_profile.py --batch 1 --flat
 MODES=${MODES:-greedy topkp topp}
 CONCURRENCY=${CONCURRENCY-1 32 128}
 for mode in $MODES; do
@@ -38,6 +36,8 @@ if [ -n "$CONCURRENCY" ]; then
   done
   kill -TERM $server; wait $server
 fi
+step profile 40 python3 scripts/profile/sampler_profile.py --batch 256 --flat
+step profile_b1 30 python3 scripts/profile/sampler_profile.py --batch 1 --flat
 grep -h "FAILED\|Error\|passed\|failed" "$work/tests.log" | head -10 >> "$work/summary.txt"
 grep -h "==\|_kernel" "$work/profile.log" "$work/profile_b1.log" >> "$work/summary.txt"
 for mode in $MODES; do
