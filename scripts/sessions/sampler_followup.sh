@@ -5,7 +5,8 @@
 # `moeserve serve` (prefix cache off: a second pass over the same prompts would find them cached)
 # and `moeserve bench --url` greedy then top-k 50 + top-p 0.95 + T 0.8 on the same prompts; last, the
 # sampler's kernels one by one at batch 256 and 1 beside greedy (scripts/profile/sampler_profile.py).
-#   env: MODES="greedy topkp topp" (the offline runs), CONCURRENCY="1 32 128" (served; empty: none)
+#   env: MODES="greedy topkp topp" (the offline runs), CONCURRENCY="1 32 128" (served; empty: none),
+#        PROMPTS_PER_C=4 (served prompts per unit of concurrency)
 #   run: bash scripts/gpu_session.sh sampler_followup $OUT
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
@@ -30,7 +31,7 @@ if [ -n "$CONCURRENCY" ]; then
     for mode in greedy topkp; do
       flags=(--temperature 0)
       [ $mode = topkp ] && flags=(--temperature 0.8 --extra-body '{"top_p": 0.95, "top_k": 50}')
-      step "served_${mode}_c$c" 120 python3 -m moeserve bench --url http://127.0.0.1:8013 --concurrency "$c" --num-prompts $((4 * c)) \
+      step "served_${mode}_c$c" 120 python3 -m moeserve bench --url http://127.0.0.1:8013 --concurrency "$c" --num-prompts $((${PROMPTS_PER_C:-4} * c)) \
         --input-len 1024 --output-len 128 --vocab 100000 "${flags[@]}" --result-dir "$work/served_${mode}_c$c"
     done
   done
