@@ -57,6 +57,19 @@ def accept_drafts(
     """``logits``: [N, V] float32, the adjusted logits the tokens are drawn from, ``1 + k_r``
     consecutive positions per row r (``row_offsets``); ``drafts[r]``: its k_r draft tokens;
     ``params``/``generators``: one per row. Reads the result back to the host."""
+    accept, tokens = accept_on_device(logits, drafts, params, generators)
+    accept_list, token_list = torch.stack([accept.long(), tokens]).tolist()  # one read-back, not two
+    return read_acceptance(drafts, accept_list, token_list, tokens)
+
+
+def accept_on_device(
+    logits: torch.Tensor,
+    drafts: list[list[int]],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``accept_drafts`` without its read-back: per flat position, whether its following draft
+    is accepted ([N] bool) and the token it would emit ([N] int64), on the device."""
     dev = logits.device
     offsets = row_offsets(drafts)
     N = offsets[-1]
@@ -91,7 +104,13 @@ def accept_drafts(
         # exponential race: argmax(w / E), E ~ Exp(1), draws from w normalized
         replacement = (residual / noise).argmax(dim=-1)
         tokens[idx] = torch.where(accept[idx], sub_nxt, replacement)
-    accept_list, token_list = torch.stack([accept.long(), tokens]).tolist()  # one read-back, not two
+    return accept, tokens
+
+
+def read_acceptance(drafts: list[list[int]], accept_list: list, token_list: list, tokens: torch.Tensor) -> Acceptance:
+    """Each row's emitted tokens from ``accept_on_device``'s results read back (``tokens``: the
+    device copy, kept as ``flat_tokens``)."""
+    offsets = row_offsets(drafts)
     out_tokens: list[list[int]] = []
     out_pos: list[list[int]] = []
     counts: list[int] = []
@@ -100,7 +119,7 @@ def accept_drafts(
         a = 0
         while a < len(d) and accept_list[start + a]:
             a += 1
-        out_tokens.append(token_list[start : start + a + 1])
+        out_tokens.append([int(t) for t in token_list[start : start + a + 1]])
         out_pos.append(list(range(start, start + a + 1)))
         counts.append(a)
     return Acceptance(out_tokens, out_pos, counts, tokens)

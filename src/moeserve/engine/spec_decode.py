@@ -31,7 +31,7 @@ from moeserve.step_context import StepContext, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
 from moeserve.engine.piecewise_graph import PiecewiseGraphs
 from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
-from moeserve.engine.spec_accept import accept_drafts
+from moeserve.engine.spec_accept import accept_on_device, read_acceptance
 from moeserve.engine.step_input import StepInput
 from moeserve.loader import load_model_weights
 from moeserve.models import build_defaults
@@ -173,20 +173,22 @@ def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> Sampl
             flat_params.append(p)
             flat_output.append(None if known is None else known + d[:j])
     adjusted = adjusted_logits(logits, flat_params, flat_output, [], None)
-    acc = accept_drafts(logits if adjusted is None else adjusted, drafts, params, gens)
+    accept, tokens = accept_on_device(logits if adjusted is None else adjusted, drafts, params, gens)
     # logprobs (of the raw distribution, as the sampler reports them) of every position's token
     want = [p.logprobs for p in flat_params]
     top_n = max((n for n in want if n is not None), default=None)
     if top_n is not None:
         top_n = min(top_n, logits.shape[-1])
     logp = torch.log_softmax(logits, dim=-1)
-    tokens = acc.flat_tokens
     cols = [tokens.double(), logp.gather(1, tokens[:, None]).squeeze(1).double()]
     if top_n:
         vals, top_ids = logp.topk(top_n, dim=-1)
         cols += [top_ids.double().T, vals.double().T]
     packed = torch.cat([c.reshape(-1, logits.shape[0]) for c in cols])
-    flat = DeviceSample(tokens, packed, want, top_n).result(packed.cpu())
+    # one read-back for the acceptance and the logprobs: the acceptance's flags ride as a last row
+    host = torch.cat([packed, accept.double()[None]]).cpu()
+    flat = DeviceSample(tokens, packed, want, top_n).result(host[:-1])
+    acc = read_acceptance(drafts, host[-1].bool().tolist(), host[0].tolist(), tokens)
     out = SampleResult([], [], [], errors=errors, counts=[], drafts=[])
     for toks, positions in zip(acc.tokens, acc.positions):
         out.token_ids.extend(toks)
