@@ -182,7 +182,7 @@ def test_drawing_from_the_compacted_top_draws_what_the_pass_draws(seed):
     keys = (torch.arange(10) + 100 * seed) << 33
     args = [t.to(DEV) for t in (logits, torch.arange(10), temperature, top_k, top_p, min_p, logits.argmax(-1))]
     logits_on, rows, temperature_on, top_k_on, top_p_on, min_p_on, best = args
-    tau, drawn = logit_filter._search(*args, keys.to(DEV), 256, 16)
+    tau, drawn = logit_filter._search(logits_on, rows, (temperature_on, top_k_on, top_p_on, min_p_on), best, keys.to(DEV), 256, 16)
     assert 0 < int(drawn.sum()) < 10, drawn.tolist()  # both paths taken
     passed = best.clone()
     logit_filter.sample(logits_on, rows, temperature_on, min_p_on, passed, logit_filter.thresholds(*args, chunk=256, cap=16), keys.to(DEV))

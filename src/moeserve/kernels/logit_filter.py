@@ -417,7 +417,7 @@ def thresholds(
     as ``filter_ref``'s; ``best`` [B] int64: each logits row's argmax, as the sampler has it).
     ``chunk`` (a multiple of ``BLOCK``; default ``CHUNK``) and ``cap`` (a power of two; default
     ``CAP``) for tests."""
-    return _search(logits, rows, temperature, top_k, top_p, min_p, best, None, chunk, cap)[0]
+    return _search(logits, rows, (temperature, top_k, top_p, min_p), best, None, chunk, cap)[0]
 
 
 def draw(
@@ -435,23 +435,22 @@ def draw(
 ) -> None:
     """``thresholds`` then ``sample`` (their arguments; ``rows`` distinct), the same tokens: rows
     whose whole top was compacted are drawn from it, the others by a pass over their logits."""
-    tau, drawn = _search(logits, rows, temperature, top_k, top_p, min_p, best, keys, chunk, cap)
+    tau, drawn = _search(logits, rows, (temperature, top_k, top_p, min_p), best, keys, chunk, cap)
     sample(logits, rows, temperature, min_p, best, tau, keys, drawn=drawn)
 
 
 def _search(
     logits: torch.Tensor,
     rows: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    settings: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     best: torch.Tensor,
     keys: torch.Tensor | None,
     chunk: int | None,
     cap: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``tau`` and, given ``keys``, which rows the resolve drew (int32 [R], their tokens in ``best``)."""
+    """``tau`` and, given ``keys``, which rows the resolve drew (int32 [R], their tokens in
+    ``best``). ``settings``: temperature, top-k, top-p and min-p."""
+    temperature, top_k, top_p, min_p = settings
     assert logits.dim() == 2 and logits.stride(-1) == 1
     R, V = rows.numel(), logits.shape[1]
     dev = logits.device
