@@ -6,13 +6,14 @@
 #     acceptance near zero, so the figure is a verify step's cost against a plain step);
 #   - tests/kernels/test_humming_moe.py's engine test (humming vs Triton prompt logprobs).
 #   needs: the server wheels, humming-kernels, compressed-tensors (.whl carried and installed first)
-#   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts)
+#   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts; MODES="": nothing served;
+#        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths)
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 URL=http://127.0.0.1:8014
 python3 -c "import json; from moeserve.demo.tasks import held_out_tasks
 for s in held_out_tasks(64): print(json.dumps({'prompt': s.prompt()}))" > "$work/demo_prompts.jsonl"
-for mode in ${MODES:-plain mtp2}; do
+for mode in ${MODES-plain mtp2}; do
   flags=(); [ $mode = mtp2 ] && flags=(--speculative-config '{"method": "mtp", "num_speculative_tokens": 2}')
   python3 -m moeserve serve "${flags[@]}" --host 127.0.0.1 --port 8014 > "$work/server_$mode.log" 2>&1 &
   server=$!
@@ -24,12 +25,16 @@ for mode in ${MODES:-plain mtp2}; do
   curl -s $URL/metrics | grep "spec_decode" | grep -v "^#" > "$work/metrics_$mode.txt"
   kill -TERM $server; wait $server
 done
-step mtp_v3 ${MTP_S:-150} python3 -m moeserve bench --offline --model deepseek-v3 --load-format dummy \
-  --hf-overrides '{"num_hidden_layers": 5}' --batch-sizes 1,8,32 --input-len 512 --output-len 64 \
-  --speculative-config '{"method": "mtp"}' --num-speculative-tokens 0,1,2,3 --result-dir "$work/mtp"
+# MTP_LAYERS="4 7": two depths (1 and 4 MoE layers after V3's 3 dense ones), so a step's cost splits
+# into a per-MoE-layer part and the rest, and projects to the full 61 layers.
+for layers in ${MTP_LAYERS:-5}; do
+  step mtp_v3_l$layers ${MTP_S:-150} python3 -m moeserve bench --offline --model deepseek-v3 --load-format dummy \
+    --hf-overrides "{\"num_hidden_layers\": $layers}" --batch-sizes ${MTP_BATCHES:-1,8,32} --input-len 512 --output-len 64 \
+    --speculative-config '{"method": "mtp"}' --num-speculative-tokens ${MTP_K:-0,1,2,3} --result-dir "$work/mtp_l$layers"
+done
 [ -n "${SKIP_HUMMING:-}" ] || step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py -k engine
 for f in "$work"/demo_*.log; do echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"; done
 cat "$work"/metrics_*.txt >> "$work/summary.txt"
-grep -h "accepted\|^│\|^┃" "$work/mtp_v3.log" | tail -30 >> "$work/summary.txt"
+for f in "$work"/mtp_v3_l*.log; do echo "== $(basename "$f")" >> "$work/summary.txt"; grep -h "accepted\|^│\|^┃" "$f" | tail -30 >> "$work/summary.txt"; done
 tail -3 "$work/humming_engine.log" >> "$work/summary.txt"
 pack
