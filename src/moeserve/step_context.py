@@ -8,10 +8,21 @@ from typing import Any, Iterator
 
 import torch
 
+from moeserve.kernels.limits import DECODE_MAX_TOKENS_PER_ROW
+
 
 def leading_decode_rows(query_lens: list[int]) -> int:
     """How many rows at the front of a batch add one token each (the scheduler puts decodes first)."""
     return next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+
+
+def leading_verify_rows(query_lens: list[int]) -> int:
+    """How many rows at the front of a batch add the same 2 to ``DECODE_MAX_TOKENS_PER_ROW``
+    tokens each (speculative decoding's verify rows: a sequence's last token and its drafts)."""
+    q = query_lens[0] if query_lens else 0
+    if not 1 < q <= DECODE_MAX_TOKENS_PER_ROW:
+        return 0
+    return next((i for i, n in enumerate(query_lens) if n != q), len(query_lens))
 
 
 @dataclass
@@ -38,12 +49,20 @@ class StepContext:
     prompt_logprobs: Any = None
     # Sequences at the front of the batch that add one token each (set from query_lens).
     num_decode_rows: int = field(init=False)
+    # Where none does: sequences at the front that add the same few tokens each (verify rows).
+    num_verify_rows: int = field(init=False)
 
     def __post_init__(self) -> None:
         # Attention runs these rows in the weight-absorbed decode form and the rest as extends.
         # The scheduler puts decodes first; a one-token row behind an extend row is run as an
         # extend, which is right, only slower.
         self.num_decode_rows = leading_decode_rows(self.query_lens)
+        self.num_verify_rows = 0 if self.num_decode_rows else leading_verify_rows(self.query_lens)
+
+    @property
+    def num_leading_rows(self) -> int:
+        """The rows attention runs in the decode form (decode rows, else verify rows)."""
+        return self.num_decode_rows or self.num_verify_rows
 
     @property
     def num_seqs(self) -> int:
@@ -55,11 +74,11 @@ class StepContext:
 
 
 def shared_prefix_runs(ctx: StepContext, page_tables: list[list[int]]) -> list[int] | None:
-    """The lengths of the runs of consecutive extend rows (those after the decode rows) whose
+    """The lengths of the runs of consecutive extend rows (those after the decode or verify rows) whose
     cached prefixes are one: the same length and the same pages under it (requests that found a
     system prompt in the prefix cache, or the samples of one prompt). None when no two rows
     share one. ``page_tables`` are the step's, on the host."""
-    D = ctx.num_decode_rows
+    D = ctx.num_leading_rows
     runs: list[int] = []
     prev = None
     for n, length, pages in zip(ctx.query_lens[D:], ctx.context_lens[D:], page_tables[D:]):

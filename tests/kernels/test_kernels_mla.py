@@ -84,6 +84,41 @@ def test_mla_decode_matches_reference(B, H, Lk, R, page_size, lens, dtype):
         torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], msg=f"num_kv_splits={splits}")
 
 
+VERIFY_SHAPES = [
+    # B, tokens a row, H, Lk, R, page_size, context lens (the row's tokens included)
+    pytest.param(3, 2, 4, 16, 8, 4, [2, 17, 40], id="tiny-k1"),  # a row that is only its tokens
+    pytest.param(2, 4, 5, 32, 8, 16, [70, 4], id="tiny-k3-odd-heads"),
+    pytest.param(4, 3, 4, 16, 8, 16, [3, 65, 300, 2100], id="tiny-k2-multi-split"),
+    pytest.param(2, 3, 16, 512, 64, 64, [700, 4096], id="real-moonlight-k2", marks=real),
+    pytest.param(1, 2, 128, 512, 64, 16, [3000], id="real-v3-heads-k1", marks=real),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Q,H,Lk,R,page_size,lens", VERIFY_SHAPES)
+def test_mla_decode_of_rows_of_several_tokens_is_causal_within_the_row(B, Q, H, Lk, R, page_size, lens, dtype):
+    """Verify rows (a token and its drafts): each of a row's Q tokens sees the cache up to its own
+    position, the row's tokens attended in one pass as extra query rows; equal to the reference
+    token by token, and to one-token decodes of each token over its own prefix."""
+    gen = torch.Generator().manual_seed(B * 10 + Q)
+    num_pages = sum(triton.cdiv(L, page_size) for L in lens) + 3
+    cache = torch.randn(num_pages * page_size, Lk + R, generator=gen).to(DEV, dtype)
+    page_table = scattered_page_tables(lens, page_size, num_pages, gen).to(DEV)
+    context_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    q_latent = torch.randn(B * Q, H, Lk, generator=gen).to(DEV, dtype)
+    q_pe = torch.randn(B * Q, H, 24 + R, generator=gen).to(DEV, dtype)[..., 24:]  # a slice, as after q.split
+    scale = (Lk + R) ** -0.5
+    ref = mla_decode_ref(q_latent, q_pe, cache, page_table, context_lens, page_size, scale, tokens_per_row=Q)
+    # the same queries as one-token rows, each over its own prefix
+    one_lens = torch.tensor([L - (Q - 1 - j) for L in lens for j in range(Q)], dtype=torch.int32, device=DEV)
+    one = mla_decode_ref(q_latent, q_pe, cache, page_table.repeat_interleave(Q, 0), one_lens, page_size, scale)
+    torch.testing.assert_close(ref.float(), one.float())
+    for splits in (None, 1, 3, 40):
+        out = mla_decode(q_latent, q_pe, cache, page_table, context_lens, page_size, scale, num_kv_splits=splits, tokens_per_row=Q)
+        assert out.shape == (B * Q, H, Lk) and out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype], msg=f"num_kv_splits={splits}")
+
+
 def test_long_contexts_at_32_to_64_rows_take_the_small_tile_with_twice_the_splits():
     from moeserve.kernels.mla_decode import LONG_CONTEXT, decode_config
 
@@ -372,6 +407,9 @@ def _step(query_lens, context_lens, page_size, num_pages, gen):
 
 STEPS = [
     pytest.param([1, 1, 1], [1, 9, 40], id="decode"),
+    # verify rows (a token and its drafts), alone and before a prompt and a chunk
+    pytest.param([3, 3], [7, 40], id="verify"),
+    pytest.param([2, 2, 5, 12], [9, 2, 5, 30], id="verify-then-prefill-extend"),
     pytest.param([5, 1, 12, 3], [5, 17, 30, 3], id="mixed-prefill-extend-decode"),
     # as the scheduler orders a mixed step: decodes first, then a fresh prompt and a chunk
     pytest.param([1, 1, 6, 12], [9, 40, 6, 30], id="mixed-decodes-first"),
@@ -465,6 +503,30 @@ def test_step_metadata_is_built_once_per_step_and_decode_rows_are_views():
     assert meta.extend is None and meta.decode.count == 3
     assert meta.decode.page_tables.data_ptr() == decode.page_tables.data_ptr()
     assert meta.decode.context_lens.data_ptr() == decode.context_lens_tensor.data_ptr()
+
+
+def test_verify_rows_take_the_decode_form_as_views_of_the_step():
+    """Leading rows of the same few tokens (no one-token row before them) are decode rows of that
+    many tokens: views of the step's tensors, so a graph's static buffers stay what they read;
+    the rows after them are extends from their first token on. Longer rows, or verify rows
+    behind a one-token row, stay extends."""
+    from moeserve.kernels.limits import DECODE_MAX_TOKENS_PER_ROW
+
+    backend = TritonMLABackend()
+    gen = torch.Generator().manual_seed(0)
+    step = _step([3, 3, 3, 6], [5, 9, 4, 6], 4, 16, gen)
+    step.context_lens_tensor = torch.tensor(step.context_lens, dtype=torch.int32, device=DEV)
+    assert (step.num_decode_rows, step.num_verify_rows, step.num_leading_rows) == (0, 3, 3)
+    meta = backend.prepare(step)
+    assert (meta.decode.count, meta.decode.tokens_per_row, meta.decode.num_tokens) == (3, 3, 9)
+    assert meta.decode.page_tables.data_ptr() == step.page_tables.data_ptr()
+    assert meta.decode.context_lens.data_ptr() == step.context_lens_tensor.data_ptr()
+    assert meta.extend.first_token == 9 and meta.extend.cu_q.tolist() == [0, 6]
+    long = DECODE_MAX_TOKENS_PER_ROW + 1
+    for lens in ([long, long], [1, 3, 3]):
+        other = _step(lens, [n + 2 for n in lens], 4, 16, gen)
+        meta = backend.prepare(other)
+        assert other.num_verify_rows == 0 and (meta.decode is None or meta.decode.tokens_per_row == 1)
 
 
 def test_auto_prefix_mode_absorbs_short_extends_and_pieces_long_ones(monkeypatch):

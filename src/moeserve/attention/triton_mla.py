@@ -8,7 +8,10 @@ the split is two slices of the flat batch: tokens ``[0, D)`` decode, tokens ``[D
 * Decode rows use the weight-absorbed form: ``q_latent = q_nope @ w_uk``, attend directly over
   the paged latent cache with :func:`~moeserve.kernels.mla_decode.mla_decode` (every head
   shares each cache tile), then ``out = out_latent @ w_uv``. No per-head key or value is ever
-  materialised, whether the step is decode-only or mixed with prefills.
+  materialised, whether the step is decode-only or mixed with prefills. Where no one-token row
+  leads, the leading rows that add the same few tokens each (speculative decoding's verify rows,
+  ``StepContext.num_verify_rows``) take the same form, their tokens as extra query rows that
+  see the cache causally (``mla_decode(tokens_per_row=q)``).
 * Extend rows use the non-absorbed form. The new tokens' latents (this step's, already written
   to the cache) are expanded to per-head keys and values (one GEMM with ``kv_b_proj``) and
   attend causally to each other with :func:`~moeserve.kernels.mla_extend.mla_extend_split`. A
@@ -58,12 +61,18 @@ PREFIX_MODES = ("auto", "chunked", "absorbed")
 
 @dataclass
 class DecodeRows:
-    """The leading one-token rows of a step (views of the step context's tensors)."""
+    """The leading rows of a step that add ``tokens_per_row`` tokens each: one (decodes), or a
+    few (verify rows: a token and its drafts). Views of the step context's tensors."""
 
     count: int
     page_tables: torch.Tensor  # [D, max_pages] int32
     context_lens: torch.Tensor  # [D] int32
     max_context_len: int
+    tokens_per_row: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        return self.count * self.tokens_per_row
 
 
 @dataclass
@@ -141,18 +150,20 @@ class TritonMLABackend:
         context_lens = ctx.context_lens_tensor
         if context_lens is None:  # contexts built by hand (tests); the runner always sets it
             context_lens = torch.tensor(ctx.context_lens, dtype=torch.int32, device=device)
-        D = ctx.num_decode_rows
+        D = ctx.num_leading_rows
+        q = ctx.query_lens[0] if ctx.num_verify_rows else 1
         decode = None
         if D:
-            decode = DecodeRows(D, page_tables[:D], context_lens[:D], max(ctx.context_lens[:D]))
-        extend = self._extend_rows(ctx, D, page_tables, context_lens) if D < ctx.num_seqs else None
+            decode = DecodeRows(D, page_tables[:D], context_lens[:D], max(ctx.context_lens[:D]), q)
+        extend = self._extend_rows(ctx, D, D * q, page_tables, context_lens) if D < ctx.num_seqs else None
         return TritonMLAMetadata(self.settings, decode, extend)
 
-    def _extend_rows(self, ctx: StepContext, D: int, page_tables: torch.Tensor, context_lens: torch.Tensor) -> ExtendRows:
+    def _extend_rows(self, ctx: StepContext, D: int, first: int, page_tables: torch.Tensor, context_lens: torch.Tensor) -> ExtendRows:
+        """The rows after the ``D`` decode rows, whose tokens start at flat index ``first``."""
         q_lens = ctx.query_lens[D:]
         total_prefix = sum(ctx.context_lens[D:]) - sum(q_lens)
-        cu_q = (ctx.cu_query_lens[D:] - D).to(torch.int32)  # decode rows hold one token each
-        rows = ExtendRows(first_token=D, cu_q=cu_q, max_q_len=max(q_lens), new_slots=ctx.slot_mapping[D:], prefix_pieces=[])
+        cu_q = (ctx.cu_query_lens[D:] - first).to(torch.int32)
+        rows = ExtendRows(first_token=first, cu_q=cu_q, max_q_len=max(q_lens), new_slots=ctx.slot_mapping[first:], prefix_pieces=[])
         if total_prefix == 0:
             return rows
         prefix_lens = context_lens[D:] - (cu_q[1:] - cu_q[:-1])
@@ -221,7 +232,15 @@ class TritonMLABackend:
     def _decode(self, q_nope, q_pe, weights: MLAWeights, cache, page_size: int, rows: DecodeRows, scale):
         q_latent = torch.einsum("thd,hdc->thc", q_nope, weights.w_uk)  # absorb w_uk into the query
         out_latent = mla_decode(
-            q_latent, q_pe, cache, rows.page_tables, rows.context_lens, page_size, scale, max_context_len=rows.max_context_len
+            q_latent,
+            q_pe,
+            cache,
+            rows.page_tables,
+            rows.context_lens,
+            page_size,
+            scale,
+            max_context_len=rows.max_context_len,
+            tokens_per_row=rows.tokens_per_row,
         )
         return torch.einsum("thc,hvc->thv", out_latent, weights.w_uv)
 

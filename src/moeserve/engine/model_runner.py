@@ -335,7 +335,7 @@ class ModelRunner:
             page_size=self.page_size,
             context_lens_tensor=narrow_t[lens_at : lens_at + B],
         )
-        if len(step.query_lens) - ctx.num_decode_rows > 1:
+        if len(step.query_lens) - ctx.num_leading_rows > 1:
             ctx.prefix_groups = shared_prefix_runs(ctx, step.page_tables)
         if step.prompt_logprobs and self.is_last:
             ctx.prompt_logprobs = PromptLogprobs.for_step(step.prompt_logprobs, self.device)

@@ -27,3 +27,11 @@ FP8_BLOCK = 128
 # to expand each prefix token once, for the whole run); below that the absorbed form also saves
 # the pieces' gathers, expansions and merges (on one H200, 128 new tokens over 4,096 cached: 49.5 against 75.5 ms for the eager step).
 ABSORBED_MAX_NEW_TOKENS = 160
+
+# Rows that add a few tokens each at the front of a step (a decoding sequence's last accepted token
+# and its speculative drafts) take the absorbed decode kernel with the row's tokens as extra query
+# rows (``mla_decode(tokens_per_row=q)``, causal within the row) instead of the extend path's
+# expansion, extend kernel, absorbed prefix pass and merge: one pass over the row's cache for all
+# its queries, and metadata that is a view of the step's tensors (graph-capturable). Up to this
+# many tokens a row (k = 7 drafts); longer leading rows are prompt chunks and stay extends.
+DECODE_MAX_TOKENS_PER_ROW = 8

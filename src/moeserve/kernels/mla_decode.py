@@ -76,16 +76,19 @@ def mla_decode_ref(
     context_lens: torch.Tensor,
     page_size: int,
     scale: float,
+    tokens_per_row: int = 1,
 ) -> torch.Tensor:
-    """Reference: one sequence at a time, fp32 softmax. Shapes as :func:`mla_decode`."""
+    """Reference: one query token at a time, fp32 softmax. Shapes as :func:`mla_decode`."""
     Lk = q_latent.shape[-1]
     out = torch.empty_like(q_latent)
     for b, L in enumerate(context_lens.tolist()):
-        pos = torch.arange(L, device=cache.device)
-        slots = page_table[b, pos // page_size].long() * page_size + pos % page_size
-        c = cache[slots].float()  # [L, Lk + R]
-        scores = (q_latent[b].float() @ c[:, :Lk].T + q_pe[b].float() @ c[:, Lk:].T) * scale  # [H, L]
-        out[b] = (torch.softmax(scores, dim=-1) @ c[:, :Lk]).to(out.dtype)
+        for j in range(tokens_per_row):
+            t, seen = b * tokens_per_row + j, L - (tokens_per_row - 1 - j)
+            pos = torch.arange(seen, device=cache.device)
+            slots = page_table[b, pos // page_size].long() * page_size + pos % page_size
+            c = cache[slots].float()  # [seen, Lk + R]
+            scores = (q_latent[t].float() @ c[:, :Lk].T + q_pe[t].float() @ c[:, Lk:].T) * scale  # [H, seen]
+            out[t] = (torch.softmax(scores, dim=-1) @ c[:, :Lk]).to(out.dtype)
     return out
 
 
@@ -129,6 +132,7 @@ def _mla_decode_split_kernel(
     RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    TOKENS_PER_ROW: tl.constexpr = 1,
 ):
     b = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -160,6 +164,11 @@ def _mla_decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_LK], dtype=tl.float32)
+    if TOKENS_PER_ROW > 1:
+        # Rows of several new tokens (a token and its drafts): the query rows are (token, head)
+        # pairs, token-major, and token j of the row's T sees the positions before its own + 1.
+        heads_per_token = num_heads // TOKENS_PER_ROW
+        visible = ctx_len - (TOKENS_PER_ROW - 1 - offs_h // heads_per_token)
 
     pt_row = PageTable + b * stride_pt_b
     for n0 in range(start, end, BLOCK_N):
@@ -174,11 +183,16 @@ def _mla_decode_split_kernel(
         s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
         s = mma(q_lat, tl.trans(kv), s, DOT_PRECISION, DOT_UPCAST)
         s = mma(q_pe, tl.trans(k_pe), s, DOT_PRECISION, DOT_UPCAST)
-        s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if TOKENS_PER_ROW > 1:
+            s = tl.where(mask_n[None, :] & (offs_n[None, :] < visible[:, None]), s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # a query row that has seen no position yet
+        else:
+            s = tl.where(mask_n[None, :], s * qk_scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_ref = m_new
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(s - m_ref[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         acc = mma(p.to(cache_dtype), kv, acc, DOT_PRECISION, DOT_UPCAST)
@@ -334,6 +348,7 @@ def mla_decode(
     config: dict | None = None,
     skip: torch.Tensor | None = None,
     return_lse: bool = False,
+    tokens_per_row: int = 1,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Paged MLA decode over the latent cache.
 
@@ -350,9 +365,23 @@ def mla_decode(
     ``skip`` ([1] int32 on the device): every row attends only its positions from that one on
     (the part after a prefix that all rows share, attended apart); ``return_lse`` also returns
     the base-2 log-sum-exp [B, H] fp32 (-inf for a row with no positions), to merge with it.
+
+    ``tokens_per_row`` > 1: every sequence adds that many tokens this step (its last accepted
+    token and its drafts, already in the cache at its last positions): q_latent and q_pe are
+    [B * tokens_per_row, H, ...], a sequence's tokens consecutive, and token j of sequence b sees
+    its first ``context_lens[b] - (tokens_per_row - 1 - j)`` positions. The (token, head) pairs of
+    a sequence are attended as one block of query rows, so each cache tile is read once for all
+    of them. Returns [B * tokens_per_row, H, Lk]; not with ``skip`` or ``return_lse``.
     """
-    B, H, Lk = q_latent.shape
     R = q_pe.shape[-1]
+    if tokens_per_row > 1:
+        assert skip is None and not return_lse, "rows of several tokens: no skip, no lse"
+        T, heads = q_latent.shape[:2]
+        assert T % tokens_per_row == 0, f"{T} query tokens are not rows of {tokens_per_row}"
+        # (token, head) pairs of a sequence as its query rows, token-major
+        q_latent = q_latent.reshape(T // tokens_per_row, tokens_per_row * heads, q_latent.shape[-1])
+        q_pe = q_pe.reshape(T // tokens_per_row, tokens_per_row * heads, R)
+    B, H, Lk = q_latent.shape
     assert cache.shape[-1] == Lk + R, f"cache rows hold {cache.shape[-1]} values, expected Lk + R = {Lk + R}"
     assert cache.stride(-1) == 1, "the cache rows must be contiguous"
     q_latent, q_pe = _last_dim_contiguous(q_latent), _last_dim_contiguous(q_pe)
@@ -360,7 +389,7 @@ def mla_decode(
     out = torch.empty_like(q_latent)
     lse = q_latent.new_empty(B, H, dtype=torch.float32) if return_lse else out  # out: a pointer never written
     if B == 0:
-        return (out, lse) if return_lse else out
+        return (out, lse) if return_lse else out.view(0, H // tokens_per_row, Lk)
     if num_kv_splits is None and max_context_len is None:
         max_context_len = int(context_lens.max())
     cfg = {**decode_config(H, Lk, B, cache.element_size(), max_context_len or 0), **(config or {})}
@@ -414,6 +443,7 @@ def mla_decode(
         HAS_SKIP=skip is not None,
         RETURN_LSE=return_lse,
         **dot_args(cache.dtype),
+        TOKENS_PER_ROW=tokens_per_row,
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
@@ -440,6 +470,8 @@ def mla_decode(
             RETURN_LSE=return_lse,
             num_warps=4,
         )
+    if tokens_per_row > 1:
+        return out.view(B * tokens_per_row, H // tokens_per_row, Lk)
     return (out, lse) if return_lse else out
 
 
