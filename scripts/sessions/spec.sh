@@ -7,7 +7,8 @@
 #   - tests/kernels/test_humming_moe.py's engine test (humming vs Triton prompt logprobs).
 #   needs: the server wheels, humming-kernels, compressed-tensors (.whl carried and installed first)
 #   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts; MODES="": nothing served;
-#        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths)
+#        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths;
+#        SPEC_PROFILE=1: scripts/profile/spec_profile.py of a demo k = 2 and a V3 k = 1 step)
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 URL=http://127.0.0.1:8014
@@ -32,9 +33,14 @@ for layers in ${MTP_LAYERS:-5}; do
     --hf-overrides "{\"num_hidden_layers\": $layers}" --batch-sizes ${MTP_BATCHES:-1,8,32} --input-len 512 --output-len 64 \
     --speculative-config '{"method": "mtp"}' --num-speculative-tokens ${MTP_K:-0,1,2,3} --result-dir "$work/mtp_l$layers"
 done
+if [ -n "${SPEC_PROFILE:-}" ]; then  # where a step goes: the demo model at k = 2, V3 (5 layers) at k = 1, batch 1
+  step profile_demo_k2 90 python3 scripts/profile/spec_profile.py --model '' --k 2 --batch 1
+  step profile_v3_k1 120 python3 scripts/profile/spec_profile.py --k 1 --batch 1
+fi
 [ -n "${SKIP_HUMMING:-}" ] || step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py -k engine
 for f in "$work"/demo_*.log; do echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"; done
 cat "$work"/metrics_*.txt >> "$work/summary.txt"
 for f in "$work"/mtp_v3_l*.log; do echo "== $(basename "$f")" >> "$work/summary.txt"; grep -h "accepted\|^│\|^┃" "$f" | tail -30 >> "$work/summary.txt"; done
-tail -3 "$work/humming_engine.log" >> "$work/summary.txt"
+for f in "$work"/profile_*.log; do [ -f "$f" ] && { echo "== $(basename "$f")" >> "$work/summary.txt"; head -30 "$f" >> "$work/summary.txt"; }; done
+[ -f "$work/humming_engine.log" ] && tail -3 "$work/humming_engine.log" >> "$work/summary.txt"
 pack

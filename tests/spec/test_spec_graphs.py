@@ -65,6 +65,11 @@ def _graphed(path, spec, monkeypatch, **kw):
     steps: list[list[int]] = []  # each replayed step's query lengths
     run_hidden = pieces.run_hidden
     pieces.run_hidden = lambda ids, ctx: steps.append(list(ctx.query_lens)) or run_hidden(ids, ctx)
+    verify = runner.verify_graphs  # whole-step graphs of the steps whose rows all verify k drafts
+    k = spec["num_speculative_tokens"]
+    assert verify is not None and verify.emulate and verify.tokens_per_row == k + 1
+    run_verify = verify.run
+    verify.run = lambda ids, ctx: steps.append(("verify", list(ctx.query_lens))) or run_verify(ids, ctx)
     drafts = runner.drafter.graphs  # the drafter's passes
     assert drafts is not None and drafts.emulate and drafts.sizes == pieces.sizes
     if spec["method"] == "mtp":
@@ -81,18 +86,31 @@ def _graphed(path, spec, monkeypatch, **kw):
 @pytest.mark.triton_on_cpu
 @pytest.mark.parametrize("method,k", [("mtp", 1), ("mtp", 3), ("eagle3", 1), ("eagle3", 3)])
 def test_random_model_greedy_equals_plain_through_graphs(random_mtp, random_draft, plain, monkeypatch, method, k):
+    from moeserve.engine import spec_decode
+
+    on_device = []  # verify steps whose MTP drafts followed the acceptance on the device
+    whole = spec_decode._verify_and_draft_on_device
+    monkeypatch.setattr(
+        spec_decode, "_verify_and_draft_on_device", lambda runner, step, *a: on_device.append(step) or whole(runner, step, *a)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     llm, steps = _graphed(random_mtp, _spec(method, k, random_draft), monkeypatch)
     sizes = llm.engine.executor.runner.piecewise_graphs.sizes
+    verify_sizes = llm.engine.executor.runner.verify_graphs.sizes
     with llm:
         assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
         assert llm.engine.spec_num_draft_tokens > 0
-    target = [lens for lens in steps if lens[0] != "draft"]
-    assert any(all(n == k + 1 for n in lens) for lens in target)  # verify steps replayed
-    assert any(len(set(lens)) > 1 for lens in target)  # verify rows beside a prompt chunk
+    target = [lens for lens in steps if lens[0] not in ("draft", "verify")]
+    verified = [s[1] for s in steps if s[0] == "verify"]
+    assert verified and all(n == k + 1 for lens in verified for n in lens)  # whole-step verify replays
+    assert any(len(lens) not in verify_sizes for lens in verified)  # padded rows
+    assert any(len(set(lens)) > 1 for lens in target)  # verify rows beside a prompt chunk: the pieces
     assert any(sum(lens) not in sizes for lens in target)  # padded to a captured size
+    target += verified
     drafts = [s for s in steps if s[0] == "draft"]  # one pass a step, and k - 1 chained ones
     assert len(drafts) == len(target) if k == 1 else len(drafts) > len(target)
+    # MTP: every verify-only step drafts on the device (one read-back); EAGLE-3 on the host
+    assert len(on_device) == (len(verified) if method == "mtp" else 0)
 
 
 @pytest.mark.triton_on_cpu
@@ -135,7 +153,7 @@ def test_demo_model_greedy_equal_and_accepts_drafts_through_graphs(monkeypatch, 
     with llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
-    assert [3] in steps  # a verify row (its token and two drafts) replayed
+    assert ("verify", [3]) in steps  # a verify row (its token and two drafts) replayed whole
 
 
 @pytest.mark.triton_on_cpu

@@ -54,6 +54,11 @@ def capture_graph(forward: Callable[[], torch.Tensor], pool, device: torch.devic
 
 
 class DecodeGraphs:
+    """``tokens_per_row`` > 1: the verify steps of speculative decoding instead, every row a token
+    and its ``tokens_per_row - 1`` drafts (attention's verify rows); such a graph keeps the final
+    hidden state of every token (the drafter reads them) and the logits of every token, and
+    :meth:`run` returns both (views of its static outputs: the next replay overwrites them)."""
+
     def __init__(
         self,
         runner,
@@ -62,33 +67,37 @@ class DecodeGraphs:
         scratch_page: int,
         sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES,
         emulate: bool = False,
+        tokens_per_row: int = 1,
+        mempool=None,
     ):
         self.runner = runner
         self.emulate = emulate
         self.sizes = sorted(s for s in sizes if s <= max_batch) or [1]
         self.scratch_page = scratch_page
+        self.tokens_per_row = q = tokens_per_row
         dev = runner.device
         B, P = self.sizes[-1], max_pages_per_seq
-        self.input_ids = torch.zeros(B, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(B, dtype=torch.long, device=dev)
-        self.slots = torch.zeros(B, dtype=torch.long, device=dev)
-        self.context_lens = torch.ones(B, dtype=torch.int32, device=dev)
+        self.input_ids = torch.zeros(B * q, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B * q, dtype=torch.long, device=dev)
+        self.slots = torch.zeros(B * q, dtype=torch.long, device=dev)
+        self.context_lens = torch.full((B,), q, dtype=torch.int32, device=dev)
         self.page_tables = torch.full((B, P), scratch_page, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph | Callable[[], None]] = {}
         # Each graph reads the tensors of the context it was captured with: keep them alive.
         self.contexts: dict[int, StepContext] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        self.mempool = None if emulate else torch.cuda.graph_pool_handle()
+        self.outputs: dict[int, torch.Tensor | tuple[torch.Tensor, torch.Tensor]] = {}
+        self.mempool = mempool if mempool is not None or emulate else torch.cuda.graph_pool_handle()
 
     def _ctx(self, b: int) -> StepContext:
+        q, dev = self.tokens_per_row, self.runner.device
         ctx = StepContext(
-            positions=self.positions[:b],
-            slot_mapping=self.slots[:b],
-            query_lens=[1] * b,
+            positions=self.positions[: b * q],
+            slot_mapping=self.slots[: b * q],
+            query_lens=[q] * b,
             context_lens=[self.runner.max_context_len] * b,
             page_tables=self.page_tables[:b],
-            cu_query_lens=torch.arange(b + 1, dtype=torch.int32, device=self.runner.device),
-            logits_indices=torch.arange(b, device=self.runner.device),
+            cu_query_lens=torch.arange(b + 1, dtype=torch.int32, device=dev) * q,
+            logits_indices=torch.arange(b * q, device=dev),
             page_size=self.runner.page_size,
             context_lens_tensor=self.context_lens[:b],
         )
@@ -108,41 +117,55 @@ class DecodeGraphs:
                 self.graphs[b] = self._emulated(b, ctx)
                 continue
             with step_context(ctx):
-                self.graphs[b], self.outputs[b] = capture_graph(
-                    lambda: r.model_forward_logits(self.input_ids[:b], ctx), self.mempool, r.device
-                )
+                self.graphs[b], self.outputs[b] = capture_graph(lambda: self._forward(b, ctx), self.mempool, r.device)
         if not self.emulate:
             # A graph's first launch uploads it (tens of ms a request would pay): replay each on
             # the padding inputs, which touch only the scratch page.
             for g in self.graphs.values():
                 g.replay()
             torch.cuda.synchronize(r.device)
-        log.info("captured decode %sgraphs for batch sizes %s", "(emulated) " * self.emulate, self.sizes)
+        what = "decode" if self.tokens_per_row == 1 else f"verify ({self.tokens_per_row} tokens a row)"
+        log.info("captured %s %sgraphs for batch sizes %s", what, "(emulated) " * self.emulate, self.sizes)
+
+    def _forward(self, b: int, ctx: StepContext) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ids = self.input_ids[: b * self.tokens_per_row]
+        if self.tokens_per_row == 1:
+            return self.runner.model_forward_logits(ids, ctx)
+        model = self.runner.model
+        hidden, _ = model(ids, ctx.positions)
+        return hidden, model.compute_logits(hidden)
 
     def _emulated(self, b: int, ctx: StepContext) -> Callable[[], None]:
         def replay() -> None:
             with step_context(ctx):
-                self.outputs[b] = self.runner.model_forward_logits(self.input_ids[:b], ctx)
+                self.outputs[b] = self._forward(b, ctx)
 
         replay()  # the warm-up a capture does
         return replay
 
     def _reset_padding(self, start: int) -> None:
-        self.input_ids[start:] = 0
-        self.positions[start:] = 0
-        self.slots[start:] = self.scratch_page * self.runner.page_size
-        self.context_lens[start:] = 1
+        """Rows ``start ..`` of the buffers: padding rows, all their tokens' KV into the scratch page."""
+        q = self.tokens_per_row
+        self.input_ids[start * q :] = 0
+        self.positions[start * q :] = 0
+        self.slots[start * q :] = self.scratch_page * self.runner.page_size
+        self.context_lens[start:] = q
         self.page_tables[start:] = self.scratch_page
 
     def can_run(self, ctx: StepContext) -> bool:
-        return ctx.is_decode_only and ctx.num_seqs <= self.sizes[-1]
+        if ctx.num_seqs > self.sizes[-1]:
+            return False
+        if self.tokens_per_row == 1:
+            return ctx.is_decode_only
+        return ctx.num_verify_rows == ctx.num_seqs and ctx.query_lens[0] == self.tokens_per_row
 
-    def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        b = ctx.num_seqs
+    def run(self, input_ids: torch.Tensor, ctx: StepContext) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Decode: the rows' logits. Verify: the final hidden state and the logits of every token."""
+        b, q = ctx.num_seqs, self.tokens_per_row
         size = next(s for s in self.sizes if s >= b)
-        self.input_ids[:b].copy_(input_ids, non_blocking=True)
-        self.positions[:b].copy_(ctx.positions, non_blocking=True)
-        self.slots[:b].copy_(ctx.slot_mapping, non_blocking=True)
+        self.input_ids[: b * q].copy_(input_ids, non_blocking=True)
+        self.positions[: b * q].copy_(ctx.positions, non_blocking=True)
+        self.slots[: b * q].copy_(ctx.slot_mapping, non_blocking=True)
         self.context_lens[:b].copy_(ctx.context_lens_tensor, non_blocking=True)
         pages = ctx.page_tables.shape[1]
         self.page_tables[:b, :pages].copy_(ctx.page_tables, non_blocking=True)
@@ -150,7 +173,10 @@ class DecodeGraphs:
             self._reset_padding(b)
         graph = self.graphs[size]
         graph() if self.emulate else graph.replay()
-        return self.outputs[size][:b]
+        if q == 1:
+            return self.outputs[size][:b]
+        hidden, logits = self.outputs[size]
+        return hidden[: b * q], logits[: b * q]
 
 
 def fill_token_buffers(

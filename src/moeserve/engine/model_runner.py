@@ -130,6 +130,7 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphs
         self.prefill_graphs = None  # PrefillGraphs
         self.piecewise_graphs = None  # PiecewiseGraphs: the other steps, cut at attention
+        self.verify_graphs = None  # DecodeGraphs of speculative decoding's verify steps
 
     def _make_pool(self, num_pages: int) -> None:
         """``num_pages`` usable pages, plus one scratch page for CUDA-graph padding rows."""
@@ -156,8 +157,9 @@ class ModelRunner:
         pages = -(-max_model_len // self.page_size)
         # Speculative decoding needs the final hidden state of every position of a step (the MTP
         # layer reads it; the EAGLE-3 draft reads the aux layers' inputs, which every forward
-        # writes into the target's buffer), which only the piecewise graphs keep: the whole-step
-        # graphs, which keep the sampled rows' logits only, would never run.
+        # writes into the target's buffer): the whole-step decode and prefill graphs keep the
+        # sampled rows' logits only, so its steps replay whole-step verify graphs (every row a
+        # token and its k drafts) or, mixed with prompts, the piecewise graphs.
         if self.drafter is None:
             self.graphs = DecodeGraphs(self, self.config.max_num_seqs, pages, scratch_page=self.num_pages, emulate=self.emulate_graphs)
             mempool = self.graphs.mempool
@@ -170,6 +172,13 @@ class ModelRunner:
                 self.prefill_graphs.capture()
         else:
             mempool = None if self.emulate_graphs else torch.cuda.graph_pool_handle()
+            q = self.drafter.k + 1
+            rows = min(self.config.max_num_seqs, self.config.max_num_batched_tokens // q)
+            if rows:
+                self.verify_graphs = DecodeGraphs(
+                    self, rows, pages, scratch_page=self.num_pages, emulate=self.emulate_graphs, tokens_per_row=q, mempool=mempool
+                )
+                self.verify_graphs.capture()
         sizes = piecewise_capture_sizes(self.config.max_num_batched_tokens)
         if sizes:
             self.piecewise_graphs = PiecewiseGraphs(self, sizes, scratch_page=self.num_pages, mempool=mempool, emulate=self.emulate_graphs)

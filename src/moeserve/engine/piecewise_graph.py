@@ -15,11 +15,11 @@ Tokens are padded up to the next captured count; padding tokens (id 0, position 
 KV into the scratch page and no core sees them (a core gets the step's real tokens only). The
 logits of the sampled rows are computed eagerly after the last graph (their count varies).
 
-Speculative decoding (MTP) runs every target step through these graphs (``run_hidden``: the
-final hidden state of every token, which the MTP layer reads): its verify rows of a token and its
-drafts are extend rows to attention, the same core as any other mixed step. The MTP layer's
-passes replay a second set (``drafter=``): the one-layer model over its own KV pool, with the
-previous hidden state of each token in a static buffer too.
+Speculative decoding runs the target steps that no whole-step verify graph takes (verify rows
+beside prompt chunks, rows with fewer drafts) through these graphs (``run_hidden``: the final
+hidden state of every token, which the MTP layer reads). The MTP layer's passes replay a second
+set (``drafter=``): the one-layer model over its own KV pool, with the previous hidden state of
+each token in a static buffer too.
 
 ``emulate=True`` runs the same static-buffer data flow without graphs (CPU tests).
 """

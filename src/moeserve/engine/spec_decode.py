@@ -2,7 +2,7 @@
 them (``spec_accept``), then let the MTP layer propose the next drafts.
 
 One step of a decoding sequence with drafts ``d1 .. dk`` is a row of ``k + 1`` tokens (its last
-accepted token and the drafts) through the ordinary extend path of attention; the target's logits
+accepted token and the drafts; attention's verify rows); the target's logits
 at all ``k + 1`` positions decide how many are accepted. The MTP layer then runs over every
 position of the step whose next token is now known (a prompt chunk's positions, and a decode
 row's positions up to its last accepted one), writing its own KV cache at the target's slots, and
@@ -10,16 +10,21 @@ its output at a sampling row's last position gives the first draft of the next s
 drafts chain the layer on itself, one token per row at a time, at the positions after (their KV
 is written again, from the target's hidden states, when the target has scored them).
 
-Reads its results back at once (no asynchronous scheduling). CUDA graphs: the target's forward
-replays the piecewise graphs (``engine/piecewise_graph.py``, cut at attention; the whole-step
-decode and prefill graphs keep only the sampled rows' logits, not the hidden states of every
-position that the drafter reads) where the step fits them; so do the MTP layer's passes (its own
-piecewise graphs, over its own KV pool with a scratch page of its own: ``MTPDrafter.graphs``).
+Reads its results back at once (no asynchronous scheduling): where every row verifies its full
+k drafts, the MTP layer drafts on the device before anything is read, and the step reads back
+once (``_verify_and_draft_on_device``); otherwise the acceptance is read before the drafting.
+CUDA graphs: a step whose rows all verify k drafts replays a whole-step verify graph
+(``DecodeGraphs(tokens_per_row=k + 1)``: the hidden state and the logits of every position);
+other steps the piecewise graphs (``engine/piecewise_graph.py``, cut at attention; the
+whole-step decode and prefill graphs keep only the sampled rows' logits, not the hidden states
+of every position that the drafter reads); the MTP layer's passes replay piecewise graphs of
+their own, over its own KV pool with a scratch page of its own (``MTPDrafter.graphs``).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -116,8 +121,14 @@ def run_speculative_step(
     pipeline stage's activations."""
     ids, ctx = prepared if prepared is not None else runner.prepare(step)
     pieces = runner.piecewise_graphs  # None on pipeline stages and eager runners
+    verify = runner.verify_graphs
     prompt = None
-    if pieces is not None and hidden_in is None and ctx.prompt_logprobs is None and pieces.can_run(ctx):
+    graphed = hidden_in is None and ctx.prompt_logprobs is None
+    if graphed and verify is not None and step.logits_indices == list(range(len(step.input_ids))) and verify.can_run(ctx):
+        # every row a token and its k drafts, every position's logits: one whole-step replay
+        # (static outputs, read before any other replay of it: the drafter's are its own)
+        hidden, logits = verify.run(ids, ctx)
+    elif graphed and pieces is not None and pieces.can_run(ctx):
         # The graphs' static output: read (the logits' rows, the drafter's positions) before any
         # other replay; the drafter's own forwards replay none of the target's graphs.
         hidden = pieces.run_hidden(ids, ctx)
@@ -129,6 +140,8 @@ def run_speculative_step(
             if ctx.prompt_logprobs is not None:
                 prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
             logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
+    if logits is not None and prompt is None and _drafts_on_device(runner, step, ctx):
+        return _verify_and_draft_on_device(runner, step, ctx, hidden, logits)
     result = SampleResult([], [], [], counts=[], drafts=[])
     if logits is not None:
         tp = tp_group()
@@ -140,6 +153,100 @@ def run_speculative_step(
     result.drafts = runner.drafter.propose(runner, step, ids, ctx, hidden, result)
     if prompt is not None:
         result.prompt_logprobs = prompt.result(prompt.packed.cpu())
+    return result
+
+
+def _drafts_on_device(runner: ModelRunner, step: StepInput, ctx: StepContext) -> bool:
+    """Whether the step's drafting can follow its acceptance on the device, with one read-back
+    at the end: one process, the MTP layer, every row a sampling sequence's token and its full
+    k drafts (each row's MTP pass then covers all its positions, so its shape is known before
+    the acceptance), and a scratch page for the positions a row has no page for."""
+    drafter = runner.drafter
+    return (
+        isinstance(drafter, MTPDrafter)
+        and runner.use_graphs
+        and tp_group().size == 1
+        and ctx.num_verify_rows == ctx.num_seqs
+        and ctx.query_lens[0] == drafter.k + 1
+        and len(step.sample_seq_ids) == ctx.num_seqs
+        and step.logits_indices == list(range(len(step.input_ids)))
+    )
+
+
+def _verify_and_draft_on_device(
+    runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, logits: torch.Tensor
+) -> SampleResult:
+    """Acceptance, the MTP layer's pass over every position and its chained drafts, all enqueued
+    before anything is read back; then one read-back of the acceptance, the logprobs and the
+    drafts. The MTP pass covers a row's positions past its accepted ones too (their MTP KV is
+    written again by the next step, as the target's is), so nothing waits for the acceptance."""
+    drafter: MTPDrafter = runner.drafter
+    k, B, dev = drafter.k, ctx.num_seqs, runner.device
+    q = k + 1
+    scored = _score(runner, step, logits)
+    accepted = scored.accept.view(B, q)[:, :k].long().cumprod(1).sum(1)  # [B] drafts accepted, on the device
+    last = torch.arange(B, device=dev) * q + accepted  # each row's last emitted position
+    # The MTP layer at position j reads the target's hidden state there and the token after it:
+    # the token position j emits (an accepted draft, or the row's new token at its last).
+    mtp_ctx = StepContext(
+        positions=ctx.positions,
+        slot_mapping=ctx.slot_mapping,
+        query_lens=ctx.query_lens,
+        context_lens=ctx.context_lens,
+        page_tables=ctx.page_tables,
+        cu_query_lens=ctx.cu_query_lens,
+        logits_indices=last,
+        page_size=ctx.page_size,
+        context_lens_tensor=ctx.context_lens_tensor,
+        attn_metadata=ctx.attn_metadata,  # (the same rows over the same pages of its own pool)
+    )
+    model, pieces = drafter.model, drafter.graphs
+    with step_context(mtp_ctx):
+        if pieces is not None and pieces.can_run(mtp_ctx):
+            out = pieces.run_hidden(scored.tokens, mtp_ctx, hidden)
+        else:
+            out = model(scored.tokens, mtp_ctx.positions, hidden)
+        last_hidden = out[last]
+        tokens = model.compute_logits(last_hidden).argmax(dim=-1)
+    drafted = [tokens]
+    # Chained: draft i + 1 from the layer at position first + accepted + i of each row.
+    ps = ctx.page_size
+    first = ctx.positions.view(B, q)[:, 0]
+    pages = to_device([len(t) for t in step.page_tables], dev)
+    scratch = runner.num_pages * ps  # the graphs' scratch page (a row without a page there)
+    for i in range(1, k):
+        pos = first + accepted + i
+        has_page = pos // ps < pages
+        page = ctx.page_tables.gather(1, (pos // ps).clamp(max=ctx.page_tables.shape[1] - 1)[:, None]).squeeze(1).long()
+        chain_ctx = StepContext(
+            positions=pos,
+            slot_mapping=torch.where(has_page, page * ps + pos % ps, scratch),
+            query_lens=[1] * B,
+            context_lens=[n + k for n in step.context_lens],  # bounds: the lengths are on the device
+            page_tables=ctx.page_tables,
+            cu_query_lens=torch.arange(B + 1, dtype=torch.int32, device=dev),
+            logits_indices=torch.arange(B, device=dev),
+            page_size=ps,
+            context_lens_tensor=(pos + 1).to(torch.int32),
+        )
+        chain_ctx.attn_metadata = runner.backend.prepare(chain_ctx)
+        with step_context(chain_ctx):
+            if pieces is not None and pieces.can_run(chain_ctx):
+                last_hidden = pieces.run_hidden(tokens, chain_ctx, last_hidden)
+            else:
+                last_hidden = model(tokens, pos, last_hidden)
+            tokens = model.compute_logits(last_hidden).argmax(dim=-1)
+        drafted.append(tokens)
+    rows = scored.host_rows()
+    host = torch.cat([rows.flatten(), torch.stack(drafted, 1).double().flatten()]).cpu()  # the step's one read-back
+    result = scored.result(host[: rows.numel()].view(rows.shape))
+    proposals = host[rows.numel() :].view(B, k).long().tolist()
+    # as the host's chain: a row drafts on while it has a page for the position it writes
+    for r, (row, count) in enumerate(zip(proposals, result.counts)):
+        at = step.context_lens[r] - q + count  # the position chained draft 2 is computed at
+        live = next((i for i in range(1, k) if (at + i - 1) // ps >= len(step.page_tables[r])), k)
+        del row[live:]
+    result.drafts = proposals
     return result
 
 
@@ -159,7 +266,42 @@ def _share_acceptance(result: SampleResult, rows: int, device: torch.device, tp:
     return SampleResult(tokens.tolist(), [], [], counts=count_list, drafts=[])
 
 
+@dataclass
+class _Scored:
+    """A step's acceptance and logprobs on the device, not yet read back."""
+
+    drafts: list[list[int]]
+    accept: torch.Tensor  # [N] bool: the draft after each flat position is accepted
+    tokens: torch.Tensor  # [N] the token each flat position emits if reached
+    packed: torch.Tensor  # [2 (+ 2 top_n), N] float64: tokens, their logprobs (and the top-N)
+    want: list[int | None]
+    top_n: int | None
+    errors: dict[int, str]
+
+    def host_rows(self) -> torch.Tensor:
+        """What the host reads: the packed rows, then the acceptance flags as a last row."""
+        return torch.cat([self.packed, self.accept.double()[None]])
+
+    def result(self, host: torch.Tensor) -> SampleResult:
+        """Each row's emitted tokens and logprobs from ``host_rows()`` read back."""
+        flat = DeviceSample(self.tokens, self.packed, self.want, self.top_n).result(host[:-1])
+        acc = read_acceptance(self.drafts, host[-1].bool().tolist(), host[0].tolist(), self.tokens)
+        out = SampleResult([], [], [], errors=self.errors, counts=[], drafts=[])
+        for toks, positions in zip(acc.tokens, acc.positions):
+            out.token_ids.extend(toks)
+            out.logprobs.extend(flat.logprobs[i] for i in positions)
+            out.sampled_logprobs.extend(flat.sampled_logprobs[i] for i in positions)
+            out.counts.append(len(toks))
+        return out
+
+
 def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> SampleResult:
+    scored = _score(runner, step, logits)
+    # one read-back for the acceptance and the logprobs
+    return scored.result(scored.host_rows().cpu())
+
+
+def _score(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> _Scored:
     drafts = step.draft_tokens or [[] for _ in step.sample_seq_ids]
     gens, errors = runner.sampling.row_generators(step)
     params = [_GREEDY if j in errors else p for j, p in enumerate(step.sample_params)]
@@ -185,17 +327,7 @@ def _accept(runner: ModelRunner, step: StepInput, logits: torch.Tensor) -> Sampl
         vals, top_ids = logp.topk(top_n, dim=-1)
         cols += [top_ids.double().T, vals.double().T]
     packed = torch.cat([c.reshape(-1, logits.shape[0]) for c in cols])
-    # one read-back for the acceptance and the logprobs: the acceptance's flags ride as a last row
-    host = torch.cat([packed, accept.double()[None]]).cpu()
-    flat = DeviceSample(tokens, packed, want, top_n).result(host[:-1])
-    acc = read_acceptance(drafts, host[-1].bool().tolist(), host[0].tolist(), tokens)
-    out = SampleResult([], [], [], errors=errors, counts=[], drafts=[])
-    for toks, positions in zip(acc.tokens, acc.positions):
-        out.token_ids.extend(toks)
-        out.logprobs.extend(flat.logprobs[i] for i in positions)
-        out.sampled_logprobs.extend(flat.sampled_logprobs[i] for i in positions)
-        out.counts.append(len(toks))
-    return out
+    return _Scored(drafts, accept, tokens, packed, want, top_n, errors)
 
 
 def _propose(runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, result: SampleResult) -> list[list[int]]:
