@@ -76,6 +76,12 @@ def _graphed(path, spec, monkeypatch, **kw):
         assert drafts.model is runner.drafter.model
         draft_run = drafts.run_hidden
         drafts.run_hidden = lambda ids, ctx, prev: steps.append(("draft", list(ctx.query_lens))) or draft_run(ids, ctx, prev)
+        after = runner.drafter.verify_graphs  # the MTP layer's drafts after a replayed verify step
+        assert after is not None and after.emulate and after.sizes == verify.sizes
+        after_run = after.run
+        after.run = lambda tokens, accepted, pages: (
+            steps.append(("draft", ["after-verify", accepted.numel()])) or after_run(tokens, accepted, pages)
+        )
     else:
         assert drafts.draft is runner.drafter.draft
         layer = drafts.layer
@@ -109,14 +115,18 @@ def test_random_model_greedy_equals_plain_through_graphs(random_mtp, random_draf
     target += verified
     drafts = [s for s in steps if s[0] == "draft"]  # one pass a step, and k - 1 chained ones
     assert len(drafts) == len(target) if k == 1 else len(drafts) > len(target)
-    # MTP: every verify-only step drafts on the device (one read-back); EAGLE-3 on the host
+    # MTP: every verify-only step drafts on the device (one read-back), replaying the MTP layer's
+    # graphs over the verify graphs' buffers; EAGLE-3 on the host
     assert len(on_device) == (len(verified) if method == "mtp" else 0)
+    assert sum(1 for s in drafts if s[1][0] == "after-verify") == len(on_device)
 
 
 @pytest.mark.triton_on_cpu
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_random_model_stops_lengths_and_prefix_cache_through_graphs(random_mtp, random_draft, plain, monkeypatch, method):
     llm, steps = _graphed(random_mtp, _spec(method, 2, random_draft), monkeypatch)
+    if method == "mtp":  # the drafts after a verify step through the MTP layer's piecewise graphs
+        llm.engine.executor.runner.drafter.verify_graphs = None
     with llm:
         for n in (1, 2, 5):  # max_tokens inside a bundle
             params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)

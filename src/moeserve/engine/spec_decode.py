@@ -34,6 +34,7 @@ from moeserve.device_copy import to_device
 from moeserve.distributed.tp_collectives import TPGroup, tp_group
 from moeserve.step_context import StepContext, step_context
 from moeserve.engine.logit_adjust import adjusted_logits
+from moeserve.engine.mtp_draft_graphs import MTPDraftGraphs, draft_after_verify, kept_drafts
 from moeserve.engine.piecewise_graph import PiecewiseGraphs
 from moeserve.engine.sampler import DeviceSample, SampleResult, prompt_logprobs_on_device
 from moeserve.engine.spec_accept import accept_on_device, read_acceptance
@@ -69,6 +70,7 @@ class MTPDrafter:
         load_model_weights(self.model, cfg.model, cfg.load_format, cfg.seed, runner.device)
         self.pool: StageKVPool | None = None
         self.graphs: PiecewiseGraphs | None = None  # of the MTP layer (``capture_graphs``), or None: eager
+        self.verify_graphs: MTPDraftGraphs | None = None  # its drafts after a replayed verify step
         log.info(
             "speculative decoding: the MTP layer drafts %d token(s) a step (async scheduling off; "
             "the target's steps and the MTP layer's passes through piecewise CUDA graphs where captured)",
@@ -88,6 +90,9 @@ class MTPDrafter:
             runner, sizes, scratch_page=runner.num_pages, mempool=mempool, emulate=runner.emulate_graphs, drafter=self
         )
         self.graphs.capture()
+        if runner.verify_graphs is not None:  # the drafts of a verify step, over its graphs' buffers
+            self.verify_graphs = MTPDraftGraphs(runner, runner.verify_graphs, emulate=runner.emulate_graphs)
+            self.verify_graphs.capture()
 
     def propose(
         self, runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
@@ -124,7 +129,8 @@ def run_speculative_step(
     verify = runner.verify_graphs
     prompt = None
     graphed = hidden_in is None and ctx.prompt_logprobs is None
-    if graphed and verify is not None and step.logits_indices == list(range(len(step.input_ids))) and verify.can_run(ctx):
+    replayed = graphed and verify is not None and step.logits_indices == list(range(len(step.input_ids))) and verify.can_run(ctx)
+    if replayed:
         # every row a token and its k drafts, every position's logits: one whole-step replay
         # (static outputs, read before any other replay of it: the drafter's are its own)
         hidden, logits = verify.run(ids, ctx)
@@ -141,7 +147,7 @@ def run_speculative_step(
                 prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
             logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
     if logits is not None and prompt is None and _drafts_on_device(runner, step, ctx):
-        return _verify_and_draft_on_device(runner, step, ctx, hidden, logits)
+        return _verify_and_draft_on_device(runner, step, ctx, hidden, logits, replayed)
     result = SampleResult([], [], [], counts=[], drafts=[])
     if logits is not None:
         tp = tp_group()
@@ -174,79 +180,27 @@ def _drafts_on_device(runner: ModelRunner, step: StepInput, ctx: StepContext) ->
 
 
 def _verify_and_draft_on_device(
-    runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, logits: torch.Tensor
+    runner: ModelRunner, step: StepInput, ctx: StepContext, hidden: torch.Tensor, logits: torch.Tensor, replayed: bool
 ) -> SampleResult:
-    """Acceptance, the MTP layer's pass over every position and its chained drafts, all enqueued
-    before anything is read back; then one read-back of the acceptance, the logprobs and the
-    drafts. The MTP pass covers a row's positions past its accepted ones too (their MTP KV is
-    written again by the next step, as the target's is), so nothing waits for the acceptance."""
+    """Acceptance, the MTP layer's pass over every position and its chained drafts
+    (``mtp_draft_graphs.draft_after_verify``), all enqueued before anything is read back; then one
+    read-back of the acceptance, the logprobs and the drafts. ``replayed``: the target's verify
+    graphs ran this step, so the drafts replay the MTP layer's graphs over their buffers."""
     drafter: MTPDrafter = runner.drafter
-    k, B, dev = drafter.k, ctx.num_seqs, runner.device
-    q = k + 1
+    k, B = drafter.k, ctx.num_seqs
     scored = _score(runner, step, logits)
-    accepted = scored.accept.view(B, q)[:, :k].long().cumprod(1).sum(1)  # [B] drafts accepted, on the device
-    last = torch.arange(B, device=dev) * q + accepted  # each row's last emitted position
-    # The MTP layer at position j reads the target's hidden state there and the token after it:
-    # the token position j emits (an accepted draft, or the row's new token at its last).
-    mtp_ctx = StepContext(
-        positions=ctx.positions,
-        slot_mapping=ctx.slot_mapping,
-        query_lens=ctx.query_lens,
-        context_lens=ctx.context_lens,
-        page_tables=ctx.page_tables,
-        cu_query_lens=ctx.cu_query_lens,
-        logits_indices=last,
-        page_size=ctx.page_size,
-        context_lens_tensor=ctx.context_lens_tensor,
-        attn_metadata=ctx.attn_metadata,  # (the same rows over the same pages of its own pool)
-    )
-    model, pieces = drafter.model, drafter.graphs
-    with step_context(mtp_ctx):
-        if pieces is not None and pieces.can_run(mtp_ctx):
-            out = pieces.run_hidden(scored.tokens, mtp_ctx, hidden)
-        else:
-            out = model(scored.tokens, mtp_ctx.positions, hidden)
-        last_hidden = out[last]
-        tokens = model.compute_logits(last_hidden).argmax(dim=-1)
-    drafted = [tokens]
-    # Chained: draft i + 1 from the layer at position first + accepted + i of each row.
-    ps = ctx.page_size
-    first = ctx.positions.view(B, q)[:, 0]
-    pages = to_device([len(t) for t in step.page_tables], dev)
-    scratch = runner.num_pages * ps  # the graphs' scratch page (a row without a page there)
-    for i in range(1, k):
-        pos = first + accepted + i
-        has_page = pos // ps < pages
-        page = ctx.page_tables.gather(1, (pos // ps).clamp(max=ctx.page_tables.shape[1] - 1)[:, None]).squeeze(1).long()
-        chain_ctx = StepContext(
-            positions=pos,
-            slot_mapping=torch.where(has_page, page * ps + pos % ps, scratch),
-            query_lens=[1] * B,
-            context_lens=[n + k for n in step.context_lens],  # bounds: the lengths are on the device
-            page_tables=ctx.page_tables,
-            cu_query_lens=torch.arange(B + 1, dtype=torch.int32, device=dev),
-            logits_indices=torch.arange(B, device=dev),
-            page_size=ps,
-            context_lens_tensor=(pos + 1).to(torch.int32),
-        )
-        chain_ctx.attn_metadata = runner.backend.prepare(chain_ctx)
-        with step_context(chain_ctx):
-            if pieces is not None and pieces.can_run(chain_ctx):
-                last_hidden = pieces.run_hidden(tokens, chain_ctx, last_hidden)
-            else:
-                last_hidden = model(tokens, pos, last_hidden)
-            tokens = model.compute_logits(last_hidden).argmax(dim=-1)
-        drafted.append(tokens)
+    accepted = scored.accept.view(B, k + 1)[:, :k].long().cumprod(1).sum(1)  # [B] drafts accepted, on the device
+    page_counts = [len(t) for t in step.page_tables]
+    if replayed and drafter.verify_graphs is not None:
+        drafted = drafter.verify_graphs.run(scored.tokens, accepted, page_counts)
+    else:
+        pages = to_device(page_counts, runner.device)
+        drafted = draft_after_verify(runner, ctx, scored.tokens, hidden, accepted, pages, drafter.graphs)
     rows = scored.host_rows()
-    host = torch.cat([rows.flatten(), torch.stack(drafted, 1).double().flatten()]).cpu()  # the step's one read-back
+    host = torch.cat([rows.flatten(), drafted.double().flatten()]).cpu()  # the step's one read-back
     result = scored.result(host[: rows.numel()].view(rows.shape))
-    proposals = host[rows.numel() :].view(B, k).long().tolist()
-    # as the host's chain: a row drafts on while it has a page for the position it writes
-    for r, (row, count) in enumerate(zip(proposals, result.counts)):
-        at = step.context_lens[r] - q + count  # the position chained draft 2 is computed at
-        live = next((i for i in range(1, k) if (at + i - 1) // ps >= len(step.page_tables[r])), k)
-        del row[live:]
-    result.drafts = proposals
+    result.drafts = host[rows.numel() :].view(B, k).long().tolist()
+    kept_drafts(result.drafts, result.counts, step.context_lens, page_counts, k, ctx.page_size)
     return result
 
 
