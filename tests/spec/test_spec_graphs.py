@@ -218,3 +218,22 @@ def test_eagle3_aux_states_after_replays_equal_eager_steps(random_mtp, random_dr
     assert any(sum(lens) not in sizes for lens, _ in got)  # padded replays
     for (_, a), (_, b) in zip(got, seen):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_mtp_through_real_graphs_equals_plain_decoding_on_the_gpu(random_mtp):
+    """On a GPU, float32: the verify graphs and the MTP layer's draft graphs really captured;
+    greedy tokens equal those without speculation (k = 2, three prompts, stops mid-bundle)."""
+    kw = {**SETTINGS, "device": "cuda", "page_size": 16}
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    with LLM(random_mtp, **kw) as llm:
+        want = _tokens(llm, PROMPTS, params)
+    with LLM(random_mtp, speculative_config=_spec("mtp", 2), **kw) as llm:
+        runner = llm.engine.executor.runner
+        assert runner.verify_graphs is not None and not runner.verify_graphs.emulate
+        after = runner.drafter.verify_graphs
+        replays = []
+        run = after.run
+        after.run = lambda *a: replays.append(1) or run(*a)
+        assert _tokens(llm, PROMPTS, params) == want
+        assert replays and llm.engine.spec_num_draft_tokens > 0
