@@ -64,3 +64,24 @@ def test_seeded_rows_repeat():
     logits = torch.randn(3, 6)
     runs = [accept_drafts(logits, [[1, 2]], [params], [torch.Generator().manual_seed(7)]).tokens for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_drafts_after_a_verify_step_stop_where_a_row_runs_out_of_pages():
+    """``kept_drafts``: a row keeps its first draft and each chained one whose position (after its
+    last emitted token) it holds a page for, up to the first it does not, as the host's chain."""
+    from moeserve.engine.mtp_draft_graphs import kept_drafts
+
+    k, ps = 3, 4
+    # rows of k + 1 = 4 tokens; (context length, tokens emitted, pages held) -> drafts kept.
+    # Row positions are [L - 4, L); chained draft i + 1 is computed at L - 4 + emitted - 1 + i.
+    cases = [
+        ((10, 4, 3), 3),  # chained at 10 and 11: page 2 of 3
+        ((12, 4, 3), 1),  # chained at 12: page 3, not held
+        ((12, 4, 4), 3),
+        ((12, 1, 3), 3),  # nothing accepted: chained at 9 and 10
+        ((11, 4, 3), 2),  # chained at 11 (held) and 12 (not)
+    ]
+    proposals = [[7, 8, 9] for _ in cases]
+    kept_drafts(proposals, [c[1] for c, _ in cases], [c[0] for c, _ in cases], [c[2] for c, _ in cases], k, ps)
+    assert [len(p) for p in proposals] == [n for _, n in cases]
+    assert all(p == [7, 8, 9][: len(p)] for p in proposals)
