@@ -8,7 +8,8 @@
 #   needs: the server wheels, humming-kernels, compressed-tensors (.whl carried and installed first)
 #   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts; MODES="": nothing served;
 #        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths;
-#        SPEC_PROFILE=1: scripts/profile/spec_profile.py of a demo k = 2 and a V3 k = 1 step)
+#        SPEC_PROFILE=1: scripts/profile/spec_profile.py of a demo k = 2 and a V3 k = 1 step;
+#        DEMO_CONCURRENCY="1": the served demo at c1 only)
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
 URL=http://127.0.0.1:8014
@@ -19,7 +20,7 @@ for mode in ${MODES-plain mtp2}; do
   python3 -m moeserve serve "${flags[@]}" --host 127.0.0.1 --port 8014 > "$work/server_$mode.log" 2>&1 &
   server=$!
   step "ready_$mode" 90 python3 -m moeserve wait-ready --url $URL --timeout 85
-  for c in 1 32; do
+  for c in ${DEMO_CONCURRENCY:-1 32}; do
     step "demo_${mode}_c$c" 40 python3 -m moeserve bench --url $URL --dataset "$work/demo_prompts.jsonl" \
       --concurrency $c --num-prompts $((c == 1 ? 16 : 64)) --output-len 64 --result-dir "$work/demo_${mode}_c$c"
   done
