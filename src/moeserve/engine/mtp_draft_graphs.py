@@ -22,6 +22,7 @@ read-back. ``emulate=True`` runs the same static-buffer data flow without graphs
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Callable
 
@@ -57,18 +58,8 @@ def draft_after_verify(
     B = ctx.num_seqs
     q = k + 1
     last = torch.arange(B, device=dev) * q + accepted  # each row's last emitted position
-    mtp_ctx = StepContext(
-        positions=ctx.positions,
-        slot_mapping=ctx.slot_mapping,
-        query_lens=ctx.query_lens,
-        context_lens=ctx.context_lens,
-        page_tables=ctx.page_tables,
-        cu_query_lens=ctx.cu_query_lens,
-        logits_indices=last,
-        page_size=ps,
-        context_lens_tensor=ctx.context_lens_tensor,
-        attn_metadata=ctx.attn_metadata,  # (the same rows over the same pages of its own pool)
-    )
+    # the same rows over the same pages of its own pool: the same attention metadata
+    mtp_ctx = dataclasses.replace(ctx, logits_indices=last)
     with step_context(mtp_ctx):
         if pieces is not None and pieces.can_run(mtp_ctx):
             out = pieces.run_hidden(tokens, mtp_ctx, hidden)
