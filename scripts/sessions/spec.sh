@@ -7,7 +7,7 @@
 #   - tests/kernels/test_humming_moe.py's engine test (humming vs Triton prompt logprobs).
 #   needs: the server wheels, humming-kernels, compressed-tensors (.whl carried and installed first)
 #   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts; MODES="": nothing served;
-#        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths;
+#        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths ("": none);
 #        SPEC_PROFILE=1: scripts/profile/spec_profile.py of a demo k = 2 and a V3 k = 1 step;
 #        DEMO_CONCURRENCY="1": the served demo at c1 only)
 source "$(dirname "$0")/steps.sh"
@@ -29,7 +29,7 @@ for mode in ${MODES-plain mtp2}; do
 done
 # MTP_LAYERS="4 7": two depths (1 and 4 MoE layers after V3's 3 dense ones), so a step's cost splits
 # into a per-MoE-layer part and the rest, and projects to the full 61 layers.
-for layers in ${MTP_LAYERS:-5}; do
+for layers in ${MTP_LAYERS-5}; do
   step mtp_v3_l$layers ${MTP_S:-150} python3 -m moeserve bench --offline --model deepseek-v3 --load-format dummy \
     --hf-overrides "{\"num_hidden_layers\": $layers}" --batch-sizes ${MTP_BATCHES:-1,8,32} --input-len 512 --output-len 64 \
     --speculative-config '{"method": "mtp"}' --num-speculative-tokens ${MTP_K:-0,1,2,3} --result-dir "$work/mtp_l$layers"
