@@ -90,6 +90,28 @@ def test_step_sized_variants_run_on_scratch_inputs():
     assert torch.equal(runner.pool.layer(0), before)  # reads the cache, writes nothing to it
 
 
+def test_verify_row_variants_compile_ahead_with_speculation(monkeypatch):
+    """With k drafts a step, the decode kernel of verify rows of 2 .. k + 1 tokens (a row whose
+    drafts were cut is shorter) runs on scratch inputs before ready; none without speculation."""
+    import types
+
+    pytest.importorskip("triton")
+    from moeserve.kernels import mla_decode as decode_module
+
+    runner = _runner("triton")
+    seen = []
+    real = decode_module.mla_decode
+    monkeypatch.setattr(decode_module, "mla_decode", lambda *a, **kw: seen.append(kw.get("tokens_per_row", 1)) or real(*a, **kw))
+    compile_step_sized_variants(runner, 64)
+    assert set(seen) == {1}
+    seen.clear()
+    runner.drafter = types.SimpleNamespace(k=3)
+    before = runner.pool.layer(0).clone()
+    compile_step_sized_variants(runner, 64)
+    assert set(seen) == {1, 2, 3, 4}
+    assert torch.equal(runner.pool.layer(0), before)
+
+
 def test_both_prefix_attention_forms_compile_ahead_and_the_mode_is_kept():
     """A server without the prefix cache never attends to a cached prefix in its warm-up; a
     chunk of a long prompt later does, in either form, so both run on a scratch step first."""

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
 def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None:
     """Kernel variants picked by a step's size that the warm-up's few steps cannot all reach:
     the MLA decode kernels' split count (a merge block per power of two, from the decode rows
-    and their contexts in an eager mixed step), the sampling kernel's chunk count (from the
+    and their contexts in an eager mixed step) and verify row length (speculative decoding),
+    the sampling kernel's chunk count (from the
     rows sampled) and, with ``MOESERVE_SAMPLER=triton``, the top-k/top-p kernels (a warm-up step
     samples greedily). Compiled here
     on scratch inputs, so that no request pays seconds for one."""
@@ -43,6 +44,13 @@ def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None
         while splits <= MAX_KV_SPLITS:  # a merge width per power of two
             mla_decode(q_lat, q_pe, cache, table, lens, runner.page_size, 1.0, num_kv_splits=splits, max_context_len=longest)
             splits *= 2
+        # speculative decoding's verify rows, a kernel variant per row length (a row whose drafts
+        # were cut is shorter): one and two splits (the merge is the one above)
+        for q in verify_row_lengths(runner):
+            rows = lambda t: t.repeat_interleave(q, 0)  # noqa: E731
+            pages = torch.zeros(B, -(-(1 + q) // runner.page_size), dtype=torch.int32, device=runner.device)
+            for splits in (1, 2):
+                mla_decode(rows(q_lat), rows(q_pe), cache, pages, lens + q, runner.page_size, 1.0, splits, longest + q, tokens_per_row=q)
     compile_prefix_attention(runner)
     if runner.is_last and runner.sample_kernel:
         from moeserve.kernels import logit_filter, sampling
@@ -52,6 +60,15 @@ def compile_step_sized_variants(runner: ModelRunner, max_model_len: int) -> None
             logit_filter.compile_variants(runner.model_config.vocab_size, runner.device)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
+
+
+def verify_row_lengths(runner: ModelRunner) -> list[int]:
+    """The lengths a verify row can have (a token and 1 .. k drafts) that attention runs in the
+    decode form (``DECODE_MAX_TOKENS_PER_ROW``); none without speculative decoding."""
+    from moeserve.kernels.limits import DECODE_MAX_TOKENS_PER_ROW
+
+    k = runner.drafter.k if runner.drafter is not None else 0
+    return list(range(2, min(k + 1, DECODE_MAX_TOKENS_PER_ROW) + 1))
 
 
 def compile_prefix_attention(runner: ModelRunner) -> None:
