@@ -47,9 +47,12 @@ class StepContext:
     prefix_groups: list[int] | None = None
     # The prompt logprobs the last stage computes this step (``sampler.PromptLogprobs``), or None.
     prompt_logprobs: Any = None
+    # A speculative decoding step: its leading rows of the same few tokens are verify rows.
+    speculative: bool = False
     # Sequences at the front of the batch that add one token each (set from query_lens).
     num_decode_rows: int = field(init=False)
-    # Where none does: sequences at the front that add the same few tokens each (verify rows).
+    # Where none does, in a speculative step: sequences at the front that add the same few
+    # tokens each (verify rows: a token and its drafts).
     num_verify_rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -57,7 +60,7 @@ class StepContext:
         # The scheduler puts decodes first; a one-token row behind an extend row is run as an
         # extend, which is right, only slower.
         self.num_decode_rows = leading_decode_rows(self.query_lens)
-        self.num_verify_rows = 0 if self.num_decode_rows else leading_verify_rows(self.query_lens)
+        self.num_verify_rows = leading_verify_rows(self.query_lens) if self.speculative and not self.num_decode_rows else 0
 
     @property
     def num_leading_rows(self) -> int:

@@ -387,7 +387,7 @@ def _fake_config(kv_lora, rope):
     return types.SimpleNamespace(kv_lora_rank=kv_lora, qk_rope_head_dim=rope, kv_latent_dim=kv_lora + rope)
 
 
-def _step(query_lens, context_lens, page_size, num_pages, gen):
+def _step(query_lens, context_lens, page_size, num_pages, gen, speculative=False):
     table = scattered_page_tables(context_lens, page_size, num_pages, gen)
     positions = torch.cat([torch.arange(L - n, L) for n, L in zip(query_lens, context_lens)])
     seq = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
@@ -402,6 +402,7 @@ def _step(query_lens, context_lens, page_size, num_pages, gen):
         cu_query_lens=cu.to(DEV),
         logits_indices=(cu[1:] - 1).to(DEV),
         page_size=page_size,
+        speculative=speculative,
     )
 
 
@@ -417,7 +418,7 @@ STEPS = [
 ]
 
 
-def _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype):
+def _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype, speculative=False):
     """A pool on stage 1 (layers [2, 5)) with different latents in every layer, a step context
     and random queries / weights for it."""
     gen = torch.Generator().manual_seed(sum(context_lens) + page_size)
@@ -426,7 +427,7 @@ def _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_s
     pool = StageKVPool(_fake_config(kv_lora, rope), stage, num_pages=num_pages, page_size=page_size, dtype=dtype, device=DEV)
     # Every owned layer holds different latents: reading the wrong layer would show.
     pool.buffer.copy_(torch.randn(pool.buffer.shape, generator=gen))
-    ctx = _step(query_lens, context_lens, page_size, num_pages, gen)
+    ctx = _step(query_lens, context_lens, page_size, num_pages, gen, speculative)
     T = sum(query_lens)
     q_nope = torch.randn(T, H, nope, generator=gen).to(DEV, dtype)
     q_pe = torch.randn(T, H, rope, generator=gen).to(DEV, dtype)
@@ -452,10 +453,12 @@ def test_triton_backend_matches_reference_on_a_later_stage(H, nope, rope, vdim, 
         new_lens = [L * 37 + 3 for L in context_lens]
         query_lens = [1 if n == 1 else (new if n == L else n * 20) for n, L, new in zip(query_lens, context_lens, new_lens)]
         context_lens = new_lens
-    case = _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype)
     backend = TritonMLABackend()
     assert backend.name == "triton"
-    _check_backend_on_layers(backend, *case, dtype, vdim)
+    for speculative in (False, True):  # (a speculative step runs leading rows of a few tokens as verify rows)
+        case = _backend_case(H, nope, rope, vdim, kv_lora, query_lens, context_lens, page_size, dtype, speculative)
+        assert (case[1].num_verify_rows > 0) == (speculative and 1 < query_lens[0] <= 8)
+        _check_backend_on_layers(backend, *case, dtype, vdim)
 
 
 PREFIX_VARIANTS = [
@@ -506,15 +509,16 @@ def test_step_metadata_is_built_once_per_step_and_decode_rows_are_views():
 
 
 def test_verify_rows_take_the_decode_form_as_views_of_the_step():
-    """Leading rows of the same few tokens (no one-token row before them) are decode rows of that
-    many tokens: views of the step's tensors, so a graph's static buffers stay what they read;
-    the rows after them are extends from their first token on. Longer rows, or verify rows
-    behind a one-token row, stay extends."""
+    """In a speculative step, leading rows of the same few tokens (no one-token row before them)
+    are decode rows of that many tokens: views of the step's tensors, so a graph's static buffers
+    stay what they read; the rows after them are extends from their first token on. Longer rows,
+    verify rows behind a one-token row, or any rows of a step without drafts stay extends."""
     from moeserve.kernels.limits import DECODE_MAX_TOKENS_PER_ROW
 
     backend = TritonMLABackend()
     gen = torch.Generator().manual_seed(0)
-    step = _step([3, 3, 3, 6], [5, 9, 4, 6], 4, 16, gen)
+    assert _step([3, 3, 3, 6], [5, 9, 4, 6], 4, 16, gen).num_verify_rows == 0  # not a speculative step: extends
+    step = _step([3, 3, 3, 6], [5, 9, 4, 6], 4, 16, gen, speculative=True)
     step.context_lens_tensor = torch.tensor(step.context_lens, dtype=torch.int32, device=DEV)
     assert (step.num_decode_rows, step.num_verify_rows, step.num_leading_rows) == (0, 3, 3)
     meta = backend.prepare(step)
@@ -524,7 +528,7 @@ def test_verify_rows_take_the_decode_form_as_views_of_the_step():
     assert meta.extend.first_token == 9 and meta.extend.cu_q.tolist() == [0, 6]
     long = DECODE_MAX_TOKENS_PER_ROW + 1
     for lens in ([long, long], [1, 3, 3]):
-        other = _step(lens, [n + 2 for n in lens], 4, 16, gen)
+        other = _step(lens, [n + 2 for n in lens], 4, 16, gen, speculative=True)
         meta = backend.prepare(other)
         assert other.num_verify_rows == 0 and (meta.decode is None or meta.decode.tokens_per_row == 1)
 

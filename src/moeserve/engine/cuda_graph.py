@@ -100,6 +100,7 @@ class DecodeGraphs:
             logits_indices=torch.arange(b * q, device=dev),
             page_size=self.runner.page_size,
             context_lens_tensor=self.context_lens[:b],
+            speculative=q > 1,
         )
         # Built once, outside capture: for a decode-only step the attention metadata is views of
         # the static buffers above (and host facts fixed at capture), so every replay reads the

@@ -343,6 +343,7 @@ class ModelRunner:
             logits_indices=wide_t[logits_at : logits_at + S],
             page_size=self.page_size,
             context_lens_tensor=narrow_t[lens_at : lens_at + B],
+            speculative=step.draft_tokens is not None,
         )
         if len(step.query_lens) - ctx.num_leading_rows > 1:
             ctx.prefix_groups = shared_prefix_runs(ctx, step.page_tables)
