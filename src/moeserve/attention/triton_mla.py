@@ -8,9 +8,9 @@ the split is two slices of the flat batch: tokens ``[0, D)`` decode, tokens ``[D
 * Decode rows use the weight-absorbed form: ``q_latent = q_nope @ w_uk``, attend directly over
   the paged latent cache with :func:`~moeserve.kernels.mla_decode.mla_decode` (every head
   shares each cache tile), then ``out = out_latent @ w_uv``. No per-head key or value is ever
-  materialised, whether the step is decode-only or mixed with prefills. Where no one-token row
-  leads, the leading rows that add the same few tokens each (speculative decoding's verify rows,
-  ``StepContext.num_verify_rows``) take the same form, their tokens as extra query rows that
+  materialised, whether the step is decode-only or mixed with prefills. In a speculative step
+  where no one-token row leads, the leading rows that add the same few tokens each (verify rows:
+  a token and its drafts, ``StepContext.num_verify_rows``) take the same form, their tokens as extra query rows that
   see the cache causally (``mla_decode(tokens_per_row=q)``).
 * Extend rows use the non-absorbed form. The new tokens' latents (this step's, already written
   to the cache) are expanded to per-head keys and values (one GEMM with ``kv_b_proj``) and
