@@ -129,7 +129,8 @@ def run_speculative_step(
     verify = runner.verify_graphs
     prompt = None
     graphed = hidden_in is None and ctx.prompt_logprobs is None
-    replayed = graphed and verify is not None and step.logits_indices == list(range(len(step.input_ids))) and verify.can_run(ctx)
+    every_position = step.logits_indices == list(range(len(step.input_ids)))  # each token's logits, in order
+    replayed = graphed and verify is not None and every_position and verify.can_run(ctx)
     if replayed:
         # every row a token and its k drafts, every position's logits: one whole-step replay
         # (static outputs, read before any other replay of it: the drafter's are its own)
@@ -146,7 +147,7 @@ def run_speculative_step(
             if ctx.prompt_logprobs is not None:
                 prompt = prompt_logprobs_on_device(runner.model.compute_logits, hidden, ctx.prompt_logprobs, runner.model_config.vocab_size)
             logits = runner.model.compute_logits(hidden[ctx.logits_indices]) if step.sample_seq_ids else None
-    if logits is not None and prompt is None and _drafts_on_device(runner, step, ctx):
+    if logits is not None and prompt is None and every_position and _drafts_on_device(runner, step, ctx):
         return _verify_and_draft_on_device(runner, step, ctx, hidden, logits, replayed)
     result = SampleResult([], [], [], counts=[], drafts=[])
     if logits is not None:
@@ -175,7 +176,6 @@ def _drafts_on_device(runner: ModelRunner, step: StepInput, ctx: StepContext) ->
         and ctx.num_verify_rows == ctx.num_seqs
         and ctx.query_lens[0] == drafter.k + 1
         and len(step.sample_seq_ids) == ctx.num_seqs
-        and step.logits_indices == list(range(len(step.input_ids)))
     )
 
 
