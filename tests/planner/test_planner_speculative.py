@@ -202,20 +202,27 @@ def test_more_drafts_cost_more_a_cycle():
     assert speculative_step(K26, hw, 8, 1, 1, [61], 1, KV_LEN, Speculation("eagle3", 3, 0.0)).tok_s < base.tok_s
 
 
-def test_eagle3_on_a_pipeline_is_refused(capsys):
+@pytest.mark.parametrize("engine, holders", [("moeserve", [4]), ("vllm", [4, 5, 6, 7])])
+def test_eagle3_on_a_pipeline_runs_on_the_last_stage(engine, holders, capsys):
+    """TP4 x PP2: the draft's weights on the last stage's ranks (TP rank 0 of it for moeserve);
+    each stage sends its aux states on, so a step costs more than the same cycle without them."""
     from moeserve.distributed.layout import Layout
     from moeserve.planner.plan import Workload, evaluate_layout
     from moeserve.planner.workload import EngineSettings
 
-    hw = resolve_hardware(8, gpu="h200")
-    plan = evaluate_layout(K26, hw, Layout(4, 2, 1), Workload(), EngineSettings(speculative=Speculation("eagle3", 3, 0.7)))
-    assert not plan.fits and "EAGLE-3 drafts need pp=1" in plan.why
-    with pytest.raises(ValueError, match="need pp=1"):
-        speculative_step(K26, hw, 4, 2, 1, [31, 30], 1, KV_LEN, Speculation("eagle3", 3, 0.7))
+    hw = resolve_hardware(8, gpu="h200", engine=engine)
+    spec = Speculation("eagle3", 3, 0.7)
+    plain = evaluate_layout(K26, hw, Layout(4, 2, 1), Workload())
+    plan = evaluate_layout(K26, hw, Layout(4, 2, 1), Workload(), EngineSettings(speculative=spec))
+    assert plan.fits, plan.why
+    extra = [a - b for a, b in zip(plan.weights_gb_per_gpu, plain.weights_gb_per_gpu)]
+    assert [r for r, x in enumerate(extra) if x > 0] == holders
+    step = speculative_step(K26, hw, 4, 2, 1, [31, 30], 1, KV_LEN, spec)
+    assert step.terms.send > decode_step(K26, hw, 4, 2, 1, [31, 30], 1, KV_LEN, tokens_per_seq=4).terms.send > 0
     argv = ("--model", "kimi-k2.6", "--gpus", "8", "--gpu", "h200", "--layout", "tp4xpp2", "--json")
     assert run_plan(_args(*argv, "--speculative-config", '{"method": "eagle3", "num_speculative_tokens": 3}')) == 0
     out = json.loads(capsys.readouterr().out)
-    assert "EAGLE-3 drafts need pp=1" in out["layouts"][0]["why"]
+    assert out["layouts"][0]["fits"], out["layouts"][0]["why"]
 
 
 @pytest.mark.parametrize("engine, holders", [("moeserve", 1), ("vllm", 8)])

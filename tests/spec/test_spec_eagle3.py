@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from moeserve.engine.config import EngineConfig, SpeculativeConfig
+from moeserve.engine.config import SpeculativeConfig
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
@@ -100,8 +100,6 @@ def test_config_errors(tmp_path, random_target, random_draft):
     assert SpeculativeConfig.parse({"model": random_draft}).method == "eagle3"  # vLLM guesses it from the name
     with pytest.raises(ValueError, match="is not supported"):
         SpeculativeConfig.parse({"method": "eagle-3", "model": random_draft})
-    with pytest.raises(ValueError, match="one pipeline stage"):
-        EngineConfig(model=random_target, device="cpu", speculative_config=_spec(random_draft), pipeline_parallel_size=2)
     wide = write_random_draft(tmp_path / "wide", {**DRAFT_CONFIG, "target_hidden_size": 2 * H})
     with pytest.raises(ValueError, match="hidden states of size"):
         _engine(random_target, _spec(wide))
@@ -138,6 +136,44 @@ def test_demo_model_tensor_parallel_accepts_drafts():
     with LLM(None, device="cpu", tensor_parallel_size=2, speculative_config=_spec(str(EAGLE3_DIR))) as llm:
         assert _tokens(llm, [prompt], params) == want
         assert llm.engine.spec_num_accepted_tokens > 0
+
+
+def test_random_draft_pipeline_parallel_equals_plain(random_target, random_draft, plain):
+    """PP 2 (gloo on CPU): the draft's aux layers 0 and 1 lie on different stages; stage 0's aux
+    state travels with its activations to the last stage, whose TP rank 0 drafts (near-zero
+    acceptance: every step's bookkeeping is exercised). The same greedy tokens as one process."""
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    with LLM(random_target, device="cpu", backend="reference", pipeline_parallel_size=2, speculative_config=_spec(random_draft)) as llm:
+        assert _tokens(llm, PROMPTS[:2], params) == _tokens(plain, PROMPTS[:2], params)
+        assert llm.engine.spec_num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("layout", [dict(pipeline_parallel_size=2), dict(pipeline_parallel_size=2, tensor_parallel_size=2)])
+def test_demo_model_pipeline_parallel_drafts_as_one_process(tmp_path, layout):
+    """The demo's draft reading layers 0, 1 (stage 0's) and 2 (stage 1's) under PP 2: the aux
+    states travel with the activations, so the last stage's TP rank 0 drafts what one process
+    drafts (the same drafts made and accepted: with layer 0's and 1's states lost, 26 drafts, 9
+    accepted, against 24 and 10), and the greedy tokens are those without speculation."""
+    import shutil
+
+    from moeserve.demo import EAGLE3_DIR
+    from moeserve.demo import chat_format as cf
+
+    draft = shutil.copytree(EAGLE3_DIR, tmp_path / "draft")
+    config = json.loads((draft / "config.json").read_text())
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    (draft / "config.json").write_text(json.dumps(config))
+    prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    want = _tokens(LLM(None, device="cpu"), [prompt], params)
+    one = LLM(None, device="cpu", speculative_config=_spec(str(draft)))
+    assert _tokens(one, [prompt], params) == want
+    with LLM(None, device="cpu", speculative_config=_spec(str(draft)), **layout) as llm:
+        assert _tokens(llm, [prompt], params) == want
+        counts = llm.engine.spec_num_draft_tokens, llm.engine.spec_num_accepted_tokens
+    assert counts[1] > 0
+    if "tensor_parallel_size" not in layout:  # the same arithmetic as one process: the same drafts
+        assert counts == (one.engine.spec_num_draft_tokens, one.engine.spec_num_accepted_tokens)
 
 
 def test_generate_cli_takes_eagle3(capsys):

@@ -93,15 +93,13 @@ class EngineConfig:
         "where there is one), e.g. '{\"num_hidden_layers\": 8}' for a "
         "short model of real shapes",
     )
-    # vLLM's flag; see docs/speculative.md. Turns asynchronous scheduling off; with MTP the
-    # target's steps and the MTP layer's passes replay piecewise CUDA graphs (cut at attention),
-    # EAGLE-3 runs the whole engine eagerly.
+    # vLLM's flag; see docs/speculative.md. Turns asynchronous scheduling off; verify steps
+    # replay whole-step CUDA graphs, the other steps and the drafter's passes piecewise ones.
     speculative_config: dict | None = setting(
         None,
         'JSON object: speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s '
         'MTP layer drafts on the last pipeline stage), or \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 2}\' '
-        "(an EAGLE-3 draft; one pipeline stage); async scheduling off; CUDA graphs: piecewise (cut at attention) "
-        "with MTP, none with EAGLE-3",
+        "(an EAGLE-3 draft, on the last stage's TP rank 0); async scheduling off",
     )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))
@@ -133,8 +131,6 @@ class EngineConfig:
         self.speculative = SpeculativeConfig.parse(self.speculative_config, self.model)
         if self.speculative is not None and self.nnodes > 1:
             raise ValueError("speculative decoding runs on one node for now")
-        if self.speculative is not None and self.speculative.method == "eagle3" and self.pipeline_parallel_size > 1:
-            raise ValueError("EAGLE-3 speculative decoding runs with one pipeline stage (--pp 1) for now")
         if self.generation_config not in ("auto", "vllm") and not (Path(self.generation_config) / "generation_config.json").is_file():
             raise ValueError(f"generation_config {self.generation_config!r}: no generation_config.json there (auto | vllm | a directory)")
 

@@ -14,8 +14,10 @@ outputs. Its passes replay CUDA graphs of their own around its attention
 The draft keeps its own per-sequence cache (not the paged KV cache). A sequence whose first
 fed position is not 0 (its prompt prefix found in the prefix cache) starts its draft cache there:
 draft positions are shifted by that offset, which rope's relative positions do not see; the draft
-just attends to less context. One pipeline stage only; under TP, TP rank 0 alone holds and runs
-the draft (the drafts travel to every rank in the next step's input, so nothing is broadcast).
+just attends to less context. TP rank 0 of the last pipeline stage alone holds and runs the
+draft (the drafts travel to every rank in the next step's input, so nothing is broadcast); with
+several stages, each passes the aux states kept so far to the next beside its activations
+(``executor/worker.py``), so the last stage's buffer holds all three.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from moeserve.engine.eagle3_graphs import DraftGraphs
 from moeserve.step_context import StepContext
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
-from moeserve.models.eagle3 import DraftRows, Eagle3Draft
+from moeserve.models.eagle3 import DraftRows, Eagle3Config, Eagle3Draft
 
 if TYPE_CHECKING:
     from moeserve.engine.model_runner import ModelRunner
@@ -76,13 +78,13 @@ class Eagle3Drafter:
         if not self.runs:
             return
         embed = runner.model.model.embed_tokens
-        # Under TP the target's embedding is sharded: the draft reads the checkpoint's full one.
-        weight = embed.weight if tp.size == 1 else _checkpoint_embedding(runner.config.model)
+        # Under TP the target's embedding is sharded, and a last pipeline stage has none: the
+        # draft reads the checkpoint's full one.
+        weight = embed.weight if embed is not None and tp.size == 1 else _checkpoint_embedding(runner.config.model)
         self.draft = Eagle3Draft.load(spec.model, cfg.num_hidden_layers, cfg.hidden_size, weight, runner.dtype, runner.device)
         self.draft.eval()
         aux = self.draft.cfg.aux_layer_ids
-        # (a step has at most the budget's tokens: the profile run's too)
-        self.aux_hidden = runner.model.model.keep_aux(aux, runner.config.max_num_batched_tokens, runner.dtype, runner.device)
+        self.aux_hidden = runner.model.model.aux_hidden  # kept since ``keep_aux_states``
         log.info(
             "speculative decoding: EAGLE-3 draft %s (aux layers %s) drafts %d token(s) a step (async scheduling off; "
             "the target's steps and the draft's passes through piecewise CUDA graphs where captured)",
@@ -143,6 +145,19 @@ class Eagle3Drafter:
         return drafts[to_device(sampling, dev)].tolist() if sampling else []
 
 
+def keep_aux_states(runner: ModelRunner, spec: SpeculativeConfig) -> None:
+    """Have the target keep the draft's aux states (the residual stream entering its aux layers)
+    where this rank needs them: on the rank that runs the draft (TP rank 0 of the last stage)
+    and, with several pipeline stages, on every rank, since each stage passes the aux states
+    kept so far on to the next with its activations (its own layers fill their columns)."""
+    if runner.config.pipeline_parallel_size == 1 and not (runner.is_last and tp_group().rank == 0):
+        return
+    cfg = runner.model_config
+    aux = Eagle3Config.read(spec.model, cfg.num_hidden_layers, cfg.hidden_size).aux_layer_ids
+    # (a step has at most the budget's tokens: the profile run's too)
+    runner.model.model.keep_aux(aux, runner.config.max_num_batched_tokens, runner.dtype, runner.device)
+
+
 def _checkpoint_embedding(model_dir: str) -> torch.Tensor:
     from moeserve.loader import read_checkpoint_tensor
 
@@ -152,4 +167,4 @@ def _checkpoint_embedding(model_dir: str) -> torch.Tensor:
         raise ValueError(f"EAGLE-3 draft: {e} to share with the draft") from None
 
 
-__all__ = ["Eagle3Drafter", "draft_feed"]
+__all__ = ["Eagle3Drafter", "draft_feed", "keep_aux_states"]

@@ -95,6 +95,10 @@ class ModelRunner:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         log.info("%s: weights loaded, %.2f GB in %.1f s", where, self.weight_bytes / 1e9, time.perf_counter() - t0)
         self.drafter = None  # speculative decoding's MTP layer or EAGLE-3 draft (engine/spec_decode.py)
+        if config.speculative is not None and config.speculative.method == "eagle3":
+            from moeserve.engine.eagle3_drafter import keep_aux_states
+
+            keep_aux_states(self, config.speculative)
         if config.speculative is not None and is_last:
             from moeserve.engine.spec_decode import make_drafter
 

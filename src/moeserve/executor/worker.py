@@ -225,6 +225,9 @@ def _serve_pipeline(
     """Steps in order, hidden states passed stage to stage; up to pp micro-batches in flight."""
     prev_rank = rank - layout.tp if not is_first else None
     next_rank = rank + layout.tp if not is_last else None
+    # An EAGLE-3 draft's aux states (the residual stream entering three layers, any stage's): the
+    # columns kept so far travel with the activations, so the last stage holds them all.
+    aux = runner.model.model.aux_hidden
     pending_sends: list = []
     for step in _steps(conn, rank):
         ids, ctx = runner.prepare(step)
@@ -234,6 +237,8 @@ def _serve_pipeline(
             residual = torch.empty_like(hidden)
             dist.recv(hidden, src=prev_rank)
             dist.recv(residual, src=prev_rank)
+            if aux is not None:
+                dist.recv(aux[: step.num_tokens], src=prev_rank)
         if runner.drafter is not None:  # speculative decoding, last stage: scored, accepted and drafted at once
             from moeserve.engine.spec_decode import run_speculative_step
 
@@ -246,8 +251,10 @@ def _serve_pipeline(
             for work, _ in pending_sends:  # the previous micro-batch's activations have left
                 work.wait()
             out, res = out.contiguous(), res.contiguous()
-            # Keep the tensors referenced until their sends complete.
-            pending_sends = [(dist.isend(out, dst=next_rank), out), (dist.isend(res, dst=next_rank), res)]
+            # Keep the tensors referenced until their sends complete (the aux states a copy: the
+            # next micro-batch's forward writes the buffer).
+            sent = [out, res] + ([aux[: step.num_tokens].clone()] if aux is not None else [])
+            pending_sends = [(dist.isend(t, dst=next_rank), t) for t in sent]
         elif tp_rank == 0:
             conn.send(("result", runner.sample(step, out)))
     for work, _ in pending_sends:

@@ -83,6 +83,17 @@ class Eagle3Config:
             rope_scaling=scaling or None,
         )
 
+    @classmethod
+    def read(cls, path: str | Path, target_num_layers: int, target_hidden_size: int) -> Eagle3Config:
+        """The config of draft directory ``path``, checked against its target."""
+        cfg_file = Path(path) / "config.json"
+        if not cfg_file.is_file():
+            raise FileNotFoundError(f"EAGLE-3 draft: no config.json in {path}")
+        cfg = cls.from_dict(json.loads(cfg_file.read_text()), target_num_layers, target_hidden_size)
+        if cfg.target_hidden_size != target_hidden_size:
+            raise ValueError(f"EAGLE-3 draft fuses hidden states of size {cfg.target_hidden_size}, the target's are {target_hidden_size}")
+        return cfg
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
@@ -217,12 +228,7 @@ class Eagle3Draft(nn.Module):
     ) -> Eagle3Draft:
         """A published draft directory; ``target_embedding`` when the draft has none of its own."""
         path = Path(path)
-        cfg_file = path / "config.json"
-        if not cfg_file.is_file():
-            raise FileNotFoundError(f"EAGLE-3 draft: no config.json in {path}")
-        cfg = Eagle3Config.from_dict(json.loads(cfg_file.read_text()), target_num_layers, target_hidden_size)
-        if cfg.target_hidden_size != target_hidden_size:
-            raise ValueError(f"EAGLE-3 draft fuses hidden states of size {cfg.target_hidden_size}, the target's are {target_hidden_size}")
+        cfg = Eagle3Config.read(path, target_num_layers, target_hidden_size)
         tensors: dict[str, torch.Tensor] = {}
         files = sorted(path.glob("*.safetensors"))
         if not files:

@@ -294,12 +294,14 @@ def decode_step(
     tokens_per_seq: int = 1,
     last_stage_extra: Terms | None = None,
     gained_per_seq: float = 1.0,
+    states_sent: int = 2,
 ) -> StepTime:
     """Cost of one decode cycle for ``batch`` sequences with ``kv_len`` cached tokens each.
 
     A speculative cycle (``speculative.py``) scores ``tokens_per_seq`` tokens a sequence, adds its
     draft model's work to each micro-batch on the last stage (``last_stage_extra``) and gains
-    ``gained_per_seq`` tokens a sequence."""
+    ``gained_per_seq`` tokens a sequence. ``states_sent``: the hidden-size vectors a token a stage
+    sends the next (hidden and residual; an EAGLE-3 draft's aux states too)."""
     batch = max(1, batch)
     m = min(pp, batch)
     mb = math.ceil(batch / m)
@@ -313,7 +315,7 @@ def decode_step(
     if last_stage_extra is not None:
         stages[-1] = stages[-1] + last_stage_extra
     stage_s = [t.total for t in stages]
-    send = p2p_s(hw, tokens * cfg.hidden_size * ACT_BYTES * 2) if pp > 1 else 0.0
+    send = p2p_s(hw, tokens * cfg.hidden_size * ACT_BYTES * states_sent) if pp > 1 else 0.0
     # Sampled token ids go back from the last stage to stage 0: latency only.
     sends = (pp - 1) * send + (p2p_s(hw, 0) if pp > 1 else 0.0)
     overhead = step_overhead_s(hw, pp, batch)

@@ -21,7 +21,8 @@ k-l-lambda/kimi-k2.6-eagle3-mla states the lightseekorg layout is identical). It
 Where it runs is the engine's (``EngineProfile.eagle3_draft_sharded``): moeserve holds and runs it
 unsharded on TP rank 0 only (``engine/eagle3_drafter.py``); vLLM splits it over the target's TP
 ranks like the target (its collectives per pass: two all-reduces and a logits all-gather).
-Either way a pipeline is refused: the draft needs the aux hidden states of layers on every stage.
+Either way it runs on the last pipeline stage, and each stage sends the next the aux hidden
+states kept so far (three hidden-size vectors a token) beside hidden + residual.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from moeserve.planner.engines import ENGINES
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.kernels import ACT_BYTES, MMA_TILE_M, Collective, Kernel, KernelKind, Work
 
-PIPELINE_REFUSED = "EAGLE-3 drafts need pp=1 (the draft reads hidden states of layers on every stage; moeserve runs it on one stage only)"
+AUX_STATES = 3  # the target layers whose input the draft fuses
 
 
 @dataclass(frozen=True)
@@ -204,8 +205,6 @@ def draft_pass_terms(
     draft: Eagle3Draft, hw: Hardware, tp: int, pp: int, seqs: int, tokens_per_seq: int, kv_len: float, kv_dtype_bytes: int
 ) -> Terms:
     """One draft pass as time, on the critical path (the other TP ranks wait for rank 0's drafts when it runs alone)."""
-    if pp > 1:
-        raise ValueError(PIPELINE_REFUSED)
     n = draft_tp(hw, tp)
     work = draft_pass_work(draft, n, seqs, tokens_per_seq, kv_len, kv_dtype_bytes)
     eager = runs_eager(hw, pp)

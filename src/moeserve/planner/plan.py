@@ -27,7 +27,7 @@ from moeserve.planner.memory import (
 )
 from moeserve.planner.rank import rank_layouts, recommend
 from moeserve.planner.eagle3 import draft_rank_bytes
-from moeserve.planner.speculative import speculation_problems, speculative_step
+from moeserve.planner.speculative import speculative_step
 from moeserve.planner.workload import DEFAULT_SETTINGS, EngineSettings, Workload
 
 __all__ = ["EngineSettings", "LayoutPlan", "Plan", "Workload", "evaluate_layout", "plan_layouts"]
@@ -92,14 +92,13 @@ def evaluate_layout(
     except ValueError:  # already among the problems; size memory with the default split
         partition = default_layer_partition(cfg.num_hidden_layers, pp)
     spec = settings.speculative
-    problems += speculation_problems(spec, pp)
     world = tp * pp
     mtp = spec is not None and spec.method == "mtp"  # the MTP layer on the last stage: its weights and one more layer of KV
     weights = [rank_weight_sizes(cfg, tp, pp, ep, r, partition, mtp=mtp) for r in range(world)]
     draft_kv = [0.0] * world  # an EAGLE-3 draft's cache a token on each rank (planner/eagle3.py)
     if spec is not None and spec.method == "eagle3":
         draft = spec.draft.for_target(cfg)
-        for r in range(world):
+        for r in range((pp - 1) * tp, world):  # the last stage's ranks
             w, kv = draft_rank_bytes(draft, hw, tp, r % tp, 1, settings.kv_dtype_bytes)
             weights[r]["eagle3 draft"] = Size(0, int(w))
             draft_kv[r] = kv
@@ -149,7 +148,7 @@ def evaluate_layout(
     kv_bytes = settings.kv_dtype_bytes
 
     def step(h: Hardware, batch: int) -> StepTime:
-        if settings.speculative is None or speculation_problems(settings.speculative, pp):  # unfit; sized without it
+        if settings.speculative is None:
             return decode_step(cfg, h, tp, pp, ep, partition, batch, workload.kv_len, kv_bytes)
         return speculative_step(cfg, h, tp, pp, ep, partition, batch, workload.kv_len, settings.speculative, kv_bytes)
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from moeserve.config import ModelConfig
 from moeserve.planner.cost import StepTime, Terms, decode_step, extras_terms, kernel_terms, layer_terms, runs_eager
-from moeserve.planner.eagle3 import PIPELINE_REFUSED, Eagle3Draft, draft_pass_terms
+from moeserve.planner.eagle3 import AUX_STATES, Eagle3Draft, draft_pass_terms
 from moeserve.planner.hardware import Hardware
 from moeserve.planner.kernels import ACT_BYTES, Kernel, KernelKind
 
@@ -117,11 +117,6 @@ def check_model(cfg: ModelConfig, spec: Speculation) -> None:
         raise ValueError("--speculative-config method mtp: this model has no MTP layer (num_nextn_predict_layers is 0)")
 
 
-def speculation_problems(spec: Speculation | None, pp: int) -> list[str]:
-    """Why a layout cannot run this speculation (empty when it can)."""
-    return [PIPELINE_REFUSED] if spec is not None and spec.method == "eagle3" and pp > 1 else []
-
-
 def mtp_pass_terms(
     cfg: ModelConfig, hw: Hardware, tp: int, ep: int, pp: int, seqs: int, tokens_per_seq: int, kv_len: float, kv_dtype_bytes: int
 ) -> Terms:
@@ -178,6 +173,20 @@ def speculative_step(
     draft = draft_pass_of(*args, k + 1, kv_len, kv_dtype_bytes)
     if k > 1:
         draft = draft + draft_pass_of(*args, 1, kv_len, kv_dtype_bytes).scaled(k - 1)
+    # an EAGLE-3 draft's aux states travel stage to stage beside hidden + residual
+    sent = 2 + (AUX_STATES if spec.method == "eagle3" else 0)
     return decode_step(
-        cfg, hw, tp, pp, ep, partition, batch, kv_len, kv_dtype_bytes, k + 1, last_stage_extra=draft, gained_per_seq=spec.acceptance_length
+        cfg,
+        hw,
+        tp,
+        pp,
+        ep,
+        partition,
+        batch,
+        kv_len,
+        kv_dtype_bytes,
+        k + 1,
+        last_stage_extra=draft,
+        gained_per_seq=spec.acceptance_length,
+        states_sent=sent,
     )
