@@ -51,8 +51,24 @@ DRAFT_CONFIG = {
 }
 
 
+# The same with DeepSeek's latent attention (Kimi K2.x's published drafts), YaRN rope.
+MLA_DRAFT_CONFIG = {
+    **DRAFT_CONFIG,
+    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+    "num_key_value_heads": 4,
+    "q_lora_rank": 24,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "rope_theta": 50000.0,
+    "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+
+
 def write_random_draft(path, config: dict = DRAFT_CONFIG, seed: int = 0):
-    """A random EAGLE-3 draft in the published layout (reduced vocabulary, shared embedding)."""
+    """A random EAGLE-3 draft in the published layout (reduced vocabulary, shared embedding;
+    Llama-style attention, or MLA where the config has ``kv_lora_rank``)."""
     g = torch.Generator().manual_seed(seed)
     h, dv, ff = config["hidden_size"], config["draft_vocab_size"], config["intermediate_size"]
     q, kv = 4 * 8, 2 * 8
@@ -76,6 +92,22 @@ def write_random_draft(path, config: dict = DRAFT_CONFIG, seed: int = 0):
         "lm_head.weight": w(dv, h),
         "d2t": torch.sort(torch.randperm(V, generator=g)[:dv]).values - torch.arange(dv),
     }
+    if config.get("kv_lora_rank"):
+        a = "midlayer.self_attn."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            del tensors[f"{a}{name}.weight"]
+        heads, lat, nope, rope, v = (
+            config[f] for f in ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        )
+        tensors |= {
+            a + "q_a_proj.weight": w(config["q_lora_rank"], 2 * h),
+            a + "q_a_layernorm.weight": torch.ones(config["q_lora_rank"]),
+            a + "q_b_proj.weight": w(heads * (nope + rope), config["q_lora_rank"]),
+            a + "kv_a_proj_with_mqa.weight": w(lat + rope, 2 * h),
+            a + "kv_a_layernorm.weight": torch.ones(lat),
+            a + "kv_b_proj.weight": w(heads * (nope + v), lat),
+            a + "o_proj.weight": w(h, heads * v),
+        }
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     save_file(tensors, str(path / "model.safetensors"))

@@ -133,14 +133,20 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        scale = self.qk_head_dim**-0.5
-        if self.rope.rope_type == "yarn" and self.rope.mscale_all_dim:
-            m = yarn_mscale(self.rope.factor, self.rope.mscale_all_dim)
-            scale = scale * m * m
-        return scale
+        return mla_softmax_scale(self.qk_head_dim, self.rope)
 
 
-def _rope_from(d: dict[str, Any], max_pos: int, interleave: bool) -> RopeConfig:
+def mla_softmax_scale(qk_head_dim: int, rope: RopeConfig) -> float:
+    """MLA's attention scale: ``1 / sqrt(qk_head_dim)``, times YaRN's ``mscale_all_dim`` squared."""
+    scale = qk_head_dim**-0.5
+    if rope.rope_type == "yarn" and rope.mscale_all_dim:
+        m = yarn_mscale(rope.factor, rope.mscale_all_dim)
+        scale = scale * m * m
+    return scale
+
+
+def rope_from(d: dict[str, Any], max_pos: int, interleave: bool) -> RopeConfig:
+    """The rope of a config.json's fields (``rope_scaling`` / ``rope_parameters``)."""
     params = d.get("rope_parameters") or {}
     scaling = d.get("rope_scaling") or {}
     merged: dict[str, Any] = {**scaling, **params}
@@ -285,7 +291,7 @@ def parse_model_config(data: dict[str, Any]) -> ModelConfig:
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=max_pos,
         # V2 always rotates interleaved pairs; V3 says so in `rope_interleave` (default True).
-        rope=_rope_from(d, max_pos, interleave=bool(d.get("rope_interleave", True)) if is_v3 else True),
+        rope=rope_from(d, max_pos, interleave=bool(d.get("rope_interleave", True)) if is_v3 else True),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
         attention_bias=bool(d.get("attention_bias", False)),
         hidden_act=_activation(d),

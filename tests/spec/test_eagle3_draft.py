@@ -207,6 +207,157 @@ def test_llama3_rope_scaling_matches_transformers():
     assert torch.allclose(rope_inv_freq(cfg), want.float(), rtol=1e-6)
 
 
+# An MLA draft (Kimi K2.x's published layout, ``Eagle3DeepseekV2ForCausalLM``) with YaRN rope.
+MLA_CONFIG = {
+    "architectures": ["Eagle3DeepseekV2ForCausalLM"],
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 6,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 50000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "vocab_size": VOCAB,
+    "draft_vocab_size": DRAFT_VOCAB,
+    "target_hidden_size": TARGET_HIDDEN,
+}
+
+
+def mla_tensors(q_lora_rank: int | None, seed: int = 3) -> dict[str, torch.Tensor]:
+    t = published_tensors(seed)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        del t[f"midlayer.self_attn.{name}.weight"]
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) / math.sqrt(shape[-1])
+
+    a = "midlayer.self_attn."
+    if q_lora_rank:
+        t[a + "q_a_proj.weight"] = w(q_lora_rank, 64)
+        t[a + "q_a_layernorm.weight"] = 1 + 0.1 * torch.randn(q_lora_rank, generator=g)
+        t[a + "q_b_proj.weight"] = w(4 * 12, q_lora_rank)
+    else:
+        t[a + "q_proj.weight"] = w(4 * 12, 64)
+    t[a + "kv_a_proj_with_mqa.weight"] = w(16 + 4, 64)
+    t[a + "kv_a_layernorm.weight"] = 1 + 0.1 * torch.randn(16, generator=g)
+    t[a + "kv_b_proj.weight"] = w(4 * (8 + 6), 16)
+    t[a + "o_proj.weight"] = w(32, 4 * 6)
+    return t
+
+
+def transformers_mla_pass(t: dict, config: dict, tokens: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``reference_pass`` with transformers' DeepSeek-V3 attention (its q / kv projections widened
+    to the draft's ``2 H`` input, its output projection the draft's) over the whole sequence."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention, DeepseekV3RotaryEmbedding
+
+    fields = ("num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rms_norm_eps")
+    hf = DeepseekV3Config(
+        hidden_size=64,
+        num_key_value_heads=4,
+        q_lora_rank=config.get("q_lora_rank"),
+        rope_theta=config["rope_theta"],
+        rope_scaling=dict(config["rope_scaling"]),
+        max_position_embeddings=64,
+        rope_interleave=True,
+        **{f: config[f] for f in fields},
+    )
+    hf._attn_implementation = "eager"
+    attn = DeepseekV3Attention(hf, 0)
+    attn.o_proj = torch.nn.Linear(4 * 6, 32, bias=False)
+    attn.load_state_dict({k[len("midlayer.self_attn.") :]: v for k, v in t.items() if k.startswith("midlayer.self_attn.")})
+    p = "midlayer."
+
+    def norm(x, wt):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-5) * wt
+
+    n = len(tokens)
+    x = torch.cat([norm(TARGET_EMBED[tokens], t[p + "input_layernorm.weight"]), norm(hidden, t[p + "hidden_norm.weight"])], -1)
+    cos_sin = DeepseekV3RotaryEmbedding(hf)(x[None], torch.arange(n)[None])
+    with torch.no_grad():
+        out = attn(x[None], cos_sin, torch.full((n, n), float("-inf")).triu(1)[None, None])[0][0]
+    r = hidden + out
+    m = norm(r, t[p + "post_attention_layernorm.weight"])
+    r = (
+        r
+        + (torch.nn.functional.silu(m @ t[p + "mlp.gate_proj.weight"].T) * (m @ t[p + "mlp.up_proj.weight"].T))
+        @ t[p + "mlp.down_proj.weight"].T
+    )
+    return norm(r, t["norm.weight"]) @ t["lm_head.weight"].T, r
+
+
+@pytest.mark.parametrize("q_lora_rank", [24, None])
+def test_mla_draft_equals_transformers_deepseek_attention(tmp_path, q_lora_rank):
+    """An MLA draft (absorbed latent cache, YaRN rope on interleaved pairs, YaRN's softmax scale)
+    against transformers' DeepSeek-V3 attention recomputing every position: the same layer
+    outputs, and the same chained drafts after a rolled-back pass."""
+    pytest.importorskip("transformers")
+    config = {**MLA_CONFIG, **({"q_lora_rank": q_lora_rank} if q_lora_rank else {})}
+    t = mla_tensors(q_lora_rank)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file(t, str(tmp_path / "model.safetensors"))
+    draft = load(tmp_path)
+    assert draft.cfg.is_mla and draft.cfg.cache_heads == 1
+    g = torch.Generator().manual_seed(4)
+    tokens = [3, 14, 15, 9, 26, 5, 35]
+    fused = torch.randn(len(tokens), 3 * TARGET_HIDDEN, generator=g) @ t["fc.weight"].T
+    with torch.no_grad():
+        got = draft.layer(torch.tensor(tokens), fused, DraftRows([1], [0], [len(tokens)]))
+    _, want = transformers_mla_pass(t, config, tokens, fused)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    def chain(toks, hidden, k):  # greedy drafts by recomputing the whole sequence each time
+        toks, out = list(toks), []
+        for _ in range(k):
+            logits, r = transformers_mla_pass(t, config, toks, hidden)
+            d = int(logits[-1].argmax())
+            out.append(d + int(t["d2t"][d]))
+            toks.append(out[-1])
+            hidden = torch.cat([hidden, r[-1:]])
+        return out
+
+    draft.free(1)
+    aux = torch.randn(5, 3 * TARGET_HIDDEN, generator=g)
+    first = draft.propose(torch.tensor(tokens[:5]), aux, DraftRows([1], [0], [5]), k=3)[0].tolist()
+    assert first == chain(tokens[:5], aux @ t["fc.weight"].T, 3)
+    more = torch.randn(2, 3 * TARGET_HIDDEN, generator=g)  # one draft accepted, then the target's token
+    again = draft.propose(torch.tensor([first[0], 11]), more, DraftRows([1], [5], [2]), k=2)[0].tolist()
+    assert again == chain(tokens[:5] + [first[0], 11], torch.cat([aux, more]) @ t["fc.weight"].T, 2)
+
+
+def test_mla_draft_through_emulated_graphs_proposes_the_same(tmp_path):
+    """The draft's passes through its graphs' static buffers (cut at the attention; emulated on
+    CPU): an MLA draft's absorbed queries and latent outputs fit them, the same drafts as eager."""
+    from moeserve.engine.eagle3_graphs import DraftGraphs
+
+    (tmp_path / "config.json").write_text(json.dumps({**MLA_CONFIG, "q_lora_rank": 24}))
+    save_file(mla_tensors(24), str(tmp_path / "model.safetensors"))
+    draft = load(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.tensor([3, 14, 15, 9, 26, 1, 2])
+    aux = torch.randn(7, 3 * TARGET_HIDDEN, generator=g)
+    rows = DraftRows([7, 8], [0, 0], [5, 2])
+    eager = draft.propose(tokens, aux, rows, k=3)
+    for seq in (7, 8):
+        draft.free(seq)
+    graphs = DraftGraphs(draft, [4, 8], max_rows=2, mempool=None, emulate=True)
+    graphs.capture()
+    assert torch.equal(draft.propose(tokens, aux, rows, k=3, passes=graphs), eager)
+
+
 def test_packaged_demo_draft_proposes_the_demo_models_greedy_tokens():
     """The EAGLE-3 draft trained for the demo model (scripts/train_demo_eagle3.py), through the
     inference module: at random positions of held-out conversations' completions, a first pass

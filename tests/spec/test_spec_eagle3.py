@@ -14,7 +14,7 @@ from moeserve.engine.config import SpeculativeConfig
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
-from spec_checkpoints import DRAFT_CONFIG, H, make_mtp_checkpoint, write_random_draft
+from spec_checkpoints import DRAFT_CONFIG, H, MLA_DRAFT_CONFIG, make_mtp_checkpoint, write_random_draft
 
 PROMPTS = [[5, 9, 33, 2, 7], list(range(40, 75)), [100, 3, 3, 3, 17, 200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]]
 
@@ -56,6 +56,17 @@ def test_random_draft_greedy_equals_plain(random_target, random_draft, plain, k)
     assert 0 <= e.spec_num_accepted_tokens <= e.spec_num_draft_tokens
     drafter = e.executor.runner.drafter  # finished sequences let go of their draft cache (in the step after)
     assert len(drafter.draft.cache.keys) < len(PROMPTS) and set(drafter.offsets) == set(drafter.draft.cache.keys)
+
+
+def test_random_mla_draft_greedy_equals_plain(random_target, plain, tmp_path):
+    """A draft with DeepSeek's latent attention (Kimi K2.x's published layout) through the engine:
+    chunked prompts, k = 2, the same greedy tokens as without speculation."""
+    draft = write_random_draft(tmp_path / "mla_draft", MLA_DRAFT_CONFIG)
+    params = SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True)
+    llm = _engine(random_target, _spec(draft, 2), max_num_batched_tokens=16)
+    assert llm.engine.executor.runner.drafter.draft.cfg.is_mla
+    assert _tokens(llm, PROMPTS, params) == _tokens(plain, PROMPTS, params)
+    assert llm.engine.spec_num_draft_tokens > 0
 
 
 def test_random_draft_stops_lengths_prefix_cache_preemption(random_target, random_draft, plain):

@@ -1,5 +1,6 @@
-"""EAGLE-3 draft models as they are published (``LlamaForCausalLMEagle3``): one Llama-style
-decoder layer that reads the target's hidden states fused from three of its layers.
+"""EAGLE-3 draft models as they are published: one decoder layer that reads the target's hidden
+states fused from three of its layers, with Llama-style attention (``LlamaForCausalLMEagle3``)
+or DeepSeek's latent attention (MLA: ``Eagle3DeepseekV2ForCausalLM``, the Kimi K2.x drafts).
 
 A published draft directory holds ``config.json`` and safetensors with:
 
@@ -7,8 +8,9 @@ A published draft directory holds ``config.json`` and safetensors with:
   (``eagle_config.eagle_aux_hidden_state_layer_ids``; by default 2, N // 2 and N - 3 of the
   target's N layers);
 - ``midlayer.*``: the decoder layer. Its attention reads ``[input_layernorm(embedding of the
-  token), hidden_norm(hidden)]`` side by side (``q/k/v_proj`` take ``2 H`` inputs); the residual is
-  the hidden state, not the embedding;
+  token), hidden_norm(hidden)]`` side by side (``q/k/v_proj``, or MLA's ``q_a_proj`` (or
+  ``q_proj``) and ``kv_a_proj_with_mqa``, take ``2 H`` inputs); the residual is the hidden state,
+  not the embedding;
 - ``norm.weight``, ``lm_head.weight`` ``[V_draft, H]``: logits over the draft's own vocabulary;
 - ``d2t`` ``[V_draft]``: draft id ``i`` is target id ``i + d2t[i]`` (``t2d`` is not needed here);
 - ``embed_tokens.weight`` when the draft has its own embedding; otherwise the target's is shared.
@@ -17,6 +19,14 @@ Position ``t`` of the draft pairs the target's hidden state at ``t`` with token 
 logits propose token ``t + 2``. Later drafts chain: the draft's own pre-norm output takes the
 place of the fused hidden state. The draft keeps its own attention cache per sequence; writing at
 a position drops whatever the cache held from there on (rejected drafts are rolled back so).
+
+An MLA draft (marked by ``kv_lora_rank`` in its config) attends in the absorbed form the target
+uses: its cache holds a token's normed latent and roped shared key (``kv_lora_rank +
+qk_rope_head_dim`` values, one "head"), queries are absorbed through ``kv_b_proj``'s key half and
+the output through its value half; rope is DeepSeek's interleaved pairs with the config's YaRN
+scaling, and the softmax scale YaRN's ``mscale_all_dim`` squared over ``sqrt(qk_head_dim)``.
+Aux layer ids are the layers whose *input* the draft reads (vLLM's reading; SGLang and the
+training code count the output of the layer before).
 
 Replicated on every rank that runs it (it is small); plain torch, float32 accumulation where the
 weights' dtype is lower.
@@ -35,6 +45,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
+from moeserve.config import RopeConfig, mla_softmax_scale, rope_from
+from moeserve.kernels.rope_ref import apply_rope
+from moeserve.layers.rotary import rope_inv_freq as mla_rope_inv_freq
+
 DRAFT_PREFIX = "midlayer."
 
 
@@ -52,6 +66,33 @@ class Eagle3Config:
     target_hidden_size: int
     aux_layer_ids: tuple[int, ...]
     rope_scaling: dict | None = None
+    # MLA drafts (``kv_lora_rank`` > 0); ``q_lora_rank`` None: a plain ``q_proj``
+    kv_lora_rank: int = 0
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    mla_rope: RopeConfig | None = None
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
+    @property
+    def cache_heads(self) -> int:
+        """Heads of the draft's cache: the key-value heads, or MLA's one latent."""
+        return 1 if self.is_mla else self.num_key_value_heads
+
+    @property
+    def attention_out_dim(self) -> int:
+        """What attention yields a head: ``head_dim``, or MLA's latent (before ``kv_b_proj``'s value half)."""
+        return self.kv_lora_rank if self.is_mla else self.head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        if self.is_mla:
+            return mla_softmax_scale(self.qk_nope_head_dim + self.qk_rope_head_dim, self.mla_rope)
+        return self.head_dim**-0.5
 
     @classmethod
     def from_dict(cls, d: dict, target_num_layers: int, target_hidden_size: int | None = None) -> Eagle3Config:
@@ -66,7 +107,20 @@ class Eagle3Config:
         if len(aux) != 3 or not all(0 <= i < target_num_layers for i in aux):
             raise ValueError(f"EAGLE-3 draft: aux hidden-state layers {aux} must be three of the target's {target_num_layers} layers")
         scaling = d.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "linear", "llama3"):
+        mla: dict = {}
+        if d.get("kv_lora_rank"):
+            rank = d.get("q_lora_rank")
+            mla = dict(
+                kv_lora_rank=int(d["kv_lora_rank"]),
+                q_lora_rank=int(rank) if rank else None,
+                qk_nope_head_dim=int(d["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(d["qk_rope_head_dim"]),
+                v_head_dim=int(d["v_head_dim"]),
+                # DeepSeek's rope (interleaved pairs unless the config says otherwise; default or YaRN)
+                mla_rope=rope_from(d, int(d.get("max_position_embeddings") or 0), bool(d.get("rope_interleave", True))),
+            )
+            scaling = None
+        elif scaling and scaling.get("rope_type", scaling.get("type")) not in ("default", "linear", "llama3"):
             raise ValueError(f"EAGLE-3 draft: rope_scaling {scaling} is not supported (default, linear, llama3 are)")
         return cls(
             hidden_size=hidden,
@@ -81,6 +135,7 @@ class Eagle3Config:
             target_hidden_size=int(d.get("target_hidden_size") or target_hidden_size or hidden),
             aux_layer_ids=aux,
             rope_scaling=scaling or None,
+            **mla,
         )
 
     @classmethod
@@ -101,7 +156,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_inv_freq(cfg: Eagle3Config) -> torch.Tensor:
-    """Llama's inverse frequencies, with its ``linear`` or ``llama3`` scaling when configured."""
+    """Llama's inverse frequencies, with its ``linear`` or ``llama3`` scaling when configured (an
+    MLA draft's: DeepSeek's over the rope dims, its YaRN attention factor applied to cos / sin)."""
+    if cfg.is_mla:
+        inv, _ = mla_rope_inv_freq(cfg.mla_rope, cfg.qk_rope_head_dim)
+        return inv
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     s = cfg.rope_scaling or {}
@@ -128,7 +187,7 @@ def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 @dataclass
 class DraftCache:
-    """Per sequence: the draft layer's keys and values ``[kv_heads, length, head_dim]``."""
+    """Per sequence: the draft layer's keys and values ``[cache_heads, length, dim]``."""
 
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     values: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -184,10 +243,24 @@ class Eagle3Draft(nn.Module):
         h, t = cfg.hidden_size, cfg.target_hidden_size
         kw = {"dtype": dtype, "device": device}
         self.fc = nn.Linear(3 * t, h, bias=False, **kw)
-        self.q_proj = nn.Linear(2 * h, cfg.num_attention_heads * cfg.head_dim, bias=False, **kw)
-        self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
-        self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, h, bias=False, **kw)
+        heads = cfg.num_attention_heads
+        if cfg.is_mla:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            if cfg.q_lora_rank:
+                self.q_a_proj = nn.Linear(2 * h, cfg.q_lora_rank, bias=False, **kw)
+                self.q_a_layernorm = nn.Parameter(torch.ones(cfg.q_lora_rank, **kw))
+                self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk, bias=False, **kw)
+            else:
+                self.q_proj = nn.Linear(2 * h, heads * qk, bias=False, **kw)
+            self.kv_a_proj_with_mqa = nn.Linear(2 * h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False, **kw)
+            self.kv_a_layernorm = nn.Parameter(torch.ones(cfg.kv_lora_rank, **kw))
+            self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False, **kw)
+            self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False, **kw)
+        else:
+            self.q_proj = nn.Linear(2 * h, heads * cfg.head_dim, bias=False, **kw)
+            self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
+            self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
+            self.o_proj = nn.Linear(heads * cfg.head_dim, h, bias=False, **kw)
         self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False, **kw)
         self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False, **kw)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, **kw)
@@ -199,6 +272,8 @@ class Eagle3Draft(nn.Module):
         self.embed_tokens: torch.Tensor | None = None  # its own, or the target's (``share_embedding``)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
+        # YaRN's attention factor on an MLA draft's cos / sin
+        self.rope_scale = mla_rope_inv_freq(cfg.mla_rope, cfg.qk_rope_head_dim)[1] if cfg.is_mla else 1.0
         self.cache = DraftCache()
 
     # ---- loading ----
@@ -208,6 +283,12 @@ class Eagle3Draft(nn.Module):
         "self_attn.k_proj.weight": "k_proj.weight",
         "self_attn.v_proj.weight": "v_proj.weight",
         "self_attn.o_proj.weight": "o_proj.weight",
+        "self_attn.q_a_proj.weight": "q_a_proj.weight",
+        "self_attn.q_a_layernorm.weight": "q_a_layernorm",
+        "self_attn.q_b_proj.weight": "q_b_proj.weight",
+        "self_attn.kv_a_proj_with_mqa.weight": "kv_a_proj_with_mqa.weight",
+        "self_attn.kv_a_layernorm.weight": "kv_a_layernorm",
+        "self_attn.kv_b_proj.weight": "kv_b_proj.weight",
         "mlp.gate_proj.weight": "gate_proj.weight",
         "mlp.up_proj.weight": "up_proj.weight",
         "mlp.down_proj.weight": "down_proj.weight",
@@ -244,7 +325,7 @@ class Eagle3Draft(nn.Module):
         names = {"fc.weight": "fc.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight"}
         for name in tensors:
             for prefix in (DRAFT_PREFIX, "model.layers.0.", "layers.0."):
-                if name.startswith(prefix) and name[len(prefix) :] in self._RENAMES:
+                if name.startswith(prefix) and self._RENAMES.get(name[len(prefix) :]) in params:
                     names[name] = self._RENAMES[name[len(prefix) :]]
         missing = sorted(set(params) - set(names.values()))
         if missing:
@@ -294,11 +375,14 @@ class Eagle3Draft(nn.Module):
     def project(
         self, token_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Before the attention: the queries, keys and values ``[T, heads, head_dim]``, roped."""
+        """Before the attention: the queries ``[T, heads, d]``, keys ``[T, cache_heads, d]`` and
+        values ``[T, cache_heads, d_v]``, roped (MLA: absorbed, over the latent)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
         embeds = F.embedding(token_ids, self.embed_tokens)
         x = torch.cat([rms_norm(embeds, self.input_layernorm, eps), rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
+        if cfg.is_mla:
+            return self._project_mla(x, positions)
         T = token_ids.shape[0]
         q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
         k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
@@ -307,29 +391,56 @@ class Eagle3Draft(nn.Module):
         cos, sin = angles.cos()[:, None, :].to(q.dtype), angles.sin()[:, None, :].to(q.dtype)
         return rotate_half(q, cos, sin), rotate_half(k, cos, sin), v
 
+    def _project_mla(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        eps, heads, nope, rope = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        T = x.shape[0]
+        q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, eps)) if cfg.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(T, heads, nope + rope).split([nope, rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        latent = rms_norm(latent, self.kv_a_layernorm, eps)
+        angles = positions[:, None].float() * self.inv_freq[None, :]
+        cos, sin = (angles.cos() * self.rope_scale).to(q.dtype), (angles.sin() * self.rope_scale).to(q.dtype)
+        interleave = cfg.mla_rope.interleave
+        q_pe = apply_rope(q_pe, cos[:, None, :], sin[:, None, :], interleave)
+        k_pe = apply_rope(k_pe, cos, sin, interleave)
+        q_latent = torch.einsum("thd,hdc->thc", q_nope, self._kv_b()[:, :nope])  # absorb the key half
+        keys = torch.cat([latent, k_pe], dim=-1)[:, None]
+        return torch.cat([q_latent, q_pe], dim=-1), keys, latent[:, None]
+
+    def _kv_b(self) -> torch.Tensor:
+        """``kv_b_proj`` per head: ``[heads, nope + v, kv_lora_rank]`` (key rows, then value rows)."""
+        cfg = self.cfg
+        return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: DraftRows, out: torch.Tensor | None = None) -> torch.Tensor:
         """Writes the rows' keys and values into the cache and attends, one sequence at a time:
-        ``[T, heads, head_dim]`` (into ``out`` if given)."""
+        ``[T, heads, attention_out_dim]`` (into ``out`` if given). The heads that share a cache
+        head are stacked as query rows of it (no copy of the cache per head)."""
         cfg = self.cfg
+        heads, kv_heads = cfg.num_attention_heads, cfg.cache_heads
+        group = heads // kv_heads
         if out is None:
-            out = torch.empty_like(q)
+            out = q.new_empty(q.shape[0], heads, cfg.attention_out_dim)
         at = 0
-        group = cfg.num_attention_heads // cfg.num_key_value_heads
         for seq_id, start, n in zip(rows.seq_ids, rows.starts, rows.counts):
             keys, values = self.cache.write(seq_id, start, k[at : at + n].transpose(0, 1), v[at : at + n].transpose(0, 1))
-            qs = q[at : at + n].transpose(0, 1)  # [heads, n, d]
-            keys = keys.repeat_interleave(group, dim=0)
-            values = values.repeat_interleave(group, dim=0)
+            # [n, heads, d] -> [kv_heads, group * n, d]: head kv * group + g's query i at row g * n + i
+            qs = q[at : at + n].reshape(n, kv_heads, group, -1).permute(1, 2, 0, 3).reshape(kv_heads, group * n, -1)
             # query i sits at start + i and sees keys [0, start + i]
             mask = torch.arange(start + n, device=q.device)[None, :] <= (start + torch.arange(n, device=q.device))[:, None]
-            attn = F.scaled_dot_product_attention(qs.float(), keys.float(), values.float(), attn_mask=mask)
-            out[at : at + n] = attn.transpose(0, 1).to(out.dtype)
+            attn = F.scaled_dot_product_attention(
+                qs.float(), keys.float(), values.float(), attn_mask=mask.repeat(group, 1), scale=cfg.softmax_scale
+            )
+            out[at : at + n] = attn.view(kv_heads, group, n, -1).permute(2, 0, 1, 3).reshape(n, heads, -1).to(out.dtype)
             at += n
         return out
 
     def finish(self, attn_out: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """After the attention: the output projection and the MLP, ``[T, H]``."""
         eps = self.cfg.rms_norm_eps
+        if self.cfg.is_mla:  # the latent through kv_b_proj's value half
+            attn_out = torch.einsum("thc,hvc->thv", attn_out, self._kv_b()[:, self.cfg.qk_nope_head_dim :])
         residual = hidden + self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
         normed = rms_norm(residual, self.post_attention_layernorm, eps)
         return residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
