@@ -202,9 +202,9 @@ def test_more_drafts_cost_more_a_cycle():
     assert speculative_step(K26, hw, 8, 1, 1, [61], 1, KV_LEN, Speculation("eagle3", 3, 0.0)).tok_s < base.tok_s
 
 
-@pytest.mark.parametrize("engine, holders", [("moeserve", [4]), ("vllm", [4, 5, 6, 7])])
-def test_eagle3_on_a_pipeline_runs_on_the_last_stage(engine, holders, capsys):
-    """TP4 x PP2: the draft's weights on the last stage's ranks (TP rank 0 of it for moeserve);
+@pytest.mark.parametrize("engine", ["moeserve", "vllm"])
+def test_eagle3_on_a_pipeline_runs_on_the_last_stage(engine, capsys):
+    """TP4 x PP2: the draft's weights split over the last stage's ranks;
     each stage sends its aux states on, so a step costs more than the same cycle without them."""
     from moeserve.distributed.layout import Layout
     from moeserve.planner.plan import Workload, evaluate_layout
@@ -216,7 +216,7 @@ def test_eagle3_on_a_pipeline_runs_on_the_last_stage(engine, holders, capsys):
     plan = evaluate_layout(K26, hw, Layout(4, 2, 1), Workload(), EngineSettings(speculative=spec))
     assert plan.fits, plan.why
     extra = [a - b for a, b in zip(plan.weights_gb_per_gpu, plain.weights_gb_per_gpu)]
-    assert [r for r, x in enumerate(extra) if x > 0] == holders
+    assert [r for r, x in enumerate(extra) if x > 0] == [4, 5, 6, 7]
     step = speculative_step(K26, hw, 4, 2, 1, [31, 30], 1, KV_LEN, spec)
     assert step.terms.send > decode_step(K26, hw, 4, 2, 1, [31, 30], 1, KV_LEN, tokens_per_seq=4).terms.send > 0
     argv = ("--model", "kimi-k2.6", "--gpus", "8", "--gpu", "h200", "--layout", "tp4xpp2", "--json")
@@ -225,7 +225,7 @@ def test_eagle3_on_a_pipeline_runs_on_the_last_stage(engine, holders, capsys):
     assert out["layouts"][0]["fits"], out["layouts"][0]["why"]
 
 
-@pytest.mark.parametrize("engine, holders", [("moeserve", 1), ("vllm", 8)])
+@pytest.mark.parametrize("engine, holders", [("moeserve", 8), ("vllm", 8)])
 def test_eagle3_draft_memory_where_the_engine_holds_it(engine, holders):
     from moeserve.distributed.layout import Layout
     from moeserve.planner.plan import Workload, evaluate_layout

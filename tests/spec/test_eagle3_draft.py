@@ -310,7 +310,7 @@ def test_mla_draft_equals_transformers_deepseek_attention(tmp_path, q_lora_rank)
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file(t, str(tmp_path / "model.safetensors"))
     draft = load(tmp_path)
-    assert draft.cfg.is_mla and draft.cfg.cache_heads == 1
+    assert draft.cfg.is_mla and draft.cache_heads == 1
     g = torch.Generator().manual_seed(4)
     tokens = [3, 14, 15, 9, 26, 5, 35]
     fused = torch.randn(len(tokens), 3 * TARGET_HIDDEN, generator=g) @ t["fc.weight"].T

@@ -69,6 +69,31 @@ def test_random_mla_draft_greedy_equals_plain(random_target, plain, tmp_path):
     assert llm.engine.spec_num_draft_tokens > 0
 
 
+def _proposals(llm: LLM, prompts, params) -> tuple[list[list[int]], list[list[int]]]:
+    """The greedy tokens, and every row's proposed drafts in the order the engine took them."""
+    seen: list[list[int]] = []
+    take = llm.engine._take_drafts
+    llm.engine._take_drafts = lambda seq, scored, count, proposed: seen.append(list(proposed)) or take(seq, scored, count, proposed)
+    return _tokens(llm, prompts, params), seen
+
+
+@pytest.mark.parametrize(
+    "config, tp",
+    [(DRAFT_CONFIG, 2), (DRAFT_CONFIG, 4), (MLA_DRAFT_CONFIG, 2)],
+    ids=["llama-tp2", "llama-tp4-shared-kv-heads", "mla-tp2"],
+)
+def test_random_draft_split_over_tp_ranks_drafts_as_one_process(random_target, plain, tmp_path, config, tp):
+    """The draft split like the target (each rank its heads, MLP columns and vocabulary rows; at
+    TP 4 two ranks share each of the Llama draft's 2 key-value heads): every draft it proposes is
+    the one the whole draft proposes in one process, and the tokens are those without it."""
+    draft = write_random_draft(tmp_path / "draft", config)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    want = _proposals(_engine(random_target, _spec(draft, 2)), PROMPTS[:2], params)
+    assert want[0] == _tokens(plain, PROMPTS[:2], params) and want[1]
+    with LLM(random_target, device="cpu", backend="reference", tensor_parallel_size=tp, speculative_config=_spec(draft, 2)) as llm:
+        assert _proposals(llm, PROMPTS[:2], params) == want
+
+
 def test_random_draft_stops_lengths_prefix_cache_preemption(random_target, random_draft, plain):
     spec = _engine(random_target, _spec(random_draft, 3))
     for n in (1, 2, 5):

@@ -14,9 +14,10 @@ outputs. Its passes replay CUDA graphs of their own around its attention
 The draft keeps its own per-sequence cache (not the paged KV cache). A sequence whose first
 fed position is not 0 (its prompt prefix found in the prefix cache) starts its draft cache there:
 draft positions are shifted by that offset, which rope's relative positions do not see; the draft
-just attends to less context. TP rank 0 of the last pipeline stage alone holds and runs the
-draft (the drafts travel to every rank in the next step's input, so nothing is broadcast); with
-several stages, each passes the aux states kept so far to the next beside its activations
+just attends to less context. The last pipeline stage's TP ranks run the draft split like the
+target (``models/eagle3.DraftShard``), every rank with the accepted tokens (TP rank 0 accepts and
+shares them); TP rank 0's drafts travel to every rank in the next step's input. With several
+stages, each passes the aux states kept so far to the next beside its activations
 (``executor/worker.py``), so the last stage's buffer holds all three.
 """
 
@@ -34,7 +35,7 @@ from moeserve.engine.eagle3_graphs import DraftGraphs
 from moeserve.step_context import StepContext
 from moeserve.engine.sampler import SampleResult
 from moeserve.engine.step_input import StepInput
-from moeserve.models.eagle3 import DraftRows, Eagle3Config, Eagle3Draft
+from moeserve.models.eagle3 import DraftRows, DraftShard, Eagle3Config, Eagle3Draft
 
 if TYPE_CHECKING:
     from moeserve.engine.model_runner import ModelRunner
@@ -71,17 +72,18 @@ class Eagle3Drafter:
         self.k = spec.num_speculative_tokens
         cfg = runner.model_config
         tp = tp_group()
-        self.runs = tp.rank == 0
-        self.draft: Eagle3Draft | None = None
         self.offsets: dict[int, int] = {}  # seq id -> the target position of its draft position 0
         self.graphs: DraftGraphs | None = None  # the draft's passes through CUDA graphs (``capture_graphs``), or None: eager
-        if not self.runs:
-            return
         embed = runner.model.model.embed_tokens
-        # Under TP the target's embedding is sharded, and a last pipeline stage has none: the
-        # draft reads the checkpoint's full one.
-        weight = embed.weight if embed is not None and tp.size == 1 else _checkpoint_embedding(runner.config.model)
-        self.draft = Eagle3Draft.load(spec.model, cfg.num_hidden_layers, cfg.hidden_size, weight, runner.dtype, runner.device)
+        # The target's embedding: its table, its vocab-parallel module under TP, or (a last
+        # pipeline stage has none) the checkpoint's whole table.
+        if embed is None:
+            shared = _checkpoint_embedding(runner.config.model)
+        else:
+            shared = embed if tp.size > 1 else embed.weight
+        self.draft = Eagle3Draft.load(
+            spec.model, cfg.num_hidden_layers, cfg.hidden_size, shared, runner.dtype, runner.device, DraftShard(tp.size, tp.rank)
+        )
         self.draft.eval()
         aux = self.draft.cfg.aux_layer_ids
         self.aux_hidden = runner.model.model.aux_hidden  # kept since ``keep_aux_states``
@@ -94,31 +96,27 @@ class Eagle3Drafter:
         )
 
     @property
-    def model(self) -> Eagle3Draft | None:
-        """The draft (on TP rank 0; None on the other ranks)."""
+    def model(self) -> Eagle3Draft:
+        """The draft (this rank's part of it)."""
         return self.draft
 
     def make_pool(self, runner: ModelRunner, num_pages: int) -> None:
         pass  # no paged KV
 
     def capture_graphs(self, runner: ModelRunner, sizes: list[int], mempool) -> None:
-        """The draft's passes at the target's piecewise token counts (none on TP ranks but 0)."""
-        if self.draft is not None:
-            self.graphs = DraftGraphs(self.draft, sizes, runner.config.max_num_seqs, mempool, runner.emulate_graphs)
-            self.graphs.capture()
+        """The draft's passes at the target's piecewise token counts."""
+        self.graphs = DraftGraphs(self.draft, sizes, runner.config.max_num_seqs, mempool, runner.emulate_graphs)
+        self.graphs.capture()
 
     def free(self, seq_id: int) -> None:
         self.offsets.pop(seq_id, None)
-        if self.draft is not None:
-            self.draft.free(seq_id)
+        self.draft.free(seq_id)
 
     def propose(
         self, runner: ModelRunner, step: StepInput, ids: torch.Tensor, ctx: StepContext, hidden: torch.Tensor, result: SampleResult
     ) -> list[list[int]]:
         """Feeds the step's known positions to the draft (every row, prompt chunks too) and
-        returns ``k`` drafts per sampling row (none on TP ranks other than 0)."""
-        if not self.runs:
-            return []
+        returns ``k`` drafts per sampling row (on every TP rank: each ran its part)."""
         for seq_id in (*step.finished_seq_ids, *step.preempted_seq_ids):
             self.free(seq_id)
         draft = self.draft
@@ -146,12 +144,10 @@ class Eagle3Drafter:
 
 
 def keep_aux_states(runner: ModelRunner, spec: SpeculativeConfig) -> None:
-    """Have the target keep the draft's aux states (the residual stream entering its aux layers)
-    where this rank needs them: on the rank that runs the draft (TP rank 0 of the last stage)
-    and, with several pipeline stages, on every rank, since each stage passes the aux states
-    kept so far on to the next with its activations (its own layers fill their columns)."""
-    if runner.config.pipeline_parallel_size == 1 and not (runner.is_last and tp_group().rank == 0):
-        return
+    """Have the target keep the draft's aux states (the residual stream entering its aux layers),
+    on every rank: the last stage's ranks run the draft, and with several pipeline stages each
+    passes the aux states kept so far on to the next with its activations (its own layers fill
+    their columns)."""
     cfg = runner.model_config
     aux = Eagle3Config.read(spec.model, cfg.num_hidden_layers, cfg.hidden_size).aux_layer_ids
     # (a step has at most the budget's tokens: the profile run's too)

@@ -60,7 +60,7 @@ class DraftGraphs:
         self.token_ids = torch.zeros(N, dtype=torch.long, device=p.device)
         self.positions = torch.zeros(N, dtype=torch.long, device=p.device)
         self.hidden = torch.zeros(N, cfg.hidden_size, dtype=p.dtype, device=p.device)
-        self.attn_out = torch.zeros(N, cfg.num_attention_heads, cfg.attention_out_dim, dtype=p.dtype, device=p.device)
+        self.attn_out = torch.zeros(N, draft.heads, cfg.attention_out_dim, dtype=p.dtype, device=p.device)
         self.head_in = torch.zeros(self.row_sizes[-1], cfg.hidden_size, dtype=p.dtype, device=p.device)
         self.before: dict[int, _Piece] = {}
         self.after: dict[int, _Piece] = {}

@@ -103,7 +103,7 @@ class ModelRunner:
             from moeserve.engine.spec_decode import make_drafter
 
             self.drafter = make_drafter(self, config.speculative)
-            if self.drafter.model is not None:  # (an EAGLE-3 draft lives on TP rank 0 only)
+            if self.drafter.model is not None:  # (an EAGLE-3 draft: this rank's part)
                 self.weight_bytes += sum(p.numel() * p.element_size() for p in self.drafter.model.parameters())
         self.backend = get_backend(choose_backend(config.backend, self.device))
         self.sample_kernel = False  # argmax + logsumexp in one Triton pass (moeserve.kernels.sampling)

@@ -28,8 +28,11 @@ scaling, and the softmax scale YaRN's ``mscale_all_dim`` squared over ``sqrt(qk_
 Aux layer ids are the layers whose *input* the draft reads (vLLM's reading; SGLang and the
 training code count the output of the layer before).
 
-Replicated on every rank that runs it (it is small); plain torch, float32 accumulation where the
-weights' dtype is lower.
+Under tensor parallelism it is split like the target (``DraftShard``): each TP rank holds its
+heads of the attention (MLA's down-projections and norms whole), its slice of the MLP and of the
+lm_head's draft vocabulary; the output projection and the MLP end in an all-reduce, the greedy
+draft is the best of the ranks' local argmaxes, and the embedding is the target's vocab-parallel
+one. ``fc`` is replicated. Plain torch, float32 accumulation where the weights' dtype is lower.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from safetensors.torch import load_file
@@ -46,6 +49,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from moeserve.config import RopeConfig, mla_softmax_scale, rope_from
+from moeserve.distributed.tp_collectives import tp_all_gather_last_dim, tp_all_reduce
 from moeserve.kernels.rope_ref import apply_rope
 from moeserve.layers.rotary import rope_inv_freq as mla_rope_inv_freq
 
@@ -77,11 +81,6 @@ class Eagle3Config:
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank > 0
-
-    @property
-    def cache_heads(self) -> int:
-        """Heads of the draft's cache: the key-value heads, or MLA's one latent."""
-        return 1 if self.is_mla else self.num_key_value_heads
 
     @property
     def attention_out_dim(self) -> int:
@@ -228,6 +227,14 @@ def draft_positions(rows: DraftRows) -> torch.Tensor:
     return torch.cat([torch.arange(s, s + n) for s, n in zip(rows.starts, rows.counts)])
 
 
+@dataclass(frozen=True)
+class DraftShard:
+    """The part of the draft a TP rank holds: ``rank`` of ``size``."""
+
+    size: int = 1
+    rank: int = 0
+
+
 class DraftPasses(Protocol):
     """Runs the draft's passes (``Eagle3Draft`` itself, eagerly, or CUDA graphs of it)."""
 
@@ -237,13 +244,28 @@ class DraftPasses(Protocol):
 
 
 class Eagle3Draft(nn.Module):
-    def __init__(self, cfg: Eagle3Config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(
+        self, cfg: Eagle3Config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", shard: DraftShard = DraftShard()
+    ):
         super().__init__()
-        self.cfg = cfg
-        h, t = cfg.hidden_size, cfg.target_hidden_size
+        self.cfg, self.shard = cfg, shard
+        h, t, n = cfg.hidden_size, cfg.target_hidden_size, shard.size
+        kv = cfg.num_key_value_heads
+        if cfg.num_attention_heads % n or cfg.intermediate_size % n or not (cfg.is_mla or kv % n == 0 or n % kv == 0):
+            raise ValueError(
+                f"EAGLE-3 draft: {cfg.num_attention_heads} heads ({kv} key-value heads) and an MLP of "
+                f"{cfg.intermediate_size} do not split over {n} tensor-parallel ranks"
+            )
+        # this rank's heads, cache heads (MLA: the one latent; a shared key-value head where there
+        # are fewer than ranks), MLP columns and draft-vocabulary rows
+        self.heads = heads = cfg.num_attention_heads // n
+        self.cache_heads = 1 if cfg.is_mla else max(kv // n, 1)
+        self.first_kv_head = shard.rank * self.cache_heads if kv >= n else shard.rank // (n // kv)
+        self.ffn = cfg.intermediate_size // n
+        self.vocab_rows = -(-cfg.draft_vocab_size // n)
+        self.vocab_start = shard.rank * self.vocab_rows
         kw = {"dtype": dtype, "device": device}
         self.fc = nn.Linear(3 * t, h, bias=False, **kw)
-        heads = cfg.num_attention_heads
         if cfg.is_mla:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             if cfg.q_lora_rank:
@@ -258,18 +280,19 @@ class Eagle3Draft(nn.Module):
             self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False, **kw)
         else:
             self.q_proj = nn.Linear(2 * h, heads * cfg.head_dim, bias=False, **kw)
-            self.k_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
-            self.v_proj = nn.Linear(2 * h, cfg.num_key_value_heads * cfg.head_dim, bias=False, **kw)
+            self.k_proj = nn.Linear(2 * h, self.cache_heads * cfg.head_dim, bias=False, **kw)
+            self.v_proj = nn.Linear(2 * h, self.cache_heads * cfg.head_dim, bias=False, **kw)
             self.o_proj = nn.Linear(heads * cfg.head_dim, h, bias=False, **kw)
-        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False, **kw)
-        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False, **kw)
-        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False, **kw)
+        self.gate_proj = nn.Linear(h, self.ffn, bias=False, **kw)
+        self.up_proj = nn.Linear(h, self.ffn, bias=False, **kw)
+        self.down_proj = nn.Linear(self.ffn, h, bias=False, **kw)
         self.input_layernorm = nn.Parameter(torch.ones(h, **kw))
         self.hidden_norm = nn.Parameter(torch.ones(h, **kw))
         self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
         self.norm = nn.Parameter(torch.ones(h, **kw))
-        self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False, **kw)
-        self.embed_tokens: torch.Tensor | None = None  # its own, or the target's (``share_embedding``)
+        self.lm_head = nn.Linear(h, self.vocab_rows, bias=False, **kw)
+        self.embed_tokens: torch.Tensor | None = None  # its own, or the target's whole
+        self.embed_module: Callable[[torch.Tensor], torch.Tensor] | None = None  # or the target's vocab-parallel one
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         # YaRN's attention factor on an MLA draft's cos / sin
@@ -303,11 +326,13 @@ class Eagle3Draft(nn.Module):
         path: str | Path,
         target_num_layers: int,
         target_hidden_size: int,
-        target_embedding: torch.Tensor | None = None,
+        target_embedding: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        shard: DraftShard = DraftShard(),
     ) -> Eagle3Draft:
-        """A published draft directory; ``target_embedding`` when the draft has none of its own."""
+        """A published draft directory (this rank's ``shard`` of it); ``target_embedding`` when the
+        draft has none of its own: the whole table, or the target's (vocab-parallel) module."""
         path = Path(path)
         cfg = Eagle3Config.read(path, target_num_layers, target_hidden_size)
         tensors: dict[str, torch.Tensor] = {}
@@ -316,11 +341,13 @@ class Eagle3Draft(nn.Module):
             raise FileNotFoundError(f"EAGLE-3 draft: no *.safetensors in {path}")
         for f in files:
             tensors.update(load_file(str(f)))
-        draft = cls(cfg, dtype, device)
+        draft = cls(cfg, dtype, device, shard)
         draft.load_tensors(tensors, target_embedding)
         return draft
 
-    def load_tensors(self, tensors: dict[str, torch.Tensor], target_embedding: torch.Tensor | None) -> None:
+    def load_tensors(
+        self, tensors: dict[str, torch.Tensor], target_embedding: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
+    ) -> None:
         params = dict(self.named_parameters())
         names = {"fc.weight": "fc.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight"}
         for name in tensors:
@@ -334,15 +361,24 @@ class Eagle3Draft(nn.Module):
             for src, dst in names.items():
                 if src not in tensors:
                     raise ValueError(f"EAGLE-3 draft: missing tensor {src}")
-                if tensors[src].shape != params[dst].shape:
-                    raise ValueError(f"EAGLE-3 draft: {src} has shape {tuple(tensors[src].shape)}, expected {tuple(params[dst].shape)}")
-                params[dst].copy_(tensors[src])
+                whole = self._whole_shape(dst, params[dst].shape)
+                if tensors[src].shape != whole:
+                    raise ValueError(f"EAGLE-3 draft: {src} has shape {tuple(tensors[src].shape)}, expected {tuple(whole)}")
+                if dst == "lm_head.weight":  # rows past the draft vocabulary (the last rank's) stay zero, masked
+                    part = tensors[src][self.vocab_start : self.vocab_start + self.vocab_rows]
+                    params[dst].zero_()[: part.shape[0]].copy_(part)
+                else:
+                    params[dst].copy_(self._local(dst, tensors[src]))
             if "d2t" in tensors:
                 self.d2t.copy_(tensors["d2t"].to(torch.int64))
             elif self.cfg.draft_vocab_size != self.cfg.vocab_size:
                 raise ValueError("EAGLE-3 draft: its vocabulary is reduced but it has no d2t map")
         embed = tensors.get("embed_tokens.weight", tensors.get("model.embed_tokens.weight"))
         embed = embed if embed is not None else target_embedding
+        if embed is not None and not isinstance(embed, torch.Tensor):
+            # (its bound forward: the target's module is not made a submodule of the draft)
+            self.embed_module = embed.forward if isinstance(embed, nn.Module) else embed
+            return
         if embed is None:
             raise ValueError("EAGLE-3 draft: it has no embed_tokens and no target embedding was given")
         if tuple(embed.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
@@ -350,6 +386,48 @@ class Eagle3Draft(nn.Module):
                 f"EAGLE-3 draft: embedding of shape {tuple(embed.shape)}, expected {(self.cfg.vocab_size, self.cfg.hidden_size)}"
             )
         self.embed_tokens = embed.to(self.fc.weight.device, self.fc.weight.dtype)
+
+    def _split(self, dst: str) -> tuple[int, int, int] | None:
+        """How parameter ``dst`` is cut: (dim, first unit, units), a unit being rows (or columns)
+        of one head or one MLP column; None: whole on every rank."""
+        cfg = self.cfg
+        heads = (self.shard.rank * self.heads, self.heads)
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim if cfg.is_mla else cfg.head_dim
+        out = cfg.v_head_dim if cfg.is_mla else cfg.head_dim
+        cuts = {
+            "q_proj.weight": (0, qk, *heads),
+            "q_b_proj.weight": (0, qk, *heads),
+            "kv_b_proj.weight": (0, cfg.qk_nope_head_dim + cfg.v_head_dim, *heads),
+            "k_proj.weight": (0, cfg.head_dim, self.first_kv_head, self.cache_heads),
+            "v_proj.weight": (0, cfg.head_dim, self.first_kv_head, self.cache_heads),
+            "o_proj.weight": (1, out, *heads),
+            "gate_proj.weight": (0, 1, self.shard.rank * self.ffn, self.ffn),
+            "up_proj.weight": (0, 1, self.shard.rank * self.ffn, self.ffn),
+            "down_proj.weight": (1, 1, self.shard.rank * self.ffn, self.ffn),
+        }
+        if self.shard.size == 1 or dst not in cuts:
+            return None
+        dim, unit, first, count = cuts[dst]
+        return dim, first * unit, count * unit
+
+    def _whole_shape(self, dst: str, local: torch.Size) -> torch.Size:
+        """The checkpoint's shape of the tensor whose local part is ``dst`` (``local``)."""
+        if dst == "lm_head.weight":
+            return torch.Size([self.cfg.draft_vocab_size, local[1]])
+        cut = self._split(dst)
+        if cut is None:
+            return local
+        dim = cut[0]
+        whole = list(local)
+        whole[dim] = {
+            "k_proj.weight": self.cfg.num_key_value_heads * self.cfg.head_dim,
+            "v_proj.weight": self.cfg.num_key_value_heads * self.cfg.head_dim,
+        }.get(dst, local[dim] * self.shard.size)
+        return torch.Size(whole)
+
+    def _local(self, dst: str, whole: torch.Tensor) -> torch.Tensor:
+        cut = self._split(dst)
+        return whole if cut is None else whole.narrow(cut[0], cut[1], cut[2])
 
     # ---- forward ----
 
@@ -379,21 +457,21 @@ class Eagle3Draft(nn.Module):
         values ``[T, cache_heads, d_v]``, roped (MLA: absorbed, over the latent)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        embeds = F.embedding(token_ids, self.embed_tokens)
+        embeds = self.embed_module(token_ids) if self.embed_module is not None else F.embedding(token_ids, self.embed_tokens)
         x = torch.cat([rms_norm(embeds, self.input_layernorm, eps), rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
         if cfg.is_mla:
             return self._project_mla(x, positions)
         T = token_ids.shape[0]
-        q = self.q_proj(x).view(T, cfg.num_attention_heads, cfg.head_dim)
-        k = self.k_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
-        v = self.v_proj(x).view(T, cfg.num_key_value_heads, cfg.head_dim)
+        q = self.q_proj(x).view(T, self.heads, cfg.head_dim)
+        k = self.k_proj(x).view(T, self.cache_heads, cfg.head_dim)
+        v = self.v_proj(x).view(T, self.cache_heads, cfg.head_dim)
         angles = positions[:, None].float() * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :].to(q.dtype), angles.sin()[:, None, :].to(q.dtype)
         return rotate_half(q, cos, sin), rotate_half(k, cos, sin), v
 
     def _project_mla(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         cfg = self.cfg
-        eps, heads, nope, rope = cfg.rms_norm_eps, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        eps, heads, nope, rope = cfg.rms_norm_eps, self.heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         T = x.shape[0]
         q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm, eps)) if cfg.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(T, heads, nope + rope).split([nope, rope], dim=-1)
@@ -411,14 +489,14 @@ class Eagle3Draft(nn.Module):
     def _kv_b(self) -> torch.Tensor:
         """``kv_b_proj`` per head: ``[heads, nope + v, kv_lora_rank]`` (key rows, then value rows)."""
         cfg = self.cfg
-        return self.kv_b_proj.weight.view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return self.kv_b_proj.weight.view(self.heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: DraftRows, out: torch.Tensor | None = None) -> torch.Tensor:
         """Writes the rows' keys and values into the cache and attends, one sequence at a time:
         ``[T, heads, attention_out_dim]`` (into ``out`` if given). The heads that share a cache
         head are stacked as query rows of it (no copy of the cache per head)."""
         cfg = self.cfg
-        heads, kv_heads = cfg.num_attention_heads, cfg.cache_heads
+        heads, kv_heads = self.heads, self.cache_heads
         group = heads // kv_heads
         if out is None:
             out = q.new_empty(q.shape[0], heads, cfg.attention_out_dim)
@@ -441,17 +519,39 @@ class Eagle3Draft(nn.Module):
         eps = self.cfg.rms_norm_eps
         if self.cfg.is_mla:  # the latent through kv_b_proj's value half
             attn_out = torch.einsum("thc,hvc->thv", attn_out, self._kv_b()[:, self.cfg.qk_nope_head_dim :])
-        residual = hidden + self.o_proj(attn_out.reshape(attn_out.shape[0], -1))
+        residual = hidden + self._reduce(self.o_proj(attn_out.reshape(attn_out.shape[0], -1)))
         normed = rms_norm(residual, self.post_attention_layernorm, eps)
-        return residual + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        return residual + self._reduce(self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)))
+
+    def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum of the ranks' partial outputs (a row-split projection's)."""
+        return tp_all_reduce(partial) if self.shard.size > 1 else partial
+
+    def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the draft vocabulary, ``[T, vocab_rows]`` float32."""
+        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits ``[T, V_draft]`` in float32."""
-        return self.lm_head(rms_norm(hidden, self.norm, self.cfg.rms_norm_eps)).float()
+        local = self._local_logits(hidden)
+        if self.shard.size == 1:
+            return local
+        return tp_all_gather_last_dim(local)[:, : self.cfg.draft_vocab_size]
 
     def drafts(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The greedy draft (a target id) after each of the layer's outputs ``[B, H]``."""
-        return self.to_target_ids(self.logits(hidden).argmax(-1))
+        """The greedy draft (a target id) after each of the layer's outputs ``[B, H]``: under TP
+        the best of the ranks' local argmaxes (the lowest id on ties, as one argmax)."""
+        local = self._local_logits(hidden)
+        if self.shard.size == 1:
+            return self.to_target_ids(local.argmax(-1))
+        valid = self.cfg.draft_vocab_size - self.vocab_start
+        if valid < self.vocab_rows:  # the padding rows of the last rank
+            local[:, max(valid, 0) :] = float("-inf")
+        best, at = local.max(-1)
+        pairs = torch.stack([best.double(), (at + self.vocab_start).double()], -1)  # [B, 2]: exact ids in float64
+        every = tp_all_gather_last_dim(pairs).view(pairs.shape[0], self.shard.size, 2)
+        rank = every[..., 0].argmax(-1, keepdim=True)  # the first rank holding the maximum
+        return self.to_target_ids(every[..., 1].gather(1, rank).squeeze(1).long())
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -18,9 +18,10 @@ k-l-lambda/kimi-k2.6-eagle3-mla states the lightseekorg layout is identical). It
 ``model.safetensors`` is that shape: 1.33 GB of layer and ``fc``, 2.35 GB of lm_head and a
 2.35 GB copy of the embedding, which the engine shares with the target and the plan does not count.
 
-Where it runs is the engine's (``EngineProfile.eagle3_draft_sharded``): moeserve holds and runs it
-unsharded on TP rank 0 only (``engine/eagle3_drafter.py``); vLLM splits it over the target's TP
-ranks like the target (its collectives per pass: two all-reduces and a logits all-gather).
+Where it runs is the engine's (``EngineProfile.eagle3_draft_sharded``): vLLM and moeserve
+(``models/eagle3.DraftShard``) split it over the target's TP ranks like the target (its
+collectives per pass: two all-reduces and a logits all-gather; moeserve gathers each rank's
+argmax instead of its logits, counted the same).
 Either way it runs on the last pipeline stage, and each stage sends the next the aux hidden
 states kept so far (three hidden-size vectors a token) beside hidden + residual.
 """

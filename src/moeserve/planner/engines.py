@@ -55,7 +55,7 @@ class EngineProfile:
     # shape, the GEMV's few-pairs factor) or "relative" (only the shape, over the prior efficiency)
     moe_shape: str = "relative"
     int4_moe_gemv_max_pairs: int | None = None  # INT4 (W4A16) experts' switch where it differs (None: moe_gemv_max_pairs)
-    # an EAGLE-3 draft split over the target's TP ranks (vLLM) or held and run by TP rank 0 alone (moeserve)
+    # an EAGLE-3 draft split over the target's TP ranks (vLLM, moeserve), or held and run by TP rank 0 alone
     eagle3_draft_sharded: bool = True
 
     def gemv_max_pairs(self, int4: bool) -> int:
@@ -84,7 +84,6 @@ ENGINES: dict[str, EngineProfile] = {
         pipeline_async=False,
         moe_shape="moeserve",
         int4_moe_gemv_max_pairs=INT4_GEMV_MAX_PAIRS,
-        eagle3_draft_sharded=False,
     ),
     "vllm": EngineProfile(
         "vllm",
