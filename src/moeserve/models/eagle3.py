@@ -41,10 +41,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
+from contextlib import ExitStack
 from typing import Callable, Protocol
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
@@ -243,6 +245,26 @@ class DraftPasses(Protocol):
     def drafts(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
+class _TensorsOnDisk(Mapping):
+    """A checkpoint's tensors read one at a time, when asked: a rank holding part of a large draft
+    never has the whole of it in host memory at once."""
+
+    def __init__(self, handles: list):
+        self.where = {name: h for h in handles for name in h.keys()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.where[name].get_tensor(name)
+
+    def __contains__(self, name: object) -> bool:  # (Mapping's would read the tensor)
+        return name in self.where
+
+    def __iter__(self):
+        return iter(self.where)
+
+    def __len__(self) -> int:
+        return len(self.where)
+
+
 class Eagle3Draft(nn.Module):
     def __init__(
         self, cfg: Eagle3Config, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", shard: DraftShard = DraftShard()
@@ -335,18 +357,17 @@ class Eagle3Draft(nn.Module):
         draft has none of its own: the whole table, or the target's (vocab-parallel) module."""
         path = Path(path)
         cfg = Eagle3Config.read(path, target_num_layers, target_hidden_size)
-        tensors: dict[str, torch.Tensor] = {}
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"EAGLE-3 draft: no *.safetensors in {path}")
-        for f in files:
-            tensors.update(load_file(str(f)))
         draft = cls(cfg, dtype, device, shard)
-        draft.load_tensors(tensors, target_embedding)
+        with ExitStack() as files_open:
+            handles = [files_open.enter_context(safe_open(str(f), framework="pt")) for f in files]
+            draft.load_tensors(_TensorsOnDisk(handles), target_embedding)
         return draft
 
     def load_tensors(
-        self, tensors: dict[str, torch.Tensor], target_embedding: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
+        self, tensors: Mapping[str, torch.Tensor], target_embedding: torch.Tensor | Callable[[torch.Tensor], torch.Tensor] | None
     ) -> None:
         params = dict(self.named_parameters())
         names = {"fc.weight": "fc.weight", "norm.weight": "norm", "lm_head.weight": "lm_head.weight"}
@@ -361,14 +382,14 @@ class Eagle3Draft(nn.Module):
             for src, dst in names.items():
                 if src not in tensors:
                     raise ValueError(f"EAGLE-3 draft: missing tensor {src}")
-                whole = self._whole_shape(dst, params[dst].shape)
-                if tensors[src].shape != whole:
-                    raise ValueError(f"EAGLE-3 draft: {src} has shape {tuple(tensors[src].shape)}, expected {tuple(whole)}")
+                whole, tensor = self._whole_shape(dst, params[dst].shape), tensors[src]  # (read once)
+                if tensor.shape != whole:
+                    raise ValueError(f"EAGLE-3 draft: {src} has shape {tuple(tensor.shape)}, expected {tuple(whole)}")
                 if dst == "lm_head.weight":  # rows past the draft vocabulary (the last rank's) stay zero, masked
-                    part = tensors[src][self.vocab_start : self.vocab_start + self.vocab_rows]
+                    part = tensor[self.vocab_start : self.vocab_start + self.vocab_rows]
                     params[dst].zero_()[: part.shape[0]].copy_(part)
                 else:
-                    params[dst].copy_(self._local(dst, tensors[src]))
+                    params[dst].copy_(self._local(dst, tensor))
             if "d2t" in tensors:
                 self.d2t.copy_(tensors["d2t"].to(torch.int64))
             elif self.cfg.draft_vocab_size != self.cfg.vocab_size:
