@@ -192,3 +192,14 @@ def test_drawing_from_the_compacted_top_draws_what_the_pass_draws(seed):
     x = scale_and_min_p(logits, temperature, min_p)
     kept = apply_thresholds(x, sort_thresholds(x, top_k, top_p)) > NEG
     assert kept[torch.arange(10), drawn_tokens.cpu()].all()
+
+
+def test_compile_variants_reads_only_its_one_row(monkeypatch):
+    """The start-up compile draws a token from a flat row, then draws again: the second draw must
+    still read row 0 (the first draw's token, written into the row index, made the GPU read a
+    row far past the logits: an illegal memory access at start-up)."""
+    seen = []
+    real = logit_filter.draw
+    monkeypatch.setattr(logit_filter, "draw", lambda logits, rows, *a, **kw: seen.append(rows.tolist()) or real(logits, rows, *a, **kw))
+    logit_filter.compile_variants(300, torch.device(DEV))
+    assert seen == [[0]]

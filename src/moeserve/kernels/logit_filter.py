@@ -600,11 +600,14 @@ def sample(
 def compile_variants(n_cols: int, device: torch.device) -> None:
     """Run each kernel once for rows of ``n_cols`` logits: their variants depend on nothing else."""
     ones = torch.ones(1, device=device)
-    rows = torch.zeros(1, dtype=torch.int64, device=device)
+    rows, keys = torch.zeros(2, 1, dtype=torch.int64, device=device)
+    # the draws write their token into ``best``: not ``rows``, which would then name a row far
+    # past the one logits row (an illegal address on the GPU)
+    best = torch.zeros(1, dtype=torch.int64, device=device)
     logits = torch.zeros(1, n_cols, device=device)
-    tau = thresholds(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, rows)
-    sample(logits, rows, ones, ones * 0, rows, tau, rows)
-    draw(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, rows, rows)
+    tau = thresholds(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, best)
+    sample(logits, rows, ones, ones * 0, best, tau, keys)
+    draw(logits, rows, ones, rows + n_cols + 1, ones / 2, ones * 0, best, keys)
 
 
 def selfcheck(device: torch.device) -> bool:
