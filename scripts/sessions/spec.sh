@@ -9,9 +9,13 @@
 #   run: bash scripts/gpu_session.sh spec $OUT   (MODES="mtp2" SKIP_HUMMING=1: only the MTP parts; MODES="": nothing served;
 #        MTP_LAYERS="4 7" MTP_BATCHES=1,8 MTP_K=0,1,2: the offline table at two depths ("": none);
 #        SPEC_PROFILE=1: scripts/profile/spec_profile.py of a demo k = 2 and a V3 k = 1 step;
-#        DEMO_CONCURRENCY="1": the served demo at c1 only)
+#        DEMO_CONCURRENCY="1": the served demo at c1 only; SPEC_TESTS=1: the GPU tests of the verify
+#        and draft graphs first; MTP_MOONLIGHT=1: also Moonlight (all 27 layers, dummy bf16) with a
+#        dummy MTP layer added, the issue's second shape)
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
+[ -n "${SPEC_TESTS:-}" ] && step spec_tests ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
+  tests/kernels/test_kernels_mla.py tests/spec/test_spec_graphs.py -k "several_tokens or verify or cuda or gpu"
 URL=http://127.0.0.1:8014
 python3 -c "import json; from moeserve.demo.tasks import held_out_tasks
 for s in held_out_tasks(64): print(json.dumps({'prompt': s.prompt()}))" > "$work/demo_prompts.jsonl"
@@ -34,6 +38,11 @@ for layers in ${MTP_LAYERS-5}; do
     --hf-overrides "{\"num_hidden_layers\": $layers}" --batch-sizes ${MTP_BATCHES:-1,8,32} --input-len 512 --output-len 64 \
     --speculative-config '{"method": "mtp"}' --num-speculative-tokens ${MTP_K:-0,1,2,3} --result-dir "$work/mtp_l$layers"
 done
+if [ -n "${MTP_MOONLIGHT:-}" ]; then
+  step mtp_moonlight ${MTP_S:-150} python3 -m moeserve bench --offline --model moonlight-16b-a3b --load-format dummy \
+    --dtype bfloat16 --hf-overrides '{"num_nextn_predict_layers": 1}' --batch-sizes ${MTP_BATCHES:-1,8,32} --input-len 512 \
+    --output-len 64 --speculative-config '{"method": "mtp"}' --num-speculative-tokens ${MTP_K:-0,1,2,3} --result-dir "$work/mtp_moonlight"
+fi
 if [ -n "${SPEC_PROFILE:-}" ]; then  # where a step goes: the demo model at k = 2, V3 (5 layers) at k = 1, batch 1
   step profile_demo_k2 90 python3 scripts/profile/spec_profile.py --model '' --k 2 --batch 1
   step profile_v3_k1 120 python3 scripts/profile/spec_profile.py --k 1 --batch 1
@@ -41,7 +50,8 @@ fi
 [ -n "${SKIP_HUMMING:-}" ] || step humming_engine ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_humming_moe.py -k engine
 for f in "$work"/demo_*.log; do echo "$(basename "$f"): $(grep -h '^| [0-9]' "$f" | head -1)" >> "$work/summary.txt"; done
 cat "$work"/metrics_*.txt >> "$work/summary.txt"
-for f in "$work"/mtp_v3_l*.log; do echo "== $(basename "$f")" >> "$work/summary.txt"; grep -h "accepted\|^│\|^┃" "$f" | tail -30 >> "$work/summary.txt"; done
+[ -f "$work/spec_tests.log" ] && { tail -3 "$work/spec_tests.log"; grep -h "^FAILED\|Error" "$work/spec_tests.log" | head; } >> "$work/summary.txt"
+for f in "$work"/mtp_v3_l*.log "$work"/mtp_moonlight.log; do [ -f "$f" ] || continue; echo "== $(basename "$f")" >> "$work/summary.txt"; grep -h "accepted\|^│\|^┃" "$f" | tail -30 >> "$work/summary.txt"; done
 for f in "$work"/profile_*.log; do [ -f "$f" ] && { echo "== $(basename "$f")" >> "$work/summary.txt"; head -30 "$f" >> "$work/summary.txt"; }; done
 [ -f "$work/humming_engine.log" ] && tail -3 "$work/humming_engine.log" >> "$work/summary.txt"
 pack
