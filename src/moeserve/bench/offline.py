@@ -3,6 +3,7 @@ figure beside its bound (bytes / measured bandwidth, FLOPs / measured peak)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -117,6 +118,15 @@ def run_batch(
     )
 
 
+@functools.cache
+def _peaks(device: str) -> DevicePeaks:
+    """The device's copy bandwidth and matmul peak, measured once a process (a sweep runs several engines)."""
+    peaks = measure_peaks(device)
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the copy's buffers back to the device before an engine sizes its KV cache
+    return peaks
+
+
 def run_offline(
     model: str,
     batch_sizes: list[int],
@@ -135,8 +145,9 @@ def run_offline(
     kwargs = dict(engine_kwargs)
     kwargs.setdefault("max_num_seqs", max_batch)
     kwargs["max_model_len"] = kwargs.get("max_model_len") or input_len + output_len + 16
+    # Before the engine loads: its KV cache then takes the memory the copy would need.
+    peaks = _peaks(kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
     with LLM(model, **kwargs) as llm:
-        peaks = measure_peaks(llm.config.device)
         # Warm-up: one short request through everything (kernels compiled, graphs captured).
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         results = [run_batch(llm, b, input_len, output_len, peaks, temperature=temperature, top_p=top_p, top_k=top_k) for b in batch_sizes]
