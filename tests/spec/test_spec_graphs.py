@@ -8,6 +8,8 @@ and preemption; the EAGLE-3 aux states the target's replays leave equal those of
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -21,6 +23,16 @@ pytest.importorskip("triton")
 PROMPTS = [[5, 9, 33, 2, 7], list(range(40, 61)), [100, 3, 3, 3, 17, 200, 11, 12, 13]]
 # Few, short graphs: their emulated capture runs the interpreter over every size.
 SETTINGS = dict(device="cpu", dtype="float32", backend="triton", max_num_batched_tokens=16, page_size=4, max_num_seqs=4, max_model_len=64)
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory():
+    """A test's engine, held in reference cycles (patched methods), released before the next one
+    sizes its KV cache from the device's free memory."""
+    yield
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,8 @@ def run_offline(
     kwargs.setdefault("max_num_seqs", max_batch)
     kwargs["max_model_len"] = kwargs.get("max_model_len") or input_len + output_len + 16
     # Before the engine loads: its KV cache then takes the memory the copy would need.
-    peaks = _peaks(kwargs.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = kwargs.get("device") or "auto"
+    peaks = _peaks(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
     with LLM(model, **kwargs) as llm:
         # Warm-up: one short request through everything (kernels compiled, graphs captured).
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -99,7 +99,7 @@ class EngineConfig:
         None,
         'JSON object: speculative decoding, e.g. \'{"method": "mtp", "num_speculative_tokens": 2}\' (the checkpoint\'s '
         'MTP layer drafts on the last pipeline stage), or \'{"method": "eagle3", "model": DIR, "num_speculative_tokens": 2}\' '
-        "(an EAGLE-3 draft, on the last stage's TP rank 0); async scheduling off",
+        "(an EAGLE-3 draft, split over the last stage's TP ranks); async scheduling off",
     )
     tensor_parallel_size: int = setting(1, "tensor-parallel ranks per pipeline stage", aliases=("--tp",))
     pipeline_parallel_size: int = setting(1, "pipeline stages", aliases=("--pp",))
