@@ -66,9 +66,10 @@ MLA_DRAFT_CONFIG = {
 }
 
 
-def write_random_draft(path, config: dict = DRAFT_CONFIG, seed: int = 0):
-    """A random EAGLE-3 draft in the published layout (reduced vocabulary, shared embedding;
-    Llama-style attention, or MLA where the config has ``kv_lora_rank``)."""
+def write_random_draft(path, config: dict = DRAFT_CONFIG, seed: int = 0, own_embedding: bool = False):
+    """A random EAGLE-3 draft in the published layout (reduced vocabulary, the target's embedding
+    shared unless ``own_embedding``; Llama-style attention, or MLA where the config has
+    ``kv_lora_rank``)."""
     g = torch.Generator().manual_seed(seed)
     h, dv, ff = config["hidden_size"], config["draft_vocab_size"], config["intermediate_size"]
     q, kv = 4 * 8, 2 * 8
@@ -92,6 +93,8 @@ def write_random_draft(path, config: dict = DRAFT_CONFIG, seed: int = 0):
         "lm_head.weight": w(dv, h),
         "d2t": torch.sort(torch.randperm(V, generator=g)[:dv]).values - torch.arange(dv),
     }
+    if own_embedding:
+        tensors["embed_tokens.weight"] = torch.randn(V, h, generator=g)
     if config.get("kv_lora_rank"):
         a = "midlayer.self_attn."
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moeserve.models.eagle3 import DraftRows, Eagle3Config, Eagle3Draft
+from moeserve.models.eagle3 import DraftRows, DraftShard, Eagle3Config, Eagle3Draft
 
 TARGET_LAYERS, TARGET_HIDDEN, VOCAB, DRAFT_VOCAB = 12, 24, 50, 32
 CONFIG = {
@@ -186,6 +186,24 @@ def test_own_embedding_and_errors(tmp_path):
         Eagle3Config.from_dict({**CONFIG, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 20, 3]}}, TARGET_LAYERS)
     with pytest.raises(FileNotFoundError, match="no config.json"):
         Eagle3Draft.load(tmp_path / "nowhere", TARGET_LAYERS, TARGET_HIDDEN)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_own_embedding_split_over_tp_ranks_sums_to_the_whole_lookup(tmp_path, ranks):
+    """Under TP a draft's own table is cut into vocabulary rows (at 4 ranks the last holds 11 of
+    its 13 rows: the rest are zeros); each rank looks up only the tokens it holds, and the ranks'
+    parts sum to the whole table's lookup."""
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    tensors = published_tensors(own_embedding=True)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    ids = torch.tensor([0, 12, 13, 25, 26, 38, 39, VOCAB - 1, 7, 7])
+    parts = []
+    for rank in range(ranks):
+        draft = Eagle3Draft.load(tmp_path, TARGET_LAYERS, TARGET_HIDDEN, shard=DraftShard(ranks, rank))
+        assert draft.embed_tokens.shape[0] == -(-VOCAB // ranks)
+        parts.append(draft._local_embeds(ids))
+        assert (parts[-1].abs().sum(-1) > 0).sum() == ((ids >= draft.embed_start) & (ids < draft.embed_start + draft.embed_tokens.shape[0])).sum()
+    torch.testing.assert_close(sum(parts), tensors["embed_tokens.weight"][ids], rtol=0, atol=0)
 
 
 def test_llama3_rope_scaling_matches_transformers():

@@ -78,16 +78,17 @@ def _proposals(llm: LLM, prompts, params) -> tuple[list[list[int]], list[list[in
 
 
 @pytest.mark.parametrize(
-    "config, tp, ep",
-    [(DRAFT_CONFIG, 2, 1), (DRAFT_CONFIG, 4, 1), (MLA_DRAFT_CONFIG, 2, 1), (MLA_DRAFT_CONFIG, 2, 2)],
-    ids=["llama-tp2", "llama-tp4-shared-kv-heads", "mla-tp2", "mla-tp2xep2"],
+    "config, tp, ep, own_embedding",
+    [(DRAFT_CONFIG, 2, 1, False), (DRAFT_CONFIG, 4, 1, True), (MLA_DRAFT_CONFIG, 2, 1, False), (MLA_DRAFT_CONFIG, 2, 2, False)],
+    ids=["llama-tp2", "llama-tp4-shared-kv-heads-own-embedding", "mla-tp2", "mla-tp2xep2"],
 )
-def test_random_draft_split_over_tp_ranks_drafts_as_one_process(random_target, plain, tmp_path, config, tp, ep):
+def test_random_draft_split_over_tp_ranks_drafts_as_one_process(random_target, plain, tmp_path, config, tp, ep, own_embedding):
     """The draft split like the target (each rank its heads, MLP columns and vocabulary rows; at
-    TP 4 two ranks share each of the Llama draft's 2 key-value heads; with the target's experts
-    split over EP 2 too): every draft it proposes is the one the whole draft proposes in one
-    process, and the tokens are those without it."""
-    draft = write_random_draft(tmp_path / "draft", config)
+    TP 4 two ranks share each of the Llama draft's 2 key-value heads, and each holds a quarter of
+    the draft's own embedding table; with the target's experts split over EP 2 too): every draft
+    it proposes is the one the whole draft proposes in one process, and the tokens are those
+    without it."""
+    draft = write_random_draft(tmp_path / "draft", config, own_embedding=own_embedding)
     params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
     want = _proposals(_engine(random_target, _spec(draft, 2)), PROMPTS[:2], params)
     assert want[0] == _tokens(plain, PROMPTS[:2], params) and want[1]

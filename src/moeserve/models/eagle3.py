@@ -32,7 +32,9 @@ Under tensor parallelism it is split like the target (``DraftShard``): each TP r
 heads of the attention (MLA's down-projections and norms whole), its slice of the MLP and of the
 lm_head's draft vocabulary; the output projection and the MLP end in an all-reduce, the greedy
 draft is the best of the ranks' local argmaxes, and the embedding is the target's vocab-parallel
-one. ``fc`` is replicated. Plain torch, float32 accumulation where the weights' dtype is lower.
+one (or, where the draft has a table of its own, or a last pipeline stage reads the checkpoint's,
+its rows of that table, the lookups summed over the ranks). ``fc`` is replicated. Plain torch,
+float32 accumulation where the weights' dtype is lower.
 """
 
 from __future__ import annotations
@@ -313,8 +315,11 @@ class Eagle3Draft(nn.Module):
         self.post_attention_layernorm = nn.Parameter(torch.ones(h, **kw))
         self.norm = nn.Parameter(torch.ones(h, **kw))
         self.lm_head = nn.Linear(h, self.vocab_rows, bias=False, **kw)
-        self.embed_tokens: torch.Tensor | None = None  # its own, or the target's whole
-        self.embed_module: Callable[[torch.Tensor], torch.Tensor] | None = None  # or the target's vocab-parallel one
+        # its own table or the checkpoint's (under TP this rank's rows of it, from ``embed_start``),
+        # or the target's vocab-parallel module
+        self.embed_tokens: torch.Tensor | None = None
+        self.embed_start = 0
+        self.embed_module: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64, device=device))
         self.register_buffer("inv_freq", rope_inv_freq(cfg).to(device), persistent=False)
         # YaRN's attention factor on an MLA draft's cos / sin
@@ -406,6 +411,11 @@ class Eagle3Draft(nn.Module):
             raise ValueError(
                 f"EAGLE-3 draft: embedding of shape {tuple(embed.shape)}, expected {(self.cfg.vocab_size, self.cfg.hidden_size)}"
             )
+        if self.shard.size > 1:  # this rank's rows (zeros past the vocabulary), summed over ranks in ``embed``
+            rows = -(-self.cfg.vocab_size // self.shard.size)
+            self.embed_start = self.shard.rank * rows
+            part = embed[self.embed_start : self.embed_start + rows]
+            embed = torch.zeros(rows, self.cfg.hidden_size, dtype=part.dtype).index_copy_(0, torch.arange(part.shape[0]), part)
         self.embed_tokens = embed.to(self.fc.weight.device, self.fc.weight.dtype)
 
     def _split(self, dst: str) -> tuple[int, int, int] | None:
@@ -478,7 +488,7 @@ class Eagle3Draft(nn.Module):
         values ``[T, cache_heads, d_v]``, roped (MLA: absorbed, over the latent)."""
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        embeds = self.embed_module(token_ids) if self.embed_module is not None else F.embedding(token_ids, self.embed_tokens)
+        embeds = self.embed(token_ids)
         x = torch.cat([rms_norm(embeds, self.input_layernorm, eps), rms_norm(hidden, self.hidden_norm, eps)], dim=-1)
         if cfg.is_mla:
             return self._project_mla(x, positions)
@@ -543,6 +553,19 @@ class Eagle3Draft(nn.Module):
         residual = hidden + self._reduce(self.o_proj(attn_out.reshape(attn_out.shape[0], -1)))
         normed = rms_norm(residual, self.post_attention_layernorm, eps)
         return residual + self._reduce(self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed)))
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings ``[T, H]``: the target's module, or the draft's table (under TP
+        each rank looks up the tokens in its rows, zeros elsewhere, and the ranks' parts are summed)."""
+        if self.embed_module is not None:
+            return self.embed_module(token_ids)
+        return self._reduce(self._local_embeds(token_ids)) if self.shard.size > 1 else F.embedding(token_ids, self.embed_tokens)
+
+    def _local_embeds(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's share of ``embed``: the rows it holds, zero for the tokens it does not."""
+        local = token_ids - self.embed_start
+        held = (local >= 0) & (local < self.embed_tokens.shape[0])
+        return F.embedding(torch.where(held, local, 0), self.embed_tokens).masked_fill(~held[:, None], 0)
 
     def _reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """The sum of the ranks' partial outputs (a row-split projection's)."""

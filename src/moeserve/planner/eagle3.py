@@ -16,7 +16,8 @@ The defaults are the draft the rtx6kpro Kimi K2.6 runs use, lightseekorg/kimi-k2
 https://huggingface.co/k-l-lambda/Kimi-K2.5-Eagle3/blob/main/config.json, whose K2.6 fine-tune
 k-l-lambda/kimi-k2.6-eagle3-mla states the lightseekorg layout is identical). Its 6.03 GB
 ``model.safetensors`` is that shape: 1.33 GB of layer and ``fc``, 2.35 GB of lm_head and a
-2.35 GB copy of the embedding, which the engine shares with the target and the plan does not count.
+2.35 GB copy of the embedding, of which the engine keeps a 1/tp share a rank (its rows, for its own
+lookups) and which the plan does not count (0.29 GB a GPU at TP8).
 
 Where it runs is the engine's (``EngineProfile.eagle3_draft_sharded``): vLLM and moeserve
 (``models/eagle3.DraftShard``) split it over the target's TP ranks like the target (its
