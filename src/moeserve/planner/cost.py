@@ -166,12 +166,12 @@ def runs_eager(hw: Hardware, pp: int) -> bool:
     return pp > 1 and not ENGINES[hw.engine].pipeline_cuda_graphs
 
 
-def step_overhead_s(hw: Hardware, pp: int, batch: int) -> float:
+def step_overhead_s(hw: Hardware, pp: int, batch: int, speculative: bool = False) -> float:
     """Host time a step adds: ``step_overhead_ms`` (what asynchronous scheduling leaves visible), plus the
-    host's whole step work where the engine does not overlap it (moeserve with pp > 1)."""
+    host's whole step work where the engine does not overlap it (moeserve with pp > 1, or speculating)."""
     engine = ENGINES[hw.engine]
     overhead = hw.constants.step_overhead_ms
-    if pp > 1 and not engine.pipeline_async:
+    if (pp > 1 and not engine.pipeline_async) or (speculative and not engine.speculative_async):
         fixed, per_seq = engine.host_step_ms
         overhead += fixed + per_seq * batch
     return overhead / 1e3
@@ -318,7 +318,7 @@ def decode_step(
     send = p2p_s(hw, tokens * cfg.hidden_size * ACT_BYTES * states_sent) if pp > 1 else 0.0
     # Sampled token ids go back from the last stage to stage 0: latency only.
     sends = (pp - 1) * send + (p2p_s(hw, 0) if pp > 1 else 0.0)
-    overhead = step_overhead_s(hw, pp, batch)
+    overhead = step_overhead_s(hw, pp, batch, speculative=last_stage_extra is not None)
     busy = m * max(stage_s)
     path = sum(stage_s) + sends + overhead
     cycle = max(busy, path, m * overhead)

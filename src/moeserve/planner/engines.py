@@ -50,6 +50,7 @@ class EngineProfile:
     pipeline_cuda_graphs: bool = True  # pp > 1 stages replay CUDA graphs (else every kernel is launched eagerly)
     eager_launch_us: float = 10.0  # host time to launch one kernel eagerly: an eager kernel costs at least this
     pipeline_async: bool = True  # pp > 1 still overlaps the host's step work with the GPU
+    speculative_async: bool = True  # a speculative cycle still overlaps it (moeserve reads each step back first)
     host_step_ms: tuple[float, float] = (0.6, 0.0196)  # host work of a step: fixed + per sequence (ms)
     # INT4 routed experts' kernel-shape term (shape.py): "moeserve" (the measured kernels: their level and
     # shape, the GEMV's few-pairs factor) or "relative" (only the shape, over the prior efficiency)
@@ -78,10 +79,12 @@ ENGINES: dict[str, EngineProfile] = {
         "~44 us a layer; torch.distributed all-reduce on NCCL. With pp > 1 the stages run eager "
         "(cudaLaunchKernel 10.0 us a call in the profile) and without asynchronous scheduling, so the host's step "
         "work is on the critical path: 0.62 ms at batch 1, 5.63 ms at batch 256 (profile lines of "
-        "final_b1_b256.log: schedule, step input, H2D, launch, sample, collect, process)",
+        "final_b1_b256.log: schedule, step input, H2D, launch, sample, collect, process); the same with speculative "
+        "decoding, whose steps are read back before the next is scheduled",
         gemv_path_fuses_shared=True,
         pipeline_cuda_graphs=False,
         pipeline_async=False,
+        speculative_async=False,
         moe_shape="moeserve",
         int4_moe_gemv_max_pairs=INT4_GEMV_MAX_PAIRS,
     ),
