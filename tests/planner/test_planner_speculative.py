@@ -274,7 +274,10 @@ def test_eagle3_flags_read_the_draft_shape(tmp_path, capsys):
 # moeserve's verify steps measured on one H100 (BENCHMARKS.md, twenty-fourth session; dummy weights,
 # nothing accepted, 512 tokens in, 64 out): ms a step by (batch, k), k = 0 the plain step.
 MEASURED_H100_VERIFY_MS = {
-    "deepseek-v3 5 layers": ({"num_hidden_layers": 5}, {(1, 0): 2.20, (8, 0): 3.79, (32, 0): 6.51, (1, 1): 4.23, (8, 1): 8.32, (32, 1): 13.50}),
+    "deepseek-v3 5 layers": (
+        {"num_hidden_layers": 5},
+        {(1, 0): 2.20, (8, 0): 3.79, (32, 0): 6.51, (1, 1): 4.23, (8, 1): 8.32, (32, 1): 13.50},
+    ),
     "moonlight + MTP layer": (
         {"num_nextn_predict_layers": 1},
         {
