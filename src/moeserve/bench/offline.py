@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from moeserve.planner.bounds import DevicePeaks, decode_step_cost, measure_peaks, prefill_flops
-from moeserve.engine.config import resolve_dtype
+from moeserve.engine.config import resolve_device, resolve_dtype
 from moeserve.llm import LLM
 from moeserve.sampling_params import SamplingParams
 
@@ -146,8 +146,7 @@ def run_offline(
     kwargs.setdefault("max_num_seqs", max_batch)
     kwargs["max_model_len"] = kwargs.get("max_model_len") or input_len + output_len + 16
     # Before the engine loads: its KV cache then takes the memory the copy would need.
-    device = kwargs.get("device") or "auto"
-    peaks = _peaks(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    peaks = _peaks(resolve_device(kwargs.get("device") or "auto"))
     with LLM(model, **kwargs) as llm:
         # Warm-up: one short request through everything (kernels compiled, graphs captured).
         llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))

@@ -46,6 +46,11 @@ def setting(default: Any = MISSING, help: str | None = None, **cli: Any) -> Any:
     return field(default=default, metadata={"help": help, **cli})
 
 
+def resolve_device(device: str) -> str:
+    """``auto``: the GPU where there is one, else the CPU; any other name as given."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 @dataclass
 class EngineConfig:
     model: str | None = setting(help="checkpoint directory (default: the built-in demo model)")
@@ -115,8 +120,7 @@ class EngineConfig:
     master_port: int | None = setting(None, "rendezvous port on node 0 (the next port carries the steps)", env="MASTER_PORT")
 
     def __post_init__(self) -> None:
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_size"):

@@ -415,7 +415,8 @@ class Eagle3Draft(nn.Module):
             rows = -(-self.cfg.vocab_size // self.shard.size)
             self.embed_start = self.shard.rank * rows
             part = embed[self.embed_start : self.embed_start + rows]
-            embed = torch.zeros(rows, self.cfg.hidden_size, dtype=part.dtype).index_copy_(0, torch.arange(part.shape[0]), part)
+            embed = torch.zeros(rows, self.cfg.hidden_size, dtype=part.dtype)
+            embed[: part.shape[0]] = part
         self.embed_tokens = embed.to(self.fc.weight.device, self.fc.weight.dtype)
 
     def _split(self, dst: str) -> tuple[int, int, int] | None:
