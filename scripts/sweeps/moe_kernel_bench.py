@@ -22,6 +22,10 @@ shows they win) beside the default, checked against it and, at a few token count
 ``MOESERVE_INT4_DOT=f16x2`` runs) at every GEMV point, checked against the default and the reference,
 and with ``--sweep`` its tiles by coordinate descent (variant ``f16x2-tile``).
 
+``--cuda-gemv`` also times the INT4 GEMV in CUDA C (``kernels/int4_gemv_cuda.py``, what
+``MOESERVE_INT4_GEMV=cuda`` runs) at every GEMV point, checked against the default and the reference;
+``--cuda-gemv sweep`` also its tiles (``CUDA_GEMV_GRID``, variant ``cuda-tile``).
+
 ``--sweep`` also times the GEMV and grouped-GEMM tiles around the defaults (coordinate descent for
 the GEMV's two kernels, and for the spread kernels over their tile lists), checks each against the
 default's output, and prints the best per point;
@@ -31,7 +35,7 @@ SiLU, the sum) on the same weights, routings and harness, checked against the sa
 is checked against the torch reference (``int4_moe_ref`` / ``fp8_moe_ref``) at a few token counts.
 
     python scripts/sweeps/moe_kernel_bench.py --out DIR [--formats int4,fp8] [--tokens 1,2,4,...]
-        [--sweep [spread]] [--humming] [--dot f16x2] [--time-limit 500]
+        [--sweep [spread]] [--humming] [--dot f16x2] [--cuda-gemv [sweep]] [--time-limit 500]
 
 Writes ``DIR/moe_kernel_bench.json`` (one row per case, tokens and variant) as it goes.
 """
@@ -51,6 +55,7 @@ import triton.testing
 
 from moeserve.kernels.fp8_moe import fp8_fused_moe, fp8_moe_gemv, fp8_moe_ref
 from moeserve.kernels.int4_moe import DOT_F16X2_ASM, int4_fused_moe, int4_moe_gemv, int4_moe_ref
+from moeserve.kernels.int4_gemv_cuda import int4_moe_gemv_cuda
 from moeserve.kernels.int4_spread import INT4_DOWN_SPREAD_CONFIGS, INT4_GATE_UP_SPREAD_CONFIGS, int4_moe_gemv_spread
 from moeserve.kernels.limits import GEMV_MAX_PAIRS, INT4_GEMV_MAX_PAIRS
 from moeserve.quant.int4 import checkpoint_words
@@ -264,6 +269,16 @@ FORMATS = {"int4": (Int4, 384), "fp8": (Fp8, 256)}
 # ---- harness ----------------------------------------------------------------------------------
 
 
+# The CUDA GEMV's tiles (kernels/int4_gemv_cuda.default_config's neighbours)
+CUDA_GEMV_GRID = [
+    {"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": d} for w in (4, 8) for g in (1, 2) for d in (1, 2, 4) if not (w == 4 and g == 2)
+]
+
+
+def cuda_gemv(x, w, tw, ids, first, config=None):
+    return int4_moe_gemv_cuda(x, *w, tw, ids, first, config=config)
+
+
 def copy_bandwidth() -> float:
     a = torch.empty(2 * 1024**3, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
@@ -323,6 +338,13 @@ def main() -> int:
     ap.add_argument("--compare-paths", action="store_true", help="also both paths at their default tiles from 4 to 32 tokens")
     ap.add_argument("--humming", action="store_true")
     ap.add_argument("--dot", default="", help="'f16x2': also the INT4 GEMV with its fp16-pair dot product")
+    ap.add_argument(
+        "--cuda-gemv",
+        nargs="?",
+        const="default",
+        choices=("default", "sweep"),
+        help="also the INT4 GEMV in CUDA C (kernels/int4_gemv_cuda.py); 'sweep': and its tiles",
+    )
     ap.add_argument("--humming-cases", default="", help="default: every INT4 case")
     ap.add_argument("--humming-tokens", default="1,2,4,8,16,32,64,128,256")
     ap.add_argument("--time-limit", type=float, default=1e9, help="seconds; later points are skipped, the table still printed")
@@ -427,6 +449,18 @@ def main() -> int:
                     if args.sweep and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                         best = coordinate_descent("f16x2-tile", f16x2, fmt.gemv_grid, fmt.down_grid, point, default_out)
                         line += f" | best f16x2 {best or float('nan'):8.1f}"
+                if args.cuda_gemv and fmt_name == "int4" and T * TOPK <= fmt.gemv_max_pairs:
+                    cus = point("cuda", cuda_gemv, None, default_out)
+                    line += f" | cuda {cus or float('nan'):8.1f} ({100 * moved / ((cus or 1e9) * 1e-6) / bw:4.1f} %)"
+                    if cus is not None and ref_out is not None:
+                        rows[-1]["rel_err_vs_ref"] = rel_err(cuda_gemv(*inputs[0]), ref_out)
+                        line += f" err vs ref {rows[-1]['rel_err_vs_ref']:.2e}"
+                    if args.cuda_gemv == "sweep" and deadline.left() > 30:
+                        best = cus
+                        for cfg in CUDA_GEMV_GRID:
+                            t = point("cuda-tile", lambda *a, cfg=cfg: cuda_gemv(*a, cfg), cfg, default_out)
+                            best = t if t is not None and (best is None or t < best) else best
+                        line += f" | best cuda {best or float('nan'):8.1f}"
                 if args.sweep == "all" and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                     best = coordinate_descent("gemv", fmt.gemv, fmt.gemv_grid, fmt.down_grid, point, default_out)
                     line += f" | best gemv {best or float('nan'):8.1f}"
@@ -455,10 +489,11 @@ def main() -> int:
             w = peer = inputs = None
             torch.cuda.empty_cache()
 
-    # the table: per point, the default, the best of each path, and the peer
+    # the table: per point, the default, the best of each path, the peer and each variant tried
+    families = [f for f in ("spread", "f16x2", "cuda") if any(r["variant"].startswith(f) for r in rows)]
     print(
-        "\nformat case        T     default us  %bw   best gemv   best gemm   humming  ours/humming   spread  %bw  default/spread"
-        "     f16x2  %bw  default/f16x2",
+        "\nformat case        T     default us  %bw   best gemv   best gemm   humming  ours/humming"
+        + "".join(f" {f:>9s}  %bw  default/{f}" for f in families),
         flush=True,
     )
     keys = sorted({(r["format"], r["case"], r["tokens"]) for r in rows}, key=lambda k: (k[0], k[1], k[2]))
@@ -472,15 +507,12 @@ def main() -> int:
         d = best("default")
         eff = next((r["efficiency"] for r in sel if r["variant"] == "default"), float("nan"))
         h = best("humming")
-        sp = min((v for v in (best("spread"), best("spread-tile")) if v == v), default=float("nan"))  # v == v: not NaN
-        hx = min((v for v in (best("f16x2"), best("f16x2-tile")) if v == v), default=float("nan"))
-        hx_eff = next((r["efficiency"] for r in sel if r["variant"] in ("f16x2", "f16x2-tile") and r["us"] == hx), float("nan"))
-        sp_eff = next((r["efficiency"] for r in sel if r["variant"] in ("spread", "spread-tile") and r["us"] == sp), float("nan"))
-        print(
-            f"{k[0]:6s} {k[1]:11s} {k[2]:4d} {d:10.1f} {100 * eff:5.1f} {best('gemv'):10.1f} {best('gemm'):10.1f} {h:9.1f} {d / h:8.2f}"
-            f" {sp:9.1f} {100 * sp_eff:5.1f} {d / sp:8.2f}"
-            f" {hx:9.1f} {100 * hx_eff:5.1f} {d / hx:8.2f}"
-        )
+        line = f"{k[0]:6s} {k[1]:11s} {k[2]:4d} {d:10.1f} {100 * eff:5.1f} {best('gemv'):10.1f} {best('gemm'):10.1f} {h:9.1f} {d / h:8.2f}"
+        for f in families:
+            v = min((u for u in (best(f), best(f + "-tile")) if u == u), default=float("nan"))  # u == u: not NaN
+            v_eff = next((r["efficiency"] for r in sel if r["variant"] in (f, f + "-tile") and r["us"] == v), float("nan"))
+            line += f" {v:9.1f} {100 * v_eff:5.1f} {d / v:8.2f}"
+        print(line)
     return 0
 
 

@@ -312,24 +312,38 @@ def test_int4_spread_grid_for_kimi_k26(monkeypatch):
         assert cfg["BLOCK_K"] == 256 * cfg["num_warps"]  # one word a row a thread
 
 
-def test_int4_experts_spread_knob(monkeypatch):
-    """MOESERVE_INT4_GEMV=spread selects the spread kernels once their check passed; the default is
+@pytest.mark.parametrize("variant, kernel", [("spread", "int4_spread"), ("cuda", "int4_gemv_cuda")])
+def test_int4_experts_gemv_knob(monkeypatch, variant, kernel):
+    """MOESERVE_INT4_GEMV=spread|cuda selects those kernels once their check passed; the default is
     the measured GEMV."""
     from moeserve.quant.experts import Int4Experts
 
     monkeypatch.delenv("MOESERVE_INT4_GEMV", raising=False)
     method = Int4Experts(32, 384)
-    assert not method.gemv_spread and method.kernels == ("int4_moe",)
-    monkeypatch.setenv("MOESERVE_INT4_GEMV", "spread")
+    assert method.gemv_variant == "default" and method.kernels == ("int4_moe",)
+    monkeypatch.setenv("MOESERVE_INT4_GEMV", variant)
     method = Int4Experts(32, 384)
-    assert method.kernels == ("int4_moe", "int4_spread")
-    method.use_kernels({"int4_moe", "int4_spread"})
-    assert method.gemv and method.gemv_spread
+    assert method.kernels == ("int4_moe", kernel)
+    method.use_kernels({"int4_moe", kernel})
+    assert method.gemv and method.gemv_variant == variant
     method.use_kernels({"int4_moe"})  # its check failed: the measured GEMV
-    assert method.gemv and not method.gemv_spread
+    assert method.gemv and method.gemv_variant == "default"
     monkeypatch.setenv("MOESERVE_INT4_GEMV", "fast")
     with pytest.raises(ValueError, match="MOESERVE_INT4_GEMV"):
         Int4Experts(32, 384)
+
+
+def test_cuda_gemv_never_taken_for_float32_or_cpu_tensors(monkeypatch):
+    """The CUDA GEMV serves 16-bit activations on a GPU; anything else keeps the Triton kernels,
+    and with it the shared experts fused into the GEMV."""
+    from moeserve.quant.experts import Int4Experts
+
+    monkeypatch.setenv("MOESERVE_INT4_GEMV", "cuda")
+    method = Int4Experts(32, 8)
+    method.use_kernels({"int4_moe", "int4_gemv_cuda"})
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    assert not method._cuda_gemv(torch.zeros(1, 64), ids)
+    assert not method._cuda_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), ids)  # a CPU tensor
 
 
 # ---- grouped GEMM ----

@@ -195,6 +195,6 @@ def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatc
     ) as llm:
         method = llm.engine.executor.runner.model.model.layers["1"].mlp.experts.method
         assert method.fused and method.gemv  # the INT4 kernels passed their start-up check
-        assert method.gemv_spread == (gemv == "spread")
+        assert method.gemv_variant == gemv
         outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY)
     _check(outs, ckpts["expected"])

@@ -112,6 +112,12 @@ def check_int4_spread(device: torch.device) -> bool:
     return selfcheck(device)  # the INT4 GEMV's spread kernels (MOESERVE_INT4_GEMV=spread)
 
 
+def check_int4_gemv_cuda(device: torch.device) -> bool:
+    from moeserve.kernels.int4_gemv_cuda import selfcheck
+
+    return selfcheck(device)  # the INT4 decode GEMV in CUDA C (MOESERVE_INT4_GEMV=cuda), bf16
+
+
 def check_fp8_linear(device: torch.device) -> bool:
     from moeserve.kernels.fp8_linear import selfcheck
 
@@ -134,6 +140,7 @@ CHECKS: dict[str, Callable[[torch.device], bool]] = {
     "logit_filter": check_logit_filter,
     "int4_moe": check_int4_moe,
     "int4_spread": check_int4_spread,
+    "int4_gemv_cuda": check_int4_gemv_cuda,
     "fp8_linear": check_fp8_linear,
     "fp8_moe": check_fp8_moe,
 }

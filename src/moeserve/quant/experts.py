@@ -181,17 +181,22 @@ class UnquantizedExperts(ExpertsMethod):
         return moe_gemv(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, *weights)
 
 
-INT4_GEMV_VARIANTS = ("default", "spread")  # MOESERVE_INT4_GEMV: which INT4 decode GEMV kernels run
+INT4_GEMV_VARIANTS = ("default", "spread", "cuda")  # MOESERVE_INT4_GEMV: which INT4 decode GEMV kernels run
 
 
-def int4_gemv_spread() -> bool:
-    """``MOESERVE_INT4_GEMV=spread``: the INT4 decode GEMV's spread kernels (``kernels/int4_spread.py``,
-    for an EP rank's one or two local experts and narrow TP slices). Not measured yet: the
-    default (unset, ``default``) stays the measured kernels until the GPU sweep shows they win."""
+def int4_gemv_variant() -> str:
+    """``MOESERVE_INT4_GEMV``: the INT4 decode GEMV's kernels. ``default`` (unset): the measured
+    Triton kernels; ``spread``: their spread variant (``kernels/int4_spread.py``, an EP rank's one
+    or two local experts); ``cuda``: the CUDA C kernels (``kernels/int4_gemv_cuda.py``, 16-bit
+    activations, routed experts only: the shared experts then run as their own layers). Either
+    opt-in runs only once its start-up check passed, else the default."""
     value = os.environ.get("MOESERVE_INT4_GEMV", "default") or "default"
     if value not in INT4_GEMV_VARIANTS:
         raise ValueError(f"MOESERVE_INT4_GEMV must be one of {', '.join(INT4_GEMV_VARIANTS)}, not {value!r}")
-    return value == "spread"
+    return value
+
+
+_INT4_GEMV_KERNELS = {"default": ("int4_moe",), "spread": ("int4_moe", "int4_spread"), "cuda": ("int4_moe", "int4_gemv_cuda")}
 
 
 class Int4Experts(ExpertsMethod):
@@ -209,8 +214,8 @@ class Int4Experts(ExpertsMethod):
         self.num_experts = num_experts  # the model's routed experts: the tile heuristic's rows per expert
         self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
         self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
-        self.gemv_spread = int4_gemv_spread()  # its spread kernels (MOESERVE_INT4_GEMV=spread), once checked
-        self.kernels = ("int4_moe", "int4_spread") if self.gemv_spread else ("int4_moe",)
+        self.gemv_variant = int4_gemv_variant()  # MOESERVE_INT4_GEMV, once its check passed
+        self.kernels = _INT4_GEMV_KERNELS[self.gemv_variant]
         self.humming = None  # kernels.humming_moe.HummingInt4Experts once use_humming has run (--moe-backend)
 
     def checkpoint_tensors(self, prefix, out_features, in_features):
@@ -275,7 +280,8 @@ class Int4Experts(ExpertsMethod):
 
     def use_kernels(self, working):
         self.fused = self.gemv = "int4_moe" in working
-        self.gemv_spread = self.gemv_spread and "int4_spread" in working  # else the measured GEMV
+        if not all(k in working for k in _INT4_GEMV_KERNELS[self.gemv_variant]):
+            self.gemv_variant = "default"  # the measured GEMV
 
     def use_humming(self, layer: nn.Module, check: bool = False) -> str | None:
         """Hand this layer's experts to humming (``kernels.humming_moe``, in its own layout) and drop
@@ -320,11 +326,24 @@ class Int4Experts(ExpertsMethod):
     def _weights(self, layer):
         return layer.w13_packed, layer.w13_scale, layer.w2_packed, layer.w2_scale
 
+    def _cuda_gemv(self, x, topk_ids) -> bool:
+        """Whether this call runs the CUDA GEMV (``MOESERVE_INT4_GEMV=cuda``): decode-sized, 16-bit."""
+        return (
+            self.gemv_variant == "cuda"
+            and topk_ids.numel() <= INT4_GEMV_MAX_PAIRS
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and x.is_cuda
+        )
+
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.humming is not None:
             return self.humming(x, topk_weights, topk_ids, layer.first_expert)
         if self.fused:
-            if self.gemv_spread and topk_ids.numel() <= INT4_GEMV_MAX_PAIRS:
+            if self._cuda_gemv(x, topk_ids):
+                from moeserve.kernels.int4_gemv_cuda import int4_moe_gemv_cuda
+
+                return int4_moe_gemv_cuda(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
+            if self.gemv_variant == "spread" and topk_ids.numel() <= INT4_GEMV_MAX_PAIRS:
                 from moeserve.kernels.int4_spread import int4_moe_gemv_spread
 
                 w = self._weights(layer)
@@ -349,9 +368,9 @@ class Int4Experts(ExpertsMethod):
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
         weights = plain_shared_weights(shared)
-        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None:
-            return None
-        if self.gemv_spread:
+        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None or self._cuda_gemv(x, topk_ids):
+            return None  # (the CUDA GEMV takes the routed experts alone: the shared ones run as their own layers)
+        if self.gemv_variant == "spread":
             from moeserve.kernels.int4_spread import int4_moe_gemv_spread
 
             w = self._weights(layer)

@@ -1,0 +1,274 @@
+// INT4 (W4A16) routed experts at decode: the gate/up GEMV with SiLU, then the down GEMV with the
+// top-k sum, for one to a few tokens (kernels/int4_gemv_cuda.py compiles this with NVRTC and
+// launches it; the contract is int4_moe.int4_moe_gemv's without shared experts).
+//
+// Why CUDA and not Triton: at one token the GEMV must stream the experts' words at the memory's
+// rate with about 1.7 instructions a weight to spare. The Triton kernels spend 4-5.6 (their
+// nibble unpacking and the reductions Triton lays out), and Triton's pipeliner left the fp16-pair
+// variant's activations as synchronous loads. Here every load of a warp's rows is issued before
+// the first product (registers hold a row's whole K), the activations sit in shared memory as
+// fp16 pairs, converted once a block, and the dot product is the fp16-pair one the Triton
+// kernels measured accurate enough (int4_moe._dot_group_f16x2_asm).
+//
+// Layout (int4_moe's): w13 int32 [E, 2I, H/8] (gate rows then up rows), s13 [E, 2I, H/32];
+// w2 int32 [E, H, I/8], s2 [E, H, I/32]; words in the kernels' nibble order, so the nibbles at
+// bits 4j and 4j + 16 of a word are neighbouring elements 2j and 2j + 1 of its 8, and one uint4
+// (four words) is one scale group of 32. Scales and activations in the activation dtype.
+//
+// Compile-time constants (-D): ACT_BF16 (1: bf16 activations, 0: fp16), IDX_T (the ids' C type),
+// HIDDEN, INTER, TOPK, WARPS (a block's warps), GATE_ROWS (gate/up row pairs a warp),
+// DOWN_ROWS (output rows a warp).
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define GROUP 32
+#define H_GROUPS (HIDDEN / GROUP)           // scale groups (uint4) of a gate/up row
+#define GATE_ITERS ((H_GROUPS + 31) / 32)   // a lane's groups of a row
+#define I_GROUPS (INTER / GROUP)            // scale groups of a down row's slot
+#define DOWN_ITERS ((TOPK * I_GROUPS + 31) / 32)
+
+__device__ __forceinline__ float act_to_float(u16 v) {
+#if ACT_BF16
+  return __uint_as_float(((u32)v) << 16);
+#else
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v));
+  return f;
+#endif
+}
+
+__device__ __forceinline__ u16 float_to_act(float f) {
+  u16 r;
+#if ACT_BF16
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#else
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r) : "f"(f));
+#endif
+  return r;
+}
+
+// Two activations (a pair of the activation dtype in one word, the first in the low half) times
+// `w` -> an fp16 pair, clamped to fp16's range (the 1/256 in the dot keeps the sums finite then).
+__device__ __forceinline__ u32 fp16_pair(u32 v, float w) {
+  float lo = act_to_float((u16)(v & 0xffffu)) * w, hi = act_to_float((u16)(v >> 16)) * w;
+  lo = fminf(fmaxf(lo, -65504.f), 65504.f);
+  hi = fminf(fmaxf(hi, -65504.f), 65504.f);
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ u32 hfma2(u32 a, u32 b, u32 c) {
+  u32 d;
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+__device__ __forceinline__ u32 hmul2(u32 a, u32 b) {
+  u32 d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+__device__ __forceinline__ u32 hadd2(u32 a, u32 b) {
+  u32 d;
+  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// The nibbles under `mask` (bits 4j and 4j + 16, j even or odd) OR-ed into fp16 1024 (ulp 1),
+// then to (nibble - 8) / 256 with one exact FMA: 0x1c00 = 2^-8, 0xc408 = -(1024 + 8) / 256 for
+// the low nibble of a byte; 0x0c00 = 2^-12, 0xb480 = -(1/4 + 8/256) for the high one (its pair
+// reads 1024 + 16 * nibble).
+__device__ __forceinline__ u32 nibble_pair_lo(u32 w) {
+  u32 t;
+  asm("lop3.b32 %0, %1, 0x000f000f, 0x64006400, 0xea;" : "=r"(t) : "r"(w));
+  return hfma2(t, 0x1c001c00u, 0xc408c408u);
+}
+
+__device__ __forceinline__ u32 nibble_pair_hi(u32 w) {
+  u32 t;
+  asm("lop3.b32 %0, %1, 0x00f000f0, 0x64006400, 0xea;" : "=r"(t) : "r"(w));
+  return hfma2(t, 0x0c000c00u, 0xb480b480u);
+}
+
+// One packed word against its 4 fp16 activation pairs: the products' sum in a half2 (x 1/256).
+__device__ __forceinline__ u32 dot_word(u32 w, uint4 a) {
+  u32 s = hmul2(nibble_pair_lo(w), a.x);
+  s = hfma2(nibble_pair_hi(w), a.y, s);
+  u32 h = w >> 8;
+  s = hfma2(nibble_pair_lo(h), a.z, s);
+  return hfma2(nibble_pair_hi(h), a.w, s);
+}
+
+// One scale group (a uint4 of words) against its 16 activation pairs: its sum / 256 in fp32.
+// Four short half2 chains (one a word), added, then the halves in fp32.
+__device__ __forceinline__ float dot_group(uint4 w, uint4 a0, uint4 a1, uint4 a2, uint4 a3) {
+  u32 s = hadd2(hadd2(dot_word(w.x, a0), dot_word(w.y, a1)), hadd2(dot_word(w.z, a2), dot_word(w.w, a3)));
+  float lo, hi;
+  asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}" : "=f"(lo), "=f"(hi) : "r"(s));
+  return lo + hi;
+}
+
+// A group's 16 pairs are four uint4 chunks in shared memory; chunk q of group g sits at
+// 4g + (q ^ ((g >> 1) & 3)), so the 8 lanes of a quarter warp reading chunk q of neighbouring
+// groups hit 32 different banks.
+__device__ __forceinline__ int chunk_at(int g, int q) { return 4 * g + (q ^ ((g >> 1) & 3)); }
+
+// The experts' words and scales are read once: not kept in L1.
+__device__ __forceinline__ uint4 load_words(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ u16 load_scale(const u16* p) {
+  u16 v;
+  asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// grid (ceil(INTER / (WARPS * GATE_ROWS)), T * TOPK); a block: one (token, slot), WARPS * GATE_ROWS
+// row pairs (gate row i, up row INTER + i) -> inter[pair, i] = silu(gate) * up. Another rank's
+// expert: the block returns at once (the down kernel skips the slot).
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16* __restrict__ s13,
+             const IDX_T* __restrict__ ids, u16* __restrict__ inter, int x_stride, int first_expert, int num_local) {
+  __shared__ uint4 xs[H_GROUPS * 4];
+  const int pair = blockIdx.y, token = pair / TOPK;
+  const long long e = (long long)ids[pair] - first_expert;
+  if (e < 0 || e >= num_local) return;
+
+  const u32* xw = (const u32*)(x + (long long)token * x_stride);
+  u32* xs32 = (u32*)xs;
+  for (int p = threadIdx.x; p < HIDDEN / 2; p += WARPS * 32) {
+    const int g = p >> 4;
+    xs32[chunk_at(g, (p >> 2) & 3) * 4 + (p & 3)] = fp16_pair(xw[p], 1.f);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first_row = (blockIdx.x * WARPS + warp) * GATE_ROWS;
+  if (first_row >= INTER) return;
+  const long long expert_rows = e * 2 * INTER;
+
+  uint4 w[2 * GATE_ROWS][GATE_ITERS];
+  u16 s[2 * GATE_ROWS][GATE_ITERS];
+#pragma unroll
+  for (int k = 0; k < 2 * GATE_ROWS; ++k) {
+    const int r = first_row + (k >> 1);
+    const long long row = expert_rows + (k & 1) * INTER + (r < INTER ? r : INTER - 1);
+    const uint4* wr = w13 + row * H_GROUPS;
+    const u16* sr = s13 + row * H_GROUPS;
+#pragma unroll
+    for (int it = 0; it < GATE_ITERS; ++it) {
+      const int g = it * 32 + lane;
+      if (H_GROUPS % 32 == 0 || g < H_GROUPS) {
+        w[k][it] = load_words(wr + g);
+        s[k][it] = load_scale(sr + g);
+      }
+    }
+  }
+
+  float acc[2 * GATE_ROWS];
+#pragma unroll
+  for (int k = 0; k < 2 * GATE_ROWS; ++k) acc[k] = 0.f;
+#pragma unroll
+  for (int it = 0; it < GATE_ITERS; ++it) {
+    const int g = it * 32 + lane;
+    if (H_GROUPS % 32 == 0 || g < H_GROUPS) {
+      const uint4 a0 = xs[chunk_at(g, 0)], a1 = xs[chunk_at(g, 1)], a2 = xs[chunk_at(g, 2)], a3 = xs[chunk_at(g, 3)];
+#pragma unroll
+      for (int k = 0; k < 2 * GATE_ROWS; ++k) acc[k] += dot_group(w[k][it], a0, a1, a2, a3) * act_to_float(s[k][it]);
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < GATE_ROWS; ++rr) {
+    const float gate = warp_sum(acc[2 * rr]) * 256.f, up = warp_sum(acc[2 * rr + 1]) * 256.f;
+    const int r = first_row + rr;
+    if (lane == 0 && r < INTER) inter[(long long)pair * INTER + r] = float_to_act(gate / (1.f + expf(-gate)) * up);
+  }
+}
+
+// grid (ceil(HIDDEN / (WARPS * DOWN_ROWS)), T); a block: DOWN_ROWS output rows a warp of one token,
+// each summing its local slots' rows: out[token, h] = sum_slots weight * (w2[e, h] . inter[slot]).
+// The route weights ride on the activations (multiplied before their fp16 rounding). Dynamic
+// shared memory: TOPK * INTER fp16 activations (only the local slots' are filled).
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16* __restrict__ s2,
+          const IDX_T* __restrict__ ids, const float* __restrict__ weights, u16* __restrict__ out,
+          int out_stride, int first_expert, int num_local) {
+  extern __shared__ uint4 as[];
+  __shared__ int local_slot[TOPK], local_expert[TOPK], local_count;
+  const int token = blockIdx.y;
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int j = 0; j < TOPK; ++j) {
+      const long long e = (long long)ids[token * TOPK + j] - first_expert;
+      if (e >= 0 && e < num_local) {
+        local_slot[n] = j;
+        local_expert[n] = (int)e;
+        ++n;
+      }
+    }
+    local_count = n;
+  }
+  __syncthreads();
+  const int n_local = local_count, n_groups = n_local * I_GROUPS;
+
+  u32* as32 = (u32*)as;
+  for (int p = threadIdx.x; p < n_local * (INTER / 2); p += WARPS * 32) {
+    const int l = p / (INTER / 2), pp = p % (INTER / 2);
+    const int slot = token * TOPK + local_slot[l];
+    const u32 v = ((const u32*)(inter + (long long)slot * INTER))[pp];
+    const int u = l * I_GROUPS + (pp >> 4);
+    as32[chunk_at(u, (pp >> 2) & 3) * 4 + (pp & 3)] = fp16_pair(v, weights[slot]);
+  }
+  __syncthreads();
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first_row = (blockIdx.x * WARPS + warp) * DOWN_ROWS;
+  if (first_row >= HIDDEN) return;
+
+  uint4 w[DOWN_ROWS][DOWN_ITERS];
+  u16 s[DOWN_ROWS][DOWN_ITERS];
+#pragma unroll
+  for (int it = 0; it < DOWN_ITERS; ++it) {
+    const int u = it * 32 + lane;
+    if (u < n_groups) {
+      const int l = u / I_GROUPS, c = u % I_GROUPS;
+      const long long base = (long long)local_expert[l] * HIDDEN;
+#pragma unroll
+      for (int rr = 0; rr < DOWN_ROWS; ++rr) {
+        const int h = first_row + rr < HIDDEN ? first_row + rr : HIDDEN - 1;
+        w[rr][it] = load_words(w2 + (base + h) * I_GROUPS + c);
+        s[rr][it] = load_scale(s2 + (base + h) * I_GROUPS + c);
+      }
+    }
+  }
+  float acc[DOWN_ROWS];
+#pragma unroll
+  for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] = 0.f;
+#pragma unroll
+  for (int it = 0; it < DOWN_ITERS; ++it) {
+    const int u = it * 32 + lane;
+    if (u < n_groups) {
+      const uint4 a0 = as[chunk_at(u, 0)], a1 = as[chunk_at(u, 1)], a2 = as[chunk_at(u, 2)], a3 = as[chunk_at(u, 3)];
+#pragma unroll
+      for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] += dot_group(w[rr][it], a0, a1, a2, a3) * act_to_float(s[rr][it]);
+    }
+  }
+#pragma unroll
+  for (int rr = 0; rr < DOWN_ROWS; ++rr) {
+    const float v = warp_sum(acc[rr]) * 256.f;
+    const int h = first_row + rr;
+    if (lane == 0 && h < HIDDEN) out[(long long)token * out_stride + h] = float_to_act(v);
+  }
+}

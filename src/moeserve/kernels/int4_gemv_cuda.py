@@ -1,0 +1,138 @@
+"""INT4 (W4A16) routed experts at decode in CUDA C: ``cuda/int4_gemv.cu``'s gate/up GEMV (with
+SiLU) and down GEMV (with the top-k sum), compiled at run time by NVRTC through torch's own
+binding (``torch.cuda._utils``: no nvcc, no host compiler, a second or so a shape) and launched on
+the current stream, so CUDA graphs capture them like any kernel.
+
+Contract: ``int4_moe.int4_moe_gemv``'s without shared experts, 16-bit activations only (float32
+keeps the Triton kernels: fp16 pairs would round it). Why a CUDA kernel beside the Triton ones,
+and its layout, are in the source's header. :func:`available` says whether this torch can build it
+(a CUDA device, NVRTC, the binding); callers fall back to Triton otherwise.
+
+Tiles (``config``): ``WARPS`` a block, ``GATE_ROWS`` gate/up row pairs a warp, ``DOWN_ROWS`` output
+rows a warp. A warp holds its rows' whole K in registers (K = hidden for gate/up, top-k x
+intermediate for the down rows), so the defaults keep that near 8-16 uint4 a lane.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from moeserve.kernels.int4_moe import _check_shapes
+
+SOURCE = Path(__file__).with_name("cuda") / "int4_gemv.cu"
+GROUP = 32
+_IDX_C_TYPE = {torch.int32: "int", torch.int64: "long long"}
+_DEFAULT_SMEM = 48 * 1024  # dynamic shared memory a launch may take without opting in
+
+
+def available() -> bool:
+    """A CUDA device and torch's NVRTC binding (``torch.cuda._utils._nvrtc_compile``, torch 2.8+)."""
+    if not torch.cuda.is_available() or torch.version.hip:
+        return False
+    try:
+        from torch.cuda._utils import _cuda_load_module, _nvrtc_compile  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
+    """Tiles by the registers a warp's rows take: a lane holds ceil(K / 1024) uint4 a row."""
+    down_per_row = -(-topk * (inter // GROUP) // 32)
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": max(1, min(4, 8 // down_per_row))}
+
+
+@functools.cache
+def _kernels(act_bf16: bool, idx_c: str, hidden: int, inter: int, topk: int, warps: int, gate_rows: int, down_rows: int, arch: str):
+    from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
+
+    defines = dict(
+        ACT_BF16=int(act_bf16), IDX_T=idx_c, HIDDEN=hidden, INTER=inter, TOPK=topk, WARPS=warps, GATE_ROWS=gate_rows, DOWN_ROWS=down_rows
+    )
+    options = [f"-D{k}={v}" for k, v in defines.items()]
+    binary, _ = _nvrtc_compile(SOURCE.read_text(), "int4_gate_up", arch, None, options)
+    kernels = _cuda_load_module(binary, ["int4_gate_up", "int4_down"])
+    down_smem = topk * inter * 2
+    if down_smem > _DEFAULT_SMEM:
+        kernels["int4_down"].set_shared_memory_config(down_smem)
+    return kernels["int4_gate_up"], kernels["int4_down"], down_smem
+
+
+def int4_moe_gemv_cuda(
+    x: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    first_expert: int,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """``int4_moe_ref`` for a few tokens (each (token, slot) reads its expert's words): two launches,
+    no host sync, no allocation sized by the routing."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"the CUDA INT4 GEMV takes bf16 or fp16 activations, not {x.dtype}")
+    E, hidden, inter = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
+    for name, t in (("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the CUDA INT4 GEMV")
+    if w13_scale.dtype != x.dtype or w2_scale.dtype != x.dtype:
+        raise ValueError(f"scales must be in the activation dtype {x.dtype}")
+    T, K = topk_ids.shape
+    out = torch.empty_like(x)
+    if T == 0:
+        return out
+    cfg = {**default_config(T, hidden, inter, K), **(config or {})}
+    ids = topk_ids.reshape(-1)
+    if ids.dtype not in _IDX_C_TYPE:
+        ids = ids.to(torch.int32)
+    ids = ids.contiguous()
+    weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        x = x.contiguous()
+    major, minor = torch.cuda.get_device_capability(x.device)
+    gate_up, down, down_smem = _kernels(
+        x.dtype == torch.bfloat16,
+        _IDX_C_TYPE[ids.dtype],
+        hidden,
+        inter,
+        K,
+        cfg["WARPS"],
+        cfg["GATE_ROWS"],
+        cfg["DOWN_ROWS"],
+        f"{major}{minor}",
+    )
+    inter_act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
+    threads = cfg["WARPS"] * 32
+    with torch.cuda.device(x.device):
+        gate_up(
+            grid=(-(-inter // (cfg["WARPS"] * cfg["GATE_ROWS"])), T * K, 1),
+            block=(threads, 1, 1),
+            args=[x, w13_packed, w13_scale, ids, inter_act, x.stride(0), int(first_expert), E],
+        )
+        down(
+            grid=(-(-hidden // (cfg["WARPS"] * cfg["DOWN_ROWS"])), T, 1),
+            block=(threads, 1, 1),
+            args=[inter_act, w2_packed, w2_scale, ids, weights, out, out.stride(0), int(first_expert), E],
+            shared_mem=down_smem,
+        )
+    return out
+
+
+def selfcheck(device: torch.device) -> bool:
+    """Build and run the kernels at a tiny shape on ``device`` (bf16, another rank's experts among
+    the ids) against ``int4_moe_ref``: False without a CUDA device or NVRTC, or on a mismatch."""
+    from moeserve.kernels.int4_moe import selfcheck_case
+
+    device = torch.device(device)
+    if device.type != "cuda" or not available():
+        return False
+    c = selfcheck_case(device, torch.bfloat16)
+    return c.close([(int4_moe_gemv_cuda(*c.routed_args), c.ref)])
+
+
+__all__ = ["available", "default_config", "int4_moe_gemv_cuda", "selfcheck"]
