@@ -1,4 +1,4 @@
-"""Triton kernels, each in its own module beside its plain-PyTorch reference.
+"""Triton kernels (and one in CUDA C), each in its own module beside its plain-PyTorch reference.
 
 =====================  ==========================================  ================================
 module                 kernel (wrapper)                            reference
@@ -28,6 +28,10 @@ module                 kernel (wrapper)                            reference
                        rank's few local experts and TP slices
                        (``int4_moe_gemv_spread``; not
                        measured, not the default)
+``int4_gemv_cuda``     the INT4 decode GEMV in CUDA C              ``int4_moe_ref``
+                       (``cuda/int4_gemv.cu``, compiled by NVRTC;
+                       ``int4_moe_gemv_cuda``, routed experts only;
+                       ``MOESERVE_INT4_GEMV=cuda``)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
 ``router``             expert choice: router GEMV, scores, bias,   ``layers.moe.Router`` (torch)
