@@ -2,7 +2,7 @@
 # One device call for issue 29's INT4 decode GEMV in CUDA C (kernels/int4_gemv_cuda.py, MOESERVE_INT4_GEMV=cuda).
 # Its GPU tests (random shapes, every swept tile, a CUDA graph, K2.6's shapes, the engine against the
 # Triton GEMV), the routed-expert bench at the GEMV's token counts with --cuda-gemv (each point
-# checked against the default and, at 1 and 8 tokens, the reference; SWEEP=1: its tiles too), then
+# checked against the default and, at 1 and 8 tokens, the reference; SWEEP=1: its tiles at 1 token), then
 # K2.6 (8 layers, dummy INT4, Triton backend) decode at batch 1 and 8 with MOESERVE_INT4_GEMV=default
 # and =cuda on the same warm machine (E2E="": none).
 #   env: CASES (bench cases), TOKENS (bench token counts), SWEEP=1, E2E ("default cuda")
@@ -14,7 +14,7 @@ K26=${K26:-'{"num_hidden_layers": 8}'}  # 6 layers on an 80 GB card: 8 leave no 
 step tests ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_int4_gemv_cuda.py
 step bench ${BENCH_S:-170} python3 scripts/sweeps/moe_kernel_bench.py --out "$work/bench" --formats int4 \
   --cases ${CASES:-tp1,tp2,tp8,ep8-1local,ep8-2local,ep2-4local} --tokens ${TOKENS:-1,2,4,8,16} \
-  --cuda-gemv ${SWEEP:+sweep} --time-limit $(( ${BENCH_S:-170} - 10 ))
+  --cuda-gemv ${SWEEP:+sweep --sweep-gemv-max-tokens 1} --time-limit $(( ${BENCH_S:-170} - 10 ))
 for variant in ${E2E-default cuda}; do
   step e2e_k26_$variant ${E2E_S:-120} env MOESERVE_INT4_GEMV=$variant python3 scripts/gpu_check.py --model kimi-k2.6 \
     --hf-overrides "$K26" --out "$work/k26_$variant" --batch-sizes 1,8 --input-len 1024 --output-len 128 --skip-checks \

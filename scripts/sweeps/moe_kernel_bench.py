@@ -455,7 +455,7 @@ def main() -> int:
                     if cus is not None and ref_out is not None:
                         rows[-1]["rel_err_vs_ref"] = rel_err(cuda_gemv(*inputs[0]), ref_out)
                         line += f" err vs ref {rows[-1]['rel_err_vs_ref']:.2e}"
-                    if args.cuda_gemv == "sweep" and deadline.left() > 30:
+                    if args.cuda_gemv == "sweep" and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                         best = cus
                         for cfg in CUDA_GEMV_GRID:
                             t = point("cuda-tile", lambda *a, cfg=cfg: cuda_gemv(*a, cfg), cfg, default_out)
