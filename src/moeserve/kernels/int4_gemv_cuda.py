@@ -40,9 +40,10 @@ def available() -> bool:
 
 
 def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
-    """Tiles by the registers a warp's rows take: a lane holds ceil(K / 1024) uint4 a row."""
-    down_per_row = -(-topk * (inter // GROUP) // 32)
-    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": max(1, min(4, 8 // down_per_row))}
+    """The tiles measured fastest at one token on an H200 for every K2.6 layout (BENCHMARKS.md,
+    2026-12-07): four output rows a down warp (a TP1 rank: 93 against 101 us with one), one
+    gate/up row pair a warp (two: 10-50 % slower)."""
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4}
 
 
 @functools.cache
