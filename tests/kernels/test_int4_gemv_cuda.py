@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("triton")  # int4_moe (the shape checks) imports it
 
 from moeserve.kernels import int4_gemv_cuda  # noqa: E402
-from moeserve.kernels.int4_gemv_cuda import available, default_config, int4_moe_gemv_cuda  # noqa: E402
+from moeserve.kernels.int4_gemv_cuda import available, int4_moe_gemv_cuda  # noqa: E402
 
 from kernel_utils import DEV, real  # noqa: E402
 from test_kernels_int4 import K26, assert_bf16_close, make_experts, random_packed_experts, reference, routing  # noqa: E402
@@ -139,14 +139,6 @@ def test_cuda_gemv_available_only_with_a_device(monkeypatch):
     assert not int4_gemv_cuda.available()
 
 
-def test_default_tiles_keep_a_lanes_down_rows_near_eight_uint4():
-    """K2.6: whole experts (8 x 2048 / 32 groups = 16 uint4 a lane a row): one row a warp; a TP8
-    slice (2 a lane a row): four rows a warp."""
-    assert default_config(1, 7168, 2048, 8)["DOWN_ROWS"] == 1
-    assert default_config(1, 7168, 256, 8)["DOWN_ROWS"] == 4
-    assert default_config(1, 7168, 512, 8)["DOWN_ROWS"] == 2
-
-
 @needs_nvrtc
 def test_engine_decodes_with_the_cuda_gemv_as_with_triton(tmp_path, monkeypatch):
     """A tiny Kimi K2.6-layout INT4 checkpoint, bf16, decode graphs: MOESERVE_INT4_GEMV=cuda (the
@@ -160,13 +152,13 @@ def test_engine_decodes_with_the_cuda_gemv_as_with_triton(tmp_path, monkeypatch)
     prompts = [{"prompt_token_ids": [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]}, {"prompt_token_ids": [2, 71, 82, 81]}]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=0)
     got = {}
-    for variant in ("cuda", "default"):
+    for variant in ("cuda", "triton"):
         monkeypatch.setenv("MOESERVE_INT4_GEMV", variant)
         with LLM(str(ckpt), dtype="bfloat16", moe_backend="triton", max_model_len=64) as llm:
             assert llm.engine.executor.runner.model.model.layers["1"].mlp.experts.method.gemv_variant == variant
             outs = llm.generate(prompts, params)
         got[variant] = [(o.outputs[0].token_ids, [lp[t] for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
-    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(got["cuda"], got["default"]):
+    for (tokens_a, lps_a), (tokens_b, lps_b) in zip(got["cuda"], got["triton"]):
         same = next((i for i, (a, b) in enumerate(zip(tokens_a, tokens_b)) if a != b), len(tokens_a))
         assert same >= 3  # bf16 near-ties may part later tokens; the first decodes agree
         assert lps_a[:same] == pytest.approx(lps_b[:same], abs=0.05)

@@ -314,36 +314,75 @@ def test_int4_spread_grid_for_kimi_k26(monkeypatch):
 
 @pytest.mark.parametrize("variant, kernel", [("spread", "int4_spread"), ("cuda", "int4_gemv_cuda")])
 def test_int4_experts_gemv_knob(monkeypatch, variant, kernel):
-    """MOESERVE_INT4_GEMV=spread|cuda selects those kernels once their check passed; the default is
-    the measured GEMV."""
+    """MOESERVE_INT4_GEMV=spread|cuda selects those kernels once their check passed, else Triton's."""
     from moeserve.quant.experts import Int4Experts
 
-    monkeypatch.delenv("MOESERVE_INT4_GEMV", raising=False)
-    method = Int4Experts(32, 384)
-    assert method.gemv_variant == "default" and method.kernels == ("int4_moe",)
     monkeypatch.setenv("MOESERVE_INT4_GEMV", variant)
     method = Int4Experts(32, 384)
     assert method.kernels == ("int4_moe", kernel)
     method.use_kernels({"int4_moe", kernel})
     assert method.gemv and method.gemv_variant == variant
     method.use_kernels({"int4_moe"})  # its check failed: the measured GEMV
-    assert method.gemv and method.gemv_variant == "default"
+    assert method.gemv and method.gemv_variant == "triton"
     monkeypatch.setenv("MOESERVE_INT4_GEMV", "fast")
     with pytest.raises(ValueError, match="MOESERVE_INT4_GEMV"):
         Int4Experts(32, 384)
 
 
-def test_cuda_gemv_never_taken_for_float32_or_cpu_tensors(monkeypatch):
-    """The CUDA GEMV serves 16-bit activations on a GPU; anything else keeps the Triton kernels,
-    and with it the shared experts fused into the GEMV."""
+def test_int4_gemv_auto_takes_the_cuda_kernels_where_they_build(monkeypatch):
+    """Unset (``auto``): the CUDA GEMV is checked only where it can build (a CUDA device with
+    NVRTC), taken once its check passed, and Triton's otherwise; no check at all on a CPU."""
+    import moeserve.kernels.int4_gemv_cuda as cuda_gemv
     from moeserve.quant.experts import Int4Experts
 
-    monkeypatch.setenv("MOESERVE_INT4_GEMV", "cuda")
-    method = Int4Experts(32, 8)
+    monkeypatch.delenv("MOESERVE_INT4_GEMV", raising=False)
+    monkeypatch.setattr(cuda_gemv, "available", lambda: False)
+    method = Int4Experts(32, 384)
+    assert method.kernels == ("int4_moe",)
+    method.use_kernels({"int4_moe"})
+    assert method.gemv_variant == "triton"
+    monkeypatch.setattr(cuda_gemv, "available", lambda: True)
+    method = Int4Experts(32, 384)
+    assert method.kernels == ("int4_moe", "int4_gemv_cuda")
     method.use_kernels({"int4_moe", "int4_gemv_cuda"})
-    ids = torch.zeros(1, 8, dtype=torch.int64)
-    assert not method._cuda_gemv(torch.zeros(1, 64), ids)
-    assert not method._cuda_gemv(torch.zeros(1, 64, dtype=torch.bfloat16), ids)  # a CPU tensor
+    assert method.gemv_variant == "cuda" and method.gemv_auto
+    method = Int4Experts(32, 384)
+    method.use_kernels({"int4_moe"})  # its check failed
+    assert method.gemv_variant == "triton"
+
+
+class _FakeCudaTensor:
+    """What ``_cuda_gemv`` reads of an activation: its dtype and device kind."""
+
+    def __init__(self, dtype=torch.bfloat16, is_cuda=True):
+        self.dtype, self.is_cuda = dtype, is_cuda
+
+
+def test_cuda_gemv_auto_takes_the_token_counts_it_won(monkeypatch):
+    """``auto``: up to 4 tokens on a rank whose token expects one local expert (an EP8 rank of
+    K2.6, where 8 and 16 tokens measured slower), up to 16 where it expects two or more (a TP rank,
+    EP2); never for float32 or CPU tensors; an explicit ``cuda`` up to the GEMV's limit."""
+    from types import SimpleNamespace
+
+    from moeserve.quant.experts import Int4Experts
+
+    monkeypatch.delenv("MOESERVE_INT4_GEMV", raising=False)
+    method = Int4Experts(32, 384)
+    method.use_kernels({"int4_moe", "int4_gemv_cuda"})
+    method.gemv_variant, method.gemv_auto = "cuda", True
+
+    def layer(local_experts):
+        return SimpleNamespace(w13_packed=torch.empty(local_experts, 0, 0))
+
+    def takes(tokens, local_experts, x=None):
+        return method._cuda_gemv(layer(local_experts), x or _FakeCudaTensor(), torch.zeros(tokens, 8, dtype=torch.int64))
+
+    assert takes(4, 48) and not takes(5, 48)  # EP8: 8 x 48 / 384 = 1 local slot a token
+    assert takes(16, 96) and not takes(17, 96)  # EP4: 2
+    assert takes(16, 384) and not takes(17, 384)  # TP: 8
+    assert not takes(1, 384, _FakeCudaTensor(torch.float32)) and not takes(1, 384, _FakeCudaTensor(is_cuda=False))
+    method.gemv_auto = False  # MOESERVE_INT4_GEMV=cuda
+    assert takes(16, 48) and not takes(17, 48)
 
 
 # ---- grouped GEMM ----

@@ -175,7 +175,7 @@ def test_hf_overrides_apply_to_text_config_and_dummy_int4_runs():
 
 
 @pytest.mark.triton_on_cpu
-@pytest.mark.parametrize("gemv", ["default", "spread"])
+@pytest.mark.parametrize("gemv", ["triton", "spread"])
 def test_int4_fast_path_equals_transformers_in_the_interpreter(ckpts, monkeypatch, gemv):
     """The INT4 kernels (GEMV for the decodes, or its spread kernels with MOESERVE_INT4_GEMV=spread;
     grouped GEMM for the prefill chunks) in the Triton interpreter, with the decode graphs' static

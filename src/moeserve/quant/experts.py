@@ -181,22 +181,36 @@ class UnquantizedExperts(ExpertsMethod):
         return moe_gemv(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.first_expert, *weights)
 
 
-INT4_GEMV_VARIANTS = ("default", "spread", "cuda")  # MOESERVE_INT4_GEMV: which INT4 decode GEMV kernels run
+INT4_GEMV_VARIANTS = ("auto", "triton", "spread", "cuda")  # MOESERVE_INT4_GEMV: which INT4 decode GEMV kernels run
 
 
 def int4_gemv_variant() -> str:
-    """``MOESERVE_INT4_GEMV``: the INT4 decode GEMV's kernels. ``default`` (unset): the measured
-    Triton kernels; ``spread``: their spread variant (``kernels/int4_spread.py``, an EP rank's one
-    or two local experts); ``cuda``: the CUDA C kernels (``kernels/int4_gemv_cuda.py``, 16-bit
-    activations, routed experts only: the shared experts then run as their own layers). Either
-    opt-in runs only once its start-up check passed, else the default."""
-    value = os.environ.get("MOESERVE_INT4_GEMV", "default") or "default"
+    """``MOESERVE_INT4_GEMV``: the INT4 decode GEMV's kernels. ``triton``: the Triton kernels of
+    ``kernels/int4_moe.py`` (with the shared experts inside); ``spread``: their spread variant
+    (``kernels/int4_spread.py``); ``cuda``: the CUDA C kernels (``kernels/int4_gemv_cuda.py``,
+    16-bit activations, routed experts only: the shared experts then run as their own layers);
+    ``auto`` (unset): the CUDA kernels where they measured faster (:data:`CUDA_GEMV_AUTO_TOKENS`),
+    on a GPU where they build and pass their check, else Triton's. An opt-in whose check fails
+    falls back to Triton's."""
+    value = os.environ.get("MOESERVE_INT4_GEMV", "auto") or "auto"
     if value not in INT4_GEMV_VARIANTS:
         raise ValueError(f"MOESERVE_INT4_GEMV must be one of {', '.join(INT4_GEMV_VARIANTS)}, not {value!r}")
     return value
 
 
-_INT4_GEMV_KERNELS = {"default": ("int4_moe",), "spread": ("int4_moe", "int4_spread"), "cuda": ("int4_moe", "int4_gemv_cuda")}
+def _int4_gemv_kernels(variant: str) -> tuple[str, ...]:
+    if variant == "auto":
+        from moeserve.kernels.int4_gemv_cuda import available
+
+        return ("int4_moe", "int4_gemv_cuda") if available() else ("int4_moe",)
+    return {"triton": ("int4_moe",), "spread": ("int4_moe", "int4_spread"), "cuda": ("int4_moe", "int4_gemv_cuda")}[variant]
+
+
+# ``auto``: the most tokens a step the CUDA GEMV takes, by the local slots a token expects on this
+# rank (top-k x local experts / experts). Measured on an H200 (BENCHMARKS.md, 2026-12-07, K2.6):
+# 1.02-1.69x Triton's at 1-4 tokens on every layout; at 8-16 tokens 1.01-1.20x where a token
+# expects 2 or more local slots (TP ranks, EP8 with 2, EP2 with 4) and 0.90-0.94x with one (EP8).
+CUDA_GEMV_AUTO_TOKENS = {"few local slots": 4, "several local slots": 16}
 
 
 class Int4Experts(ExpertsMethod):
@@ -215,7 +229,8 @@ class Int4Experts(ExpertsMethod):
         self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
         self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
         self.gemv_variant = int4_gemv_variant()  # MOESERVE_INT4_GEMV, once its check passed
-        self.kernels = _INT4_GEMV_KERNELS[self.gemv_variant]
+        self.gemv_auto = self.gemv_variant == "auto"
+        self.kernels = _int4_gemv_kernels(self.gemv_variant)
         self.humming = None  # kernels.humming_moe.HummingInt4Experts once use_humming has run (--moe-backend)
 
     def checkpoint_tensors(self, prefix, out_features, in_features):
@@ -280,8 +295,10 @@ class Int4Experts(ExpertsMethod):
 
     def use_kernels(self, working):
         self.fused = self.gemv = "int4_moe" in working
-        if not all(k in working for k in _INT4_GEMV_KERNELS[self.gemv_variant]):
-            self.gemv_variant = "default"  # the measured GEMV
+        if self.gemv_variant == "auto":
+            self.gemv_variant = "cuda" if "int4_gemv_cuda" in working else "triton"
+        elif not all(k in working for k in self.kernels):
+            self.gemv_variant = "triton"  # the measured GEMV
 
     def use_humming(self, layer: nn.Module, check: bool = False) -> str | None:
         """Hand this layer's experts to humming (``kernels.humming_moe``, in its own layout) and drop
@@ -326,20 +343,23 @@ class Int4Experts(ExpertsMethod):
     def _weights(self, layer):
         return layer.w13_packed, layer.w13_scale, layer.w2_packed, layer.w2_scale
 
-    def _cuda_gemv(self, x, topk_ids) -> bool:
-        """Whether this call runs the CUDA GEMV (``MOESERVE_INT4_GEMV=cuda``): decode-sized, 16-bit."""
-        return (
-            self.gemv_variant == "cuda"
-            and topk_ids.numel() <= INT4_GEMV_MAX_PAIRS
-            and x.dtype in (torch.bfloat16, torch.float16)
-            and x.is_cuda
-        )
+    def _cuda_gemv(self, layer, x, topk_ids) -> bool:
+        """Whether this call runs the CUDA GEMV: decode-sized, 16-bit, on a GPU; under ``auto`` only
+        up to the tokens where it measured faster for this rank's share of the experts."""
+        if self.gemv_variant != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
+            return False
+        if not self.gemv_auto:
+            return topk_ids.numel() <= INT4_GEMV_MAX_PAIRS
+        K = topk_ids.shape[-1]
+        local = K * layer.w13_packed.shape[0] / (self.num_experts or layer.w13_packed.shape[0])
+        most = CUDA_GEMV_AUTO_TOKENS["several local slots" if local >= 2 else "few local slots"]
+        return topk_ids.numel() <= min(most * K, INT4_GEMV_MAX_PAIRS)
 
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.humming is not None:
             return self.humming(x, topk_weights, topk_ids, layer.first_expert)
         if self.fused:
-            if self._cuda_gemv(x, topk_ids):
+            if self._cuda_gemv(layer, x, topk_ids):
                 from moeserve.kernels.int4_gemv_cuda import int4_moe_gemv_cuda
 
                 return int4_moe_gemv_cuda(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
@@ -368,7 +388,7 @@ class Int4Experts(ExpertsMethod):
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
         weights = plain_shared_weights(shared)
-        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None or self._cuda_gemv(x, topk_ids):
+        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None or self._cuda_gemv(layer, x, topk_ids):
             return None  # (the CUDA GEMV takes the routed experts alone: the shared ones run as their own layers)
         if self.gemv_variant == "spread":
             from moeserve.kernels.int4_spread import int4_moe_gemv_spread
