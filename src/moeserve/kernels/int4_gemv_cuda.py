@@ -126,12 +126,13 @@ def int4_moe_gemv_cuda(
 
 def selfcheck(device: torch.device) -> bool:
     """Build and run the kernels at a tiny shape on ``device`` (bf16, another rank's experts among
-    the ids) against ``int4_moe_ref``: False without a CUDA device or NVRTC, or on a mismatch."""
+    the ids) against ``int4_moe_ref``: False on a mismatch; an error where they cannot build (no
+    CUDA device, or no NVRTC binding in this torch)."""
     from moeserve.kernels.int4_moe import selfcheck_case
 
     device = torch.device(device)
     if device.type != "cuda" or not available():
-        return False
+        raise RuntimeError("needs a CUDA device and torch's NVRTC binding (torch.cuda._utils, torch 2.8+)")
     c = selfcheck_case(device, torch.bfloat16)
     return c.close([(int4_moe_gemv_cuda(*c.routed_args), c.ref)])
 
