@@ -5,10 +5,11 @@
 // Why CUDA and not Triton: at one token the GEMV must stream the experts' words at the memory's
 // rate with about 1.7 instructions a weight to spare. The Triton kernels spend 4-5.6 (their
 // nibble unpacking and the reductions Triton lays out), and Triton's pipeliner left the fp16-pair
-// variant's activations as synchronous loads. Here every load of a warp's rows is issued before
-// the first product (registers hold a row's whole K), the activations sit in shared memory as
-// fp16 pairs, converted once a block, and the dot product is the fp16-pair one the Triton
-// kernels measured accurate enough (int4_moe._dot_group_f16x2_asm).
+// variant's activations as synchronous loads. Here a warp reads its rows' whole K into registers
+// (ptxas overlaps those loads with the products, 4-6 in flight a warp), the activations sit in
+// shared memory as fp16 pairs, converted once a block, and the dot product is the fp16-pair one
+// the Triton kernels measured accurate enough (int4_moe._dot_group_f16x2_asm). Measured on an
+// H200 (BENCHMARKS.md, 2026-12-07): 1.02-1.69x the Triton GEMV at 1-4 tokens on K2.6's layouts.
 //
 // Layout (int4_moe's): w13 int32 [E, 2I, H/8] (gate rows then up rows), s13 [E, 2I, H/32];
 // w2 int32 [E, H, I/8], s2 [E, H, I/32]; words in the kernels' nibble order, so the nibbles at
