@@ -48,12 +48,14 @@ def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, dtype
 @needs_nvrtc
 @pytest.mark.parametrize(
     "config",
-    [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr} for w in (4, 8) for gr in (1, 2) for dr in (1, 2, 4)],
-    ids=lambda c: f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}",
+    [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr} for w in (4, 8) for gr in (1, 2) for dr in (1, 2, 4)]
+    + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": dr, "DOWN_CHUNK": c} for dr in (4, 8) for c in (1, 2)],
+    ids=lambda c: f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}-c{c.get('DOWN_CHUNK', 0)}",
 )
 def test_cuda_gemv_tiles(config):
-    """Every tile the bench sweeps, on a shape whose rows do not fill the last block."""
-    args, ref = _gemv_case(3, 4, 6, 0, 8, 160, 96, torch.bfloat16)
+    """Every tile the bench sweeps, on a shape whose rows do not fill the last block and whose down
+    lanes' groups (4 slots x 5 groups over 32 lanes) do not fill a chunk."""
+    args, ref = _gemv_case(3, 4, 6, 0, 8, 160, 160, torch.bfloat16)
     assert_bf16_close(int4_moe_gemv_cuda(*args, config=config), ref)
 
 

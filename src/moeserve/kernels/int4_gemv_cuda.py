@@ -9,8 +9,11 @@ and its layout, are in the source's header. :func:`available` says whether this 
 (a CUDA device, NVRTC, the binding); callers fall back to Triton otherwise.
 
 Tiles (``config``): ``WARPS`` a block, ``GATE_ROWS`` gate/up row pairs a warp, ``DOWN_ROWS`` output
-rows a warp. A warp holds its rows' whole K in registers (K = hidden for gate/up, top-k x
-intermediate for the down rows), so the defaults keep that near 8-16 uint4 a lane.
+rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K). A gate/up warp
+holds its rows' whole K (the hidden size: 7 uint4 a lane a row for K2.6) in registers. The
+defaults are the fastest of the one-token sweep on an H200 (BENCHMARKS.md, 2026-12-07); there a
+TP1 rank's down warp (4 rows x 16 uint4 a lane) spills registers, which ``DOWN_CHUNK`` avoids (not
+measured yet).
 """
 
 from __future__ import annotations
@@ -43,15 +46,25 @@ def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
     """The tiles measured fastest at one token on an H200 for every K2.6 layout (BENCHMARKS.md,
     2026-12-07): four output rows a down warp (a TP1 rank: 93 against 101 us with one), one
     gate/up row pair a warp (two: 10-50 % slower)."""
-    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4}
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 0}
 
 
 @functools.cache
-def _kernels(act_bf16: bool, idx_c: str, hidden: int, inter: int, topk: int, warps: int, gate_rows: int, down_rows: int, arch: str):
+def _kernels(
+    act_bf16: bool, idx_c: str, hidden: int, inter: int, topk: int, warps: int, gate_rows: int, down_rows: int, down_chunk: int, arch: str
+):
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
 
     defines = dict(
-        ACT_BF16=int(act_bf16), IDX_T=idx_c, HIDDEN=hidden, INTER=inter, TOPK=topk, WARPS=warps, GATE_ROWS=gate_rows, DOWN_ROWS=down_rows
+        ACT_BF16=int(act_bf16),
+        IDX_T=idx_c,
+        HIDDEN=hidden,
+        INTER=inter,
+        TOPK=topk,
+        WARPS=warps,
+        GATE_ROWS=gate_rows,
+        DOWN_ROWS=down_rows,
+        DOWN_CHUNK=down_chunk,
     )
     options = [f"-D{k}={v}" for k, v in defines.items()]
     binary, _ = _nvrtc_compile(SOURCE.read_text(), "int4_gate_up", arch, None, options)
@@ -105,6 +118,7 @@ def int4_moe_gemv_cuda(
         cfg["WARPS"],
         cfg["GATE_ROWS"],
         cfg["DOWN_ROWS"],
+        cfg.get("DOWN_CHUNK", 0),
         f"{major}{minor}",
     )
     inter_act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)

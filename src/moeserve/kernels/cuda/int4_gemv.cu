@@ -18,7 +18,7 @@
 //
 // Compile-time constants (-D): ACT_BF16 (1: bf16 activations, 0: fp16), IDX_T (the ids' C type),
 // HIDDEN, INTER, TOPK, WARPS (a block's warps), GATE_ROWS (gate/up row pairs a warp),
-// DOWN_ROWS (output rows a warp).
+// DOWN_ROWS (output rows a warp), DOWN_CHUNK (a down lane's groups loaded at once; 0: all).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -28,6 +28,7 @@ typedef unsigned short u16;
 #define GATE_ITERS ((H_GROUPS + 31) / 32)   // a lane's groups of a row
 #define I_GROUPS (INTER / GROUP)            // scale groups of a down row's slot
 #define DOWN_ITERS ((TOPK * I_GROUPS + 31) / 32)
+#define DOWN_CHUNK_ITERS (DOWN_CHUNK > 0 && DOWN_CHUNK < DOWN_ITERS ? DOWN_CHUNK : DOWN_ITERS)
 
 __device__ __forceinline__ float act_to_float(u16 v) {
 #if ACT_BF16
@@ -238,32 +239,37 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
   const int first_row = (blockIdx.x * WARPS + warp) * DOWN_ROWS;
   if (first_row >= HIDDEN) return;
 
-  uint4 w[DOWN_ROWS][DOWN_ITERS];
-  u16 s[DOWN_ROWS][DOWN_ITERS];
-#pragma unroll
-  for (int it = 0; it < DOWN_ITERS; ++it) {
-    const int u = it * 32 + lane;
-    if (u < n_groups) {
-      const int l = u / I_GROUPS, c = u % I_GROUPS;
-      const long long base = (long long)local_expert[l] * HIDDEN;
-#pragma unroll
-      for (int rr = 0; rr < DOWN_ROWS; ++rr) {
-        const int h = first_row + rr < HIDDEN ? first_row + rr : HIDDEN - 1;
-        w[rr][it] = load_words(w2 + (base + h) * I_GROUPS + c);
-        s[rr][it] = load_scale(s2 + (base + h) * I_GROUPS + c);
-      }
-    }
-  }
+  // The flattened (local slot, group) list in chunks of DOWN_CHUNK groups a lane (0: all at once):
+  // a chunk's loads, then its products, so the registers hold one chunk's words.
   float acc[DOWN_ROWS];
 #pragma unroll
   for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] = 0.f;
 #pragma unroll
-  for (int it = 0; it < DOWN_ITERS; ++it) {
-    const int u = it * 32 + lane;
-    if (u < n_groups) {
-      const uint4 a0 = as[chunk_at(u, 0)], a1 = as[chunk_at(u, 1)], a2 = as[chunk_at(u, 2)], a3 = as[chunk_at(u, 3)];
+  for (int first_it = 0; first_it < DOWN_ITERS; first_it += DOWN_CHUNK_ITERS) {
+    uint4 w[DOWN_ROWS][DOWN_CHUNK_ITERS];
+    u16 s[DOWN_ROWS][DOWN_CHUNK_ITERS];
 #pragma unroll
-      for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] += dot_group(w[rr][it], a0, a1, a2, a3) * act_to_float(s[rr][it]);
+    for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
+      const int u = (first_it + j) * 32 + lane;
+      if (first_it + j < DOWN_ITERS && u < n_groups) {
+        const int l = u / I_GROUPS, c = u % I_GROUPS;
+        const long long base = (long long)local_expert[l] * HIDDEN;
+#pragma unroll
+        for (int rr = 0; rr < DOWN_ROWS; ++rr) {
+          const int h = first_row + rr < HIDDEN ? first_row + rr : HIDDEN - 1;
+          w[rr][j] = load_words(w2 + (base + h) * I_GROUPS + c);
+          s[rr][j] = load_scale(s2 + (base + h) * I_GROUPS + c);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
+      const int u = (first_it + j) * 32 + lane;
+      if (first_it + j < DOWN_ITERS && u < n_groups) {
+        const uint4 a0 = as[chunk_at(u, 0)], a1 = as[chunk_at(u, 1)], a2 = as[chunk_at(u, 2)], a3 = as[chunk_at(u, 3)];
+#pragma unroll
+        for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] += dot_group(w[rr][j], a0, a1, a2, a3) * act_to_float(s[rr][j]);
+      }
     }
   }
 #pragma unroll
