@@ -51,8 +51,20 @@ def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
 
 @functools.cache
 def _kernels(
-    act_bf16: bool, idx_c: str, hidden: int, inter: int, topk: int, warps: int, gate_rows: int, down_rows: int, down_chunk: int, arch: str
+    act_bf16: bool,
+    idx_c: str,
+    hidden: int,
+    inter: int,
+    topk: int,
+    warps: int,
+    gate_rows: int,
+    down_rows: int,
+    down_chunk: int,
+    arch: str,
+    device_index: int,
 ):
+    """The two kernels compiled for one shape and tile and loaded into ``device_index``'s context (a
+    module belongs to the device it was loaded on)."""
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
 
     defines = dict(
@@ -68,7 +80,8 @@ def _kernels(
     )
     options = [f"-D{k}={v}" for k, v in defines.items()]
     binary, _ = _nvrtc_compile(SOURCE.read_text(), "int4_gate_up", arch, None, options)
-    kernels = _cuda_load_module(binary, ["int4_gate_up", "int4_down"])
+    with torch.cuda.device(device_index):
+        kernels = _cuda_load_module(binary, ["int4_gate_up", "int4_down"])
     down_smem = topk * inter * 2
     if down_smem > _DEFAULT_SMEM:
         kernels["int4_down"].set_shared_memory_config(down_smem)
@@ -120,6 +133,7 @@ def int4_moe_gemv_cuda(
         cfg["DOWN_ROWS"],
         cfg.get("DOWN_CHUNK", 0),
         f"{major}{minor}",
+        x.device.index if x.device.index is not None else torch.cuda.current_device(),
     )
     inter_act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
     threads = cfg["WARPS"] * 32
