@@ -14,7 +14,7 @@
 #        dummy MTP layer added, the issue's second shape)
 source "$(dirname "$0")/steps.sh"
 cp COMMIT "$work/commit.txt" 2>/dev/null || git log -1 --format="commit %H %s" > "$work/commit.txt" 2>/dev/null
-[ -n "${SPEC_TESTS:-}" ] && step spec_tests ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider \
+[ -n "${SPEC_TESTS:-}" ] && step spec_tests ${TEST_S:-300} python3 -m pytest -q -p no:cacheprovider \
   tests/kernels/test_kernels_mla.py tests/spec/test_spec_graphs.py -k "several_tokens or verify or cuda or gpu"
 URL=http://127.0.0.1:8014
 python3 -c "import json; from moeserve.demo.tasks import held_out_tasks
