@@ -273,6 +273,7 @@ FORMATS = {"int4": (Int4, 384), "fp8": (Fp8, 256)}
 CUDA_GEMV_GRID = [
     {"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": d} for w in (4, 8) for g in (1, 2) for d in (1, 2, 4) if not (w == 4 and g == 2)
 ] + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": d, "DOWN_CHUNK": c} for d in (4, 8) for c in (2, 4, 8)]
+CUDA_GEMV_GRID += [{"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for g in (1, 2)]
 
 
 def cuda_gemv(x, w, tw, ids, first, config=None):

@@ -49,8 +49,9 @@ def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, dtype
 @pytest.mark.parametrize(
     "config",
     [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr} for w in (4, 8) for gr in (1, 2) for dr in (1, 2, 4)]
-    + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": dr, "DOWN_CHUNK": c} for dr in (4, 8) for c in (1, 2)],
-    ids=lambda c: f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}-c{c.get('DOWN_CHUNK', 0)}",
+    + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": dr, "DOWN_CHUNK": c} for dr in (4, 8) for c in (1, 2)]
+    + [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for gr in (1, 2)],
+    ids=lambda c: f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}-c{c.get('DOWN_CHUNK', 0)}-s{c.get('GATE_STAGE', 0)}",
 )
 def test_cuda_gemv_tiles(config):
     """Every tile the bench sweeps, on a shape whose rows do not fill the last block and whose down

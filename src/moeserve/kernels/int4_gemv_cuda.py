@@ -9,7 +9,9 @@ and its layout, are in the source's header. :func:`available` says whether this 
 (a CUDA device, NVRTC, the binding); callers fall back to Triton otherwise.
 
 Tiles (``config``): ``WARPS`` a block, ``GATE_ROWS`` gate/up row pairs a warp, ``DOWN_ROWS`` output
-rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K). A gate/up warp
+rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K), ``GATE_STAGE``
+1: the gate/up words copied into shared memory asynchronously before the activations' conversion
+(all of a warp's rows in flight at once; not measured yet). A gate/up warp
 holds its rows' whole K (the hidden size: 7 uint4 a lane a row for K2.6) in registers. The
 defaults are the fastest of the one-token sweep on an H200 (BENCHMARKS.md, 2026-12-07); there a
 TP1 rank's down warp (4 rows x 16 uint4 a lane) spills registers, which ``DOWN_CHUNK`` avoids (not
@@ -46,7 +48,7 @@ def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
     """The tiles measured fastest at one token on an H200 for every K2.6 layout (BENCHMARKS.md,
     2026-12-07): four output rows a down warp (a TP1 rank: 93 against 101 us with one), one
     gate/up row pair a warp (two: 10-50 % slower)."""
-    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 0}
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 0, "GATE_STAGE": 0}
 
 
 @functools.cache
@@ -60,6 +62,7 @@ def _kernels(
     gate_rows: int,
     down_rows: int,
     down_chunk: int,
+    gate_stage: int,
     arch: str,
     device_index: int,
 ):
@@ -77,15 +80,19 @@ def _kernels(
         GATE_ROWS=gate_rows,
         DOWN_ROWS=down_rows,
         DOWN_CHUNK=down_chunk,
+        GATE_STAGE=gate_stage,
     )
     options = [f"-D{k}={v}" for k, v in defines.items()]
     binary, _ = _nvrtc_compile(SOURCE.read_text(), "int4_gate_up", arch, None, options)
     with torch.cuda.device(device_index):
         kernels = _cuda_load_module(binary, ["int4_gate_up", "int4_down"])
     down_smem = topk * inter * 2
-    if down_smem > _DEFAULT_SMEM:
-        kernels["int4_down"].set_shared_memory_config(down_smem)
-    return kernels["int4_gate_up"], kernels["int4_down"], down_smem
+    gate_iters = -(-hidden // GROUP // 32)
+    gate_smem = (hidden * 2 + warps * 2 * gate_rows * gate_iters * 32 * 16) if gate_stage else 0  # else static
+    for name, size in (("int4_down", down_smem), ("int4_gate_up", gate_smem)):
+        if size >= _DEFAULT_SMEM:
+            kernels[name].set_shared_memory_config(size)
+    return kernels["int4_gate_up"], kernels["int4_down"], gate_smem, down_smem
 
 
 def int4_moe_gemv_cuda(
@@ -122,7 +129,7 @@ def int4_moe_gemv_cuda(
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
     major, minor = torch.cuda.get_device_capability(x.device)
-    gate_up, down, down_smem = _kernels(
+    gate_up, down, gate_smem, down_smem = _kernels(
         x.dtype == torch.bfloat16,
         _IDX_C_TYPE[ids.dtype],
         hidden,
@@ -132,6 +139,7 @@ def int4_moe_gemv_cuda(
         cfg["GATE_ROWS"],
         cfg["DOWN_ROWS"],
         cfg.get("DOWN_CHUNK", 0),
+        cfg.get("GATE_STAGE", 0),
         f"{major}{minor}",
         x.device.index if x.device.index is not None else torch.cuda.current_device(),
     )
@@ -142,6 +150,7 @@ def int4_moe_gemv_cuda(
             grid=(-(-inter // (cfg["WARPS"] * cfg["GATE_ROWS"])), T * K, 1),
             block=(threads, 1, 1),
             args=[x, w13_packed, w13_scale, ids, inter_act, x.stride(0), int(first_expert), E],
+            shared_mem=gate_smem,
         )
         down(
             grid=(-(-hidden // (cfg["WARPS"] * cfg["DOWN_ROWS"])), T, 1),

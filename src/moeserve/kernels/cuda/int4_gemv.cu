@@ -18,7 +18,8 @@
 //
 // Compile-time constants (-D): ACT_BF16 (1: bf16 activations, 0: fp16), IDX_T (the ids' C type),
 // HIDDEN, INTER, TOPK, WARPS (a block's warps), GATE_ROWS (gate/up row pairs a warp),
-// DOWN_ROWS (output rows a warp), DOWN_CHUNK (a down lane's groups loaded at once; 0: all).
+// DOWN_ROWS (output rows a warp), DOWN_CHUNK (a down lane's groups loaded at once; 0: all),
+// GATE_STAGE (1: the gate/up words copied to shared memory asynchronously, then read there).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -125,6 +126,12 @@ __device__ __forceinline__ uint4 load_words(const uint4* p) {
   return v;
 }
 
+// 16 bytes from global to shared memory, asynchronously (sm_80+), kept out of L1.
+__device__ __forceinline__ void copy_async(uint4* dst, const uint4* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src) : "memory");
+}
+
 __device__ __forceinline__ u16 load_scale(const u16* p) {
   u16 v;
   asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(v) : "l"(p));
@@ -143,10 +150,44 @@ __device__ __forceinline__ float warp_sum(float v) {
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16* __restrict__ s13,
              const IDX_T* __restrict__ ids, u16* __restrict__ inter, int x_stride, int first_expert, int num_local) {
+#if GATE_STAGE
+  // Dynamic shared memory: the activations, then each warp's rows as its lanes copied them.
+  extern __shared__ uint4 smem[];
+  uint4* xs = smem;
+  uint4* staged = smem + H_GROUPS * 4 + (threadIdx.x >> 5) * (2 * GATE_ROWS * GATE_ITERS * 32);
+#else
   __shared__ uint4 xs[H_GROUPS * 4];
+#endif
   const int pair = blockIdx.y, token = pair / TOPK;
   const long long e = (long long)ids[pair] - first_expert;
   if (e < 0 || e >= num_local) return;
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first_row = (blockIdx.x * WARPS + warp) * GATE_ROWS;
+  const long long expert_rows = e * 2 * INTER;
+  uint4 w[2 * GATE_ROWS][GATE_ITERS];
+  u16 s[2 * GATE_ROWS][GATE_ITERS];
+#if GATE_STAGE
+  // The words' copies (and the scales' loads) start before the activations' conversion and
+  // barrier: asynchronous (cp.async), so all of a warp's rows are in flight at once whatever the
+  // compiler schedules.
+  if (first_row < INTER) {
+#pragma unroll
+    for (int k = 0; k < 2 * GATE_ROWS; ++k) {
+      const int r = first_row + (k >> 1);
+      const long long row = expert_rows + (k & 1) * INTER + (r < INTER ? r : INTER - 1);
+#pragma unroll
+      for (int it = 0; it < GATE_ITERS; ++it) {
+        const int g = it * 32 + lane;
+        if (H_GROUPS % 32 == 0 || g < H_GROUPS) {
+          copy_async(staged + (k * GATE_ITERS + it) * 32 + lane, w13 + row * H_GROUPS + g);
+          s[k][it] = load_scale(s13 + row * H_GROUPS + g);
+        }
+      }
+    }
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+#endif
 
   const u32* xw = (const u32*)(x + (long long)token * x_stride);
   u32* xs32 = (u32*)xs;
@@ -155,14 +196,16 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
     xs32[chunk_at(g, (p >> 2) & 3) * 4 + (p & 3)] = fp16_pair(xw[p], 1.f);
   }
   __syncthreads();
-
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first_row = (blockIdx.x * WARPS + warp) * GATE_ROWS;
   if (first_row >= INTER) return;
-  const long long expert_rows = e * 2 * INTER;
 
-  uint4 w[2 * GATE_ROWS][GATE_ITERS];
-  u16 s[2 * GATE_ROWS][GATE_ITERS];
+#if GATE_STAGE
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // a lane reads back only its own copies
+#pragma unroll
+  for (int k = 0; k < 2 * GATE_ROWS; ++k)
+#pragma unroll
+    for (int it = 0; it < GATE_ITERS; ++it)
+      if (H_GROUPS % 32 == 0 || it * 32 + lane < H_GROUPS) w[k][it] = staged[(k * GATE_ITERS + it) * 32 + lane];
+#else
 #pragma unroll
   for (int k = 0; k < 2 * GATE_ROWS; ++k) {
     const int r = first_row + (k >> 1);
@@ -178,6 +221,7 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
       }
     }
   }
+#endif
 
   float acc[2 * GATE_ROWS];
 #pragma unroll
