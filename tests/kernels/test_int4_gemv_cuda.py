@@ -13,33 +13,48 @@ from moeserve.kernels import int4_gemv_cuda  # noqa: E402
 from moeserve.kernels.int4_gemv_cuda import available, int4_moe_gemv_cuda  # noqa: E402
 
 from kernel_utils import DEV, real  # noqa: E402
-from test_kernels_int4 import K26, assert_bf16_close, make_experts, random_packed_experts, reference, routing  # noqa: E402
+from test_kernels_int4 import K26, assert_bf16_close, make_experts, random_packed_experts, reference, routing, shared_ref  # noqa: E402
 
 needs_nvrtc = pytest.mark.skipif(not (torch.cuda.is_available() and available()), reason="needs CUDA and torch's NVRTC binding")
 
 CASES = [
-    # T, K, E_local, first_expert, total experts, hidden, inter
-    pytest.param(1, 2, 4, 0, 4, 64, 32, id="decode-1"),
-    pytest.param(1, 8, 16, 0, 16, 1024, 256, id="one-warp-k"),
-    pytest.param(2, 3, 4, 4, 12, 96, 96, id="ep-rank1-groups-not-a-warp"),
-    pytest.param(4, 8, 8, 8, 32, 2080, 160, id="ep-4-tokens-k-past-a-warp"),
+    # T, K, E_local, first_expert, total experts, hidden, inter, shared width (0: none)
+    pytest.param(1, 2, 4, 0, 4, 64, 32, 0, id="decode-1"),
+    pytest.param(1, 3, 4, 0, 4, 64, 32, 64, id="decode-1-shared-2-slots"),
+    pytest.param(1, 8, 16, 0, 16, 1024, 256, 256, id="one-warp-k-shared"),
+    pytest.param(2, 3, 4, 4, 12, 96, 96, 0, id="ep-rank1-groups-not-a-warp"),
+    pytest.param(3, 2, 4, 4, 12, 96, 64, 48, id="ep-rank1-shared-partial-slot"),
+    pytest.param(4, 8, 8, 8, 32, 2080, 160, 16, id="ep-4-tokens-k-past-a-warp-shared-narrower"),
 ]
 
 
-def _gemv_case(T, K, E, first, total, hidden, inter, dtype, ids_dtype=torch.int64, seed=0):
+def _shared(hidden, width, g, dtype):
+    if not width:
+        return ()
+    return (
+        (torch.randn(2 * width, hidden, generator=g) * hidden**-0.5).to(DEV, dtype),
+        (torch.randn(hidden, width, generator=g) * width**-0.5).to(DEV, dtype),
+    )
+
+
+def _gemv_case(T, K, E, first, total, hidden, inter, dtype, ids_dtype=torch.int64, seed=0, shared=0):
     g = torch.Generator().manual_seed(seed + T * 31 + E + first + hidden)
     experts = make_experts(E, hidden, inter, g, dtype)
     x = torch.randn(T, hidden, generator=g).to(DEV, dtype)
     weights, ids = routing(T, K, total, g)
-    return (x, *experts, weights, ids.to(ids_dtype), first), reference(x, experts, weights, ids, first)
+    ref = reference(x, experts, weights, ids, first)
+    sh = _shared(hidden, shared, g, dtype)
+    if sh:
+        ref = ref + shared_ref(x.float(), *(t.float() for t in sh))
+    return (x, *experts, weights, ids.to(ids_dtype), first, *sh), ref
 
 
 @needs_nvrtc
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("T,K,E,first,total,hidden,inter", CASES)
-def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, dtype, ids_dtype):
-    args, ref = _gemv_case(T, K, E, first, total, hidden, inter, dtype, ids_dtype)
+@pytest.mark.parametrize("T,K,E,first,total,hidden,inter,shared", CASES)
+def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, shared, dtype, ids_dtype):
+    args, ref = _gemv_case(T, K, E, first, total, hidden, inter, dtype, ids_dtype, shared=shared)
     out = int4_moe_gemv_cuda(*args)
     assert out.dtype == dtype and out.shape == ref.shape
     assert_bf16_close(out, ref)
@@ -55,8 +70,8 @@ def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, dtype
 )
 def test_cuda_gemv_tiles(config):
     """Every tile the bench sweeps, on a shape whose rows do not fill the last block and whose down
-    lanes' groups (4 slots x 5 groups over 32 lanes) do not fill a chunk."""
-    args, ref = _gemv_case(3, 4, 6, 0, 8, 160, 160, torch.bfloat16)
+    lanes' groups (4 slots x 5 groups over 32 lanes) do not fill a chunk, shared experts included."""
+    args, ref = _gemv_case(3, 4, 6, 0, 8, 160, 160, torch.bfloat16, shared=200)
     assert_bf16_close(int4_moe_gemv_cuda(*args, config=config), ref)
 
 
@@ -104,8 +119,9 @@ def test_cuda_gemv_clamps_activations_beyond_fp16():
 @needs_nvrtc
 @pytest.mark.parametrize("case", ["tp1", "tp8", "ep8-1local", "ep8-2of4tokens"])
 def test_cuda_gemv_kimi_k26(case):
-    """K2.6's decode shapes: whole experts, a TP8 slice (256 wide) and an EP8 rank's 48 experts
-    with one (or, over 4 tokens, a few) local expert a token."""
+    """K2.6's decode shapes: whole experts, a TP8 slice (256 wide; the TP ranks with their slice of
+    the shared expert) and an EP8 rank's experts with one (or, over 4 tokens, a few) local expert
+    a token."""
     g = torch.Generator().manual_seed(len(case))
     H, K, total, E = K26["hidden"], K26["K"], K26["total"], 16
     inter = 256 if case == "tp8" else K26["inter"]
@@ -121,7 +137,11 @@ def test_cuda_gemv_kimi_k26(case):
         rows.append(torch.cat([mine, others.long()]))
     ids = torch.stack(rows).to(DEV)
     weights = (torch.rand(T, K, generator=g) + 0.1).to(DEV)
-    assert_bf16_close(int4_moe_gemv_cuda(x, *experts, weights, ids, first), reference(x, experts, weights, ids, first))
+    ref = reference(x, experts, weights, ids, first)
+    sh = _shared(H, inter, g, torch.bfloat16) if case.startswith("tp") else ()  # a TP rank's slice of the shared expert
+    if sh:
+        ref = ref + shared_ref(x.float(), *(t.float() for t in sh))
+    assert_bf16_close(int4_moe_gemv_cuda(x, *experts, weights, ids, first, *sh), ref)
 
 
 def test_cuda_gemv_refuses_float32_and_strided_weights():
@@ -144,8 +164,8 @@ def test_cuda_gemv_available_only_with_a_device(monkeypatch):
 
 @needs_nvrtc
 def test_engine_decodes_with_the_cuda_gemv_as_with_triton(tmp_path, monkeypatch):
-    """A tiny Kimi K2.6-layout INT4 checkpoint, bf16, decode graphs: MOESERVE_INT4_GEMV=cuda (the
-    shared expert then runs as its own layer) gives the Triton GEMV's greedy tokens and logprobs."""
+    """A tiny Kimi K2.6-layout INT4 checkpoint, bf16, decode graphs: MOESERVE_INT4_GEMV=cuda (its
+    shared expert inside the GEMV) gives the Triton GEMV's greedy tokens and logprobs."""
     from moeserve import LLM, SamplingParams
 
     pytest.importorskip("compressed_tensors")  # packs the checkpoint

@@ -3,7 +3,7 @@ SiLU) and down GEMV (with the top-k sum), compiled at run time by NVRTC through 
 binding (``torch.cuda._utils``: no nvcc, no host compiler, a second or so a shape) and launched on
 the current stream, so CUDA graphs capture them like any kernel.
 
-Contract: ``int4_moe.int4_moe_gemv``'s without shared experts, 16-bit activations only (float32
+Contract: ``int4_moe.int4_moe_gemv``'s, shared experts included, 16-bit activations only (float32
 keeps the Triton kernels: fp16 pairs would round it). Why a CUDA kernel beside the Triton ones,
 and its layout, are in the source's header. :func:`available` says whether this torch can build it
 (a CUDA device, NVRTC, the binding); callers fall back to Triton otherwise.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from moeserve.kernels.int4_moe import _check_shapes
+from moeserve.kernels.int4_moe import _check_shapes, shared_slot_args
 
 SOURCE = Path(__file__).with_name("cuda") / "int4_gemv.cu"
 GROUP = 32
@@ -63,6 +63,7 @@ def _kernels(
     down_rows: int,
     down_chunk: int,
     gate_stage: int,
+    shared: int,
     arch: str,
     device_index: int,
 ):
@@ -81,12 +82,13 @@ def _kernels(
         DOWN_ROWS=down_rows,
         DOWN_CHUNK=down_chunk,
         GATE_STAGE=gate_stage,
+        SHARED=shared,
     )
     options = [f"-D{k}={v}" for k, v in defines.items()]
     binary, _ = _nvrtc_compile(SOURCE.read_text(), "int4_gate_up", arch, None, options)
     with torch.cuda.device(device_index):
         kernels = _cuda_load_module(binary, ["int4_gate_up", "int4_down"])
-    down_smem = topk * inter * 2
+    down_smem = (topk * inter + shared) * 2
     gate_iters = -(-hidden // GROUP // 32)
     gate_smem = (hidden * 2 + warps * 2 * gate_rows * gate_iters * 32 * 16) if gate_stage else 0  # else static
     for name, size in (("int4_down", down_smem), ("int4_gate_up", gate_smem)):
@@ -104,14 +106,24 @@ def int4_moe_gemv_cuda(
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
     first_expert: int,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
     config: dict | None = None,
 ) -> torch.Tensor:
-    """``int4_moe_ref`` for a few tokens (each (token, slot) reads its expert's words): two launches,
-    no host sync, no allocation sized by the routing."""
+    """``int4_moe_ref`` for a few tokens (each (token, slot) reads its expert's words), plus the
+    shared experts' output when their weights are given in the activation dtype (``shared_w13
+    [2 * Is, H]``, gate rows then up rows, and ``shared_w2 [H, Is]``, as ``int4_moe_gemv`` takes
+    them; Is a multiple of 8): two launches, no host sync, no allocation sized by the routing."""
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"the CUDA INT4 GEMV takes bf16 or fp16 activations, not {x.dtype}")
     E, hidden, inter = _check_shapes(x, w13_packed, w13_scale, w2_packed, w2_scale)
-    for name, t in (("w13_packed", w13_packed), ("w13_scale", w13_scale), ("w2_packed", w2_packed), ("w2_scale", w2_scale)):
+    shared, shared_slots, sw13, sw2 = shared_slot_args(x, inter, shared_w13, shared_w2)
+    tensors = {"w13_packed": w13_packed, "w13_scale": w13_scale, "w2_packed": w2_packed, "w2_scale": w2_scale}
+    if shared:
+        tensors |= {"shared_w13": sw13, "shared_w2": sw2}
+        if shared % 8 or sw13.dtype != x.dtype or sw2.dtype != x.dtype:
+            raise ValueError(f"shared experts must be {x.dtype} and a multiple of 8 wide for the CUDA INT4 GEMV, not {shared} wide")
+    for name, t in tensors.items():
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous for the CUDA INT4 GEMV")
     if w13_scale.dtype != x.dtype or w2_scale.dtype != x.dtype:
@@ -140,22 +152,23 @@ def int4_moe_gemv_cuda(
         cfg["DOWN_ROWS"],
         cfg.get("DOWN_CHUNK", 0),
         cfg.get("GATE_STAGE", 0),
+        shared,
         f"{major}{minor}",
         x.device.index if x.device.index is not None else torch.cuda.current_device(),
     )
-    inter_act = torch.empty(T * K, inter, dtype=x.dtype, device=x.device)
+    inter_act = torch.empty(T * (K + shared_slots), inter, dtype=x.dtype, device=x.device)
     threads = cfg["WARPS"] * 32
     with torch.cuda.device(x.device):
         gate_up(
-            grid=(-(-inter // (cfg["WARPS"] * cfg["GATE_ROWS"])), T * K, 1),
+            grid=(-(-inter // (cfg["WARPS"] * cfg["GATE_ROWS"])), T * (K + shared_slots), 1),
             block=(threads, 1, 1),
-            args=[x, w13_packed, w13_scale, ids, inter_act, x.stride(0), int(first_expert), E],
+            args=[x, w13_packed, w13_scale, ids, inter_act, x.stride(0), int(first_expert), E, sw13, T],
             shared_mem=gate_smem,
         )
         down(
             grid=(-(-hidden // (cfg["WARPS"] * cfg["DOWN_ROWS"])), T, 1),
             block=(threads, 1, 1),
-            args=[inter_act, w2_packed, w2_scale, ids, weights, out, out.stride(0), int(first_expert), E],
+            args=[inter_act, w2_packed, w2_scale, ids, weights, out, out.stride(0), int(first_expert), E, sw2, T],
             shared_mem=down_smem,
         )
     return out
@@ -163,15 +176,15 @@ def int4_moe_gemv_cuda(
 
 def selfcheck(device: torch.device) -> bool:
     """Build and run the kernels at a tiny shape on ``device`` (bf16, another rank's experts among
-    the ids) against ``int4_moe_ref``: False on a mismatch; an error where they cannot build (no
-    CUDA device, or no NVRTC binding in this torch)."""
+    the ids, with and without shared experts) against ``int4_moe_ref``: False on a mismatch; an
+    error where they cannot build (no CUDA device, or no NVRTC binding in this torch)."""
     from moeserve.kernels.int4_moe import selfcheck_case
 
     device = torch.device(device)
     if device.type != "cuda" or not available():
         raise RuntimeError("needs a CUDA device and torch's NVRTC binding (torch.cuda._utils, torch 2.8+)")
     c = selfcheck_case(device, torch.bfloat16)
-    return c.close([(int4_moe_gemv_cuda(*c.routed_args), c.ref)])
+    return c.close([(int4_moe_gemv_cuda(*c.routed_args), c.ref), (int4_moe_gemv_cuda(*c.routed_args, *c.shared), c.ref + c.shared_ref)])
 
 
 __all__ = ["available", "default_config", "int4_moe_gemv_cuda", "selfcheck"]

@@ -185,10 +185,10 @@ INT4_GEMV_VARIANTS = ("auto", "triton", "spread", "cuda")  # MOESERVE_INT4_GEMV:
 
 
 def int4_gemv_variant() -> str:
-    """``MOESERVE_INT4_GEMV``: the INT4 decode GEMV's kernels. ``triton``: the Triton kernels of
-    ``kernels/int4_moe.py`` (with the shared experts inside); ``spread``: their spread variant
+    """``MOESERVE_INT4_GEMV``: the INT4 decode GEMV's kernels, each with the shared experts inside.
+    ``triton``: the Triton kernels of ``kernels/int4_moe.py``; ``spread``: their spread variant
     (``kernels/int4_spread.py``); ``cuda``: the CUDA C kernels (``kernels/int4_gemv_cuda.py``,
-    16-bit activations, routed experts only: the shared experts then run as their own layers);
+    16-bit activations);
     ``auto`` (unset): the CUDA kernels where they measured faster (:data:`CUDA_GEMV_AUTO_TOKENS`),
     on a GPU where they build and pass their check, else Triton's. An opt-in whose check fails
     falls back to Triton's."""
@@ -388,8 +388,14 @@ class Int4Experts(ExpertsMethod):
 
     def apply_with_shared(self, layer, x, topk_weights, topk_ids, shared):
         weights = plain_shared_weights(shared)
-        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None or self._cuda_gemv(layer, x, topk_ids):
-            return None  # (the CUDA GEMV takes the routed experts alone: the shared ones run as their own layers)
+        if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None:
+            return None
+        if self._cuda_gemv(layer, x, topk_ids):
+            if weights[1].shape[1] % 8 or any(w.dtype != x.dtype for w in weights):
+                return None  # the shared experts then run as their own layers
+            from moeserve.kernels.int4_gemv_cuda import int4_moe_gemv_cuda
+
+            return int4_moe_gemv_cuda(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert, *weights)
         if self.gemv_variant == "spread":
             from moeserve.kernels.int4_spread import int4_moe_gemv_spread
 

@@ -1,6 +1,6 @@
 // INT4 (W4A16) routed experts at decode: the gate/up GEMV with SiLU, then the down GEMV with the
 // top-k sum, for one to a few tokens (kernels/int4_gemv_cuda.py compiles this with NVRTC and
-// launches it; the contract is int4_moe.int4_moe_gemv's without shared experts).
+// launches it; the contract is int4_moe.int4_moe_gemv's, shared experts included).
 //
 // Why CUDA and not Triton: at one token the GEMV must stream the experts' words at the memory's
 // rate with about 1.7 instructions a weight to spare. The Triton kernels spend 4-5.6 (their
@@ -19,7 +19,8 @@
 // Compile-time constants (-D): ACT_BF16 (1: bf16 activations, 0: fp16), IDX_T (the ids' C type),
 // HIDDEN, INTER, TOPK, WARPS (a block's warps), GATE_ROWS (gate/up row pairs a warp),
 // DOWN_ROWS (output rows a warp), DOWN_CHUNK (a down lane's groups loaded at once; 0: all),
-// GATE_STAGE (1: the gate/up words copied to shared memory asynchronously, then read there).
+// GATE_STAGE (1: the gate/up words copied to shared memory asynchronously, then read there),
+// SHARED (the shared experts' width, in the activation dtype; 0: none).
 
 typedef unsigned int u32;
 typedef unsigned short u16;
@@ -30,6 +31,9 @@ typedef unsigned short u16;
 #define I_GROUPS (INTER / GROUP)            // scale groups of a down row's slot
 #define DOWN_ITERS ((TOPK * I_GROUPS + 31) / 32)
 #define DOWN_CHUNK_ITERS (DOWN_CHUNK > 0 && DOWN_CHUNK < DOWN_ITERS ? DOWN_CHUNK : DOWN_ITERS)
+#define SHARED_SLOTS ((SHARED + INTER - 1) / INTER)  // the shared experts' rows in slots of INTER
+#define SHARED_VECS (SHARED / 8)                     // uint4 (8 weights) of a shared down row
+#define SHARED_ITERS ((SHARED_VECS + 31) / 32)
 
 __device__ __forceinline__ float act_to_float(u16 v) {
 #if ACT_BF16
@@ -114,6 +118,20 @@ __device__ __forceinline__ float dot_group(uint4 w, uint4 a0, uint4 a1, uint4 a2
   return lo + hi;
 }
 
+// 8 bf16 / fp16 weights (a uint4) against their 4 fp16 activation pairs, in fp32.
+__device__ __forceinline__ float dense_dot8(uint4 w, uint4 a) {
+  const u32 wv[4] = {w.x, w.y, w.z, w.w}, av[4] = {a.x, a.y, a.z, a.w};
+  float acc = 0.f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    float al, ah;
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}" : "=f"(al), "=f"(ah) : "r"(av[j]));
+    acc = fmaf(act_to_float((u16)(wv[j] & 0xffffu)), al, acc);
+    acc = fmaf(act_to_float((u16)(wv[j] >> 16)), ah, acc);
+  }
+  return acc;
+}
+
 // A group's 16 pairs are four uint4 chunks in shared memory; chunk q of group g sits at
 // 4g + (q ^ ((g >> 1) & 3)), so the 8 lanes of a quarter warp reading chunk q of neighbouring
 // groups hit 32 different banks.
@@ -144,12 +162,62 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// grid (ceil(INTER / (WARPS * GATE_ROWS)), T * TOPK); a block: one (token, slot), WARPS * GATE_ROWS
+// A token's activations into shared memory as fp16 pairs (see chunk_at), by the whole block.
+__device__ __forceinline__ void activations_to_shared(const u16* __restrict__ x_row, uint4* xs) {
+  const u32* xw = (const u32*)x_row;
+  u32* xs32 = (u32*)xs;
+  for (int p = threadIdx.x; p < HIDDEN / 2; p += WARPS * 32) {
+    const int g = p >> 4;
+    xs32[chunk_at(g, (p >> 2) & 3) * 4 + (p & 3)] = fp16_pair(xw[p], 1.f);
+  }
+}
+
+#if SHARED
+// A shared-expert block of the gate/up kernel: slot j of a token covers the shared experts' rows
+// [j * INTER, (j + 1) * INTER) (those below SHARED), 16-bit weights ``sw13 [2 * SHARED, HIDDEN]``
+// (gate rows then up rows); a warp's row pair is read a few groups at a time.
+__device__ void shared_gate_up(const u16* __restrict__ x, const uint4* __restrict__ sw13, u16* __restrict__ inter,
+                               int x_stride, int out_row, int token, int j, uint4* xs) {
+  activations_to_shared(x + (long long)token * x_stride, xs);
+  __syncthreads();
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int rr = 0; rr < GATE_ROWS; ++rr) {
+    const int i = (blockIdx.x * WARPS + warp) * GATE_ROWS + rr, r = j * INTER + i;
+    if (i >= INTER || r >= SHARED) return;  // warp-uniform
+    const uint4* gate_row = sw13 + (long long)r * (HIDDEN / 8);
+    const uint4* up_row = sw13 + (long long)(SHARED + r) * (HIDDEN / 8);
+    float gate = 0.f, up = 0.f;
+#pragma unroll 2
+    for (int it = 0; it < GATE_ITERS; ++it) {
+      const int g = it * 32 + lane;
+      if (H_GROUPS % 32 == 0 || g < H_GROUPS) {
+        uint4 wg[4], wu[4];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) wg[q] = load_words(gate_row + 4 * g + q), wu[q] = load_words(up_row + 4 * g + q);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const uint4 a = xs[chunk_at(g, q)];
+          gate += dense_dot8(wg[q], a);
+          up += dense_dot8(wu[q], a);
+        }
+      }
+    }
+    gate = warp_sum(gate);
+    up = warp_sum(up);
+    if (lane == 0) inter[(long long)out_row * INTER + i] = float_to_act(gate / (1.f + expf(-gate)) * up);
+  }
+}
+#endif
+
+// grid (ceil(INTER / (WARPS * GATE_ROWS)), T * (TOPK + SHARED_SLOTS)); a block: one (token, slot), WARPS * GATE_ROWS
 // row pairs (gate row i, up row INTER + i) -> inter[pair, i] = silu(gate) * up. Another rank's
-// expert: the block returns at once (the down kernel skips the slot).
+// expert: the block returns at once (the down kernel skips the slot). The shared experts' slots
+// (SHARED > 0) follow the routed ones: rows T * TOPK + token * SHARED_SLOTS + j of ``inter``.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16* __restrict__ s13,
-             const IDX_T* __restrict__ ids, u16* __restrict__ inter, int x_stride, int first_expert, int num_local) {
+             const IDX_T* __restrict__ ids, u16* __restrict__ inter, int x_stride, int first_expert, int num_local,
+             const uint4* __restrict__ sw13, int tokens) {
 #if GATE_STAGE
   // Dynamic shared memory: the activations, then each warp's rows as its lanes copied them.
   extern __shared__ uint4 smem[];
@@ -158,7 +226,14 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
 #else
   __shared__ uint4 xs[H_GROUPS * 4];
 #endif
-  const int pair = blockIdx.y, token = pair / TOPK;
+  const int pair = blockIdx.y;
+#if SHARED
+  if (pair >= tokens * TOPK) {
+    shared_gate_up(x, sw13, inter, x_stride, pair, (pair - tokens * TOPK) / SHARED_SLOTS, (pair - tokens * TOPK) % SHARED_SLOTS, xs);
+    return;
+  }
+#endif
+  const int token = pair / TOPK;
   const long long e = (long long)ids[pair] - first_expert;
   if (e < 0 || e >= num_local) return;
 
@@ -189,12 +264,7 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
   }
 #endif
 
-  const u32* xw = (const u32*)(x + (long long)token * x_stride);
-  u32* xs32 = (u32*)xs;
-  for (int p = threadIdx.x; p < HIDDEN / 2; p += WARPS * 32) {
-    const int g = p >> 4;
-    xs32[chunk_at(g, (p >> 2) & 3) * 4 + (p & 3)] = fp16_pair(xw[p], 1.f);
-  }
+  activations_to_shared(x + (long long)token * x_stride, xs);
   __syncthreads();
   if (first_row >= INTER) return;
 
@@ -245,12 +315,13 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
 
 // grid (ceil(HIDDEN / (WARPS * DOWN_ROWS)), T); a block: DOWN_ROWS output rows a warp of one token,
 // each summing its local slots' rows: out[token, h] = sum_slots weight * (w2[e, h] . inter[slot]).
-// The route weights ride on the activations (multiplied before their fp16 rounding). Dynamic
-// shared memory: TOPK * INTER fp16 activations (only the local slots' are filled).
+// The route weights ride on the activations (multiplied before their fp16 rounding). With shared
+// experts (SHARED > 0) each output row adds their down row. Dynamic shared memory: TOPK * INTER
+// fp16 activations (only the local slots' are filled), then SHARED.
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16* __restrict__ s2,
           const IDX_T* __restrict__ ids, const float* __restrict__ weights, u16* __restrict__ out,
-          int out_stride, int first_expert, int num_local) {
+          int out_stride, int first_expert, int num_local, const uint4* __restrict__ sw2, int tokens) {
   extern __shared__ uint4 as[];
   __shared__ int local_slot[TOPK], local_expert[TOPK], local_count;
   const int token = blockIdx.y;
@@ -277,6 +348,15 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
     const int u = l * I_GROUPS + (pp >> 4);
     as32[chunk_at(u, (pp >> 2) & 3) * 4 + (pp & 3)] = fp16_pair(v, weights[slot]);
   }
+#if SHARED
+  // The shared experts' activations after the routed slots' region, in natural order (a lane
+  // reads 16 consecutive bytes: no swizzle needed): slot j's first min(INTER, SHARED - j * INTER).
+  u32* shared32 = as32 + TOPK * (INTER / 2);
+  for (int p = threadIdx.x; p < SHARED / 2; p += WARPS * 32) {
+    const int row = tokens * TOPK + token * SHARED_SLOTS + (2 * p) / INTER;
+    shared32[p] = fp16_pair(((const u32*)(inter + (long long)row * INTER))[p % (INTER / 2)], 1.f);
+  }
+#endif
   __syncthreads();
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -317,8 +397,38 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
     }
   }
 #pragma unroll
+  for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] *= 256.f;
+#if SHARED
+  // The shared experts' down rows ``sw2 [HIDDEN, SHARED]``, two groups of 8 a lane at a time.
+  const uint4* shared_acts = as + TOPK * I_GROUPS * 4;
+#pragma unroll
+  for (int first_it = 0; first_it < SHARED_ITERS; first_it += 2) {
+    uint4 w[DOWN_ROWS][2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int u = (first_it + j) * 32 + lane;
+      if (first_it + j < SHARED_ITERS && u < SHARED_VECS) {
+#pragma unroll
+        for (int rr = 0; rr < DOWN_ROWS; ++rr) {
+          const int h = first_row + rr < HIDDEN ? first_row + rr : HIDDEN - 1;
+          w[rr][j] = load_words(sw2 + (long long)h * SHARED_VECS + u);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int u = (first_it + j) * 32 + lane;
+      if (first_it + j < SHARED_ITERS && u < SHARED_VECS) {
+        const uint4 a = shared_acts[u];
+#pragma unroll
+        for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] += dense_dot8(w[rr][j], a);
+      }
+    }
+  }
+#endif
+#pragma unroll
   for (int rr = 0; rr < DOWN_ROWS; ++rr) {
-    const float v = warp_sum(acc[rr]) * 256.f;
+    const float v = warp_sum(acc[rr]);
     const int h = first_row + rr;
     if (lane == 0 && h < HIDDEN) out[(long long)token * out_stride + h] = float_to_act(v);
   }
