@@ -30,7 +30,7 @@ module                 kernel (wrapper)                            reference
                        measured, not the default)
 ``int4_gemv_cuda``     the INT4 decode GEMV in CUDA C              ``int4_moe_ref``
                        (``cuda/int4_gemv.cu``, compiled by NVRTC;
-                       ``int4_moe_gemv_cuda``, routed experts only;
+                       ``int4_moe_gemv_cuda``, with the shared experts;
                        ``MOESERVE_INT4_GEMV=cuda``)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
