@@ -26,12 +26,14 @@ module                 kernel (wrapper)                            reference
                        nibbles unpacked in registers
 ``int4_spread``        the INT4 GEMV spread over the GPU for an EP ``int4_moe_ref``
                        rank's few local experts and TP slices
-                       (``int4_moe_gemv_spread``; not
-                       measured, not the default)
+                       (``int4_moe_gemv_spread``; opt-in:
+                       measured slower but for an EP8
+                       rank's lone expert at one token)
 ``int4_gemv_cuda``     the INT4 decode GEMV in CUDA C              ``int4_moe_ref``
                        (``cuda/int4_gemv.cu``, compiled by NVRTC;
                        ``int4_moe_gemv_cuda``, with the shared experts;
-                       ``MOESERVE_INT4_GEMV=cuda``)
+                       the default decode GEMV where it measured
+                       faster, ``MOESERVE_INT4_GEMV``)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
 ``router``             expert choice: router GEMV, scores, bias,   ``layers.moe.Router`` (torch)
