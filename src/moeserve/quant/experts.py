@@ -213,6 +213,14 @@ def _int4_gemv_kernels(variant: str) -> tuple[str, ...]:
 CUDA_GEMV_AUTO_TOKENS = {"few local slots": 4, "several local slots": 16}
 
 
+def cuda_gemv_auto_takes(tokens: int, topk: int, local_experts: int, total_experts: int) -> bool:
+    """Whether ``auto`` runs a decode step of ``tokens`` on the CUDA GEMV, for a rank holding
+    ``local_experts`` of ``total_experts`` (the rule of :data:`CUDA_GEMV_AUTO_TOKENS`)."""
+    local_slots = topk * local_experts / total_experts
+    most = CUDA_GEMV_AUTO_TOKENS["several local slots" if local_slots >= 2 else "few local slots"]
+    return tokens * topk <= min(most * topk, INT4_GEMV_MAX_PAIRS)
+
+
 class Int4Experts(ExpertsMethod):
     """compressed-tensors ``pack-quantized`` INT4 experts (``quant.int4``), kept packed:
     ``w13_packed [E, 2I, H/8]`` int32 + ``w13_scale [E, 2I, H/32]``, ``w2_packed [E, H, I/8]`` +
@@ -350,10 +358,9 @@ class Int4Experts(ExpertsMethod):
             return False
         if not self.gemv_auto:
             return topk_ids.numel() <= INT4_GEMV_MAX_PAIRS
-        K = topk_ids.shape[-1]
-        local = K * layer.w13_packed.shape[0] / (self.num_experts or layer.w13_packed.shape[0])
-        most = CUDA_GEMV_AUTO_TOKENS["several local slots" if local >= 2 else "few local slots"]
-        return topk_ids.numel() <= min(most * K, INT4_GEMV_MAX_PAIRS)
+        T, K = topk_ids.shape
+        local = layer.w13_packed.shape[0]
+        return cuda_gemv_auto_takes(T, K, local, self.num_experts or local)
 
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.humming is not None:
