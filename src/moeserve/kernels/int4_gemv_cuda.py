@@ -64,13 +64,14 @@ def _kernels(
     down_chunk: int,
     gate_stage: int,
     shared: int,
-    arch: str,
     device_index: int,
 ):
-    """The two kernels compiled for one shape and tile and loaded into ``device_index``'s context (a
-    module belongs to the device it was loaded on)."""
+    """The two kernels compiled for one shape and tile, for ``device_index``'s architecture, and
+    loaded into its context (a module belongs to the device it was loaded on)."""
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
 
+    major, minor = torch.cuda.get_device_capability(device_index)
+    arch = f"{major}{minor}"
     defines = dict(
         ACT_BF16=int(act_bf16),
         IDX_T=idx_c,
@@ -140,7 +141,6 @@ def int4_moe_gemv_cuda(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
-    major, minor = torch.cuda.get_device_capability(x.device)
     gate_up, down, gate_smem, down_smem = _kernels(
         x.dtype == torch.bfloat16,
         _IDX_C_TYPE[ids.dtype],
@@ -153,7 +153,6 @@ def int4_moe_gemv_cuda(
         cfg.get("DOWN_CHUNK", 0),
         cfg.get("GATE_STAGE", 0),
         shared,
-        f"{major}{minor}",
         x.device.index if x.device.index is not None else torch.cuda.current_device(),
     )
     inter_act = torch.empty(T * (K + shared_slots), inter, dtype=x.dtype, device=x.device)
