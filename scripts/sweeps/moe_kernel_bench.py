@@ -274,6 +274,42 @@ CUDA_GEMV_GRID = [
     {"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": d} for w in (4, 8) for g in (1, 2) for d in (1, 2, 4) if not (w == 4 and g == 2)
 ] + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": d, "DOWN_CHUNK": c} for d in (4, 8) for c in (2, 4, 8)]
 CUDA_GEMV_GRID += [{"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for g in (1, 2)]
+CUDA_GEMV_GRID += [
+    {"WARPS": w, "GATE_ROWS": 1, "DOWN_ROWS": d, "DOWN_CHUNK": c, "EARLY": 1} for w in (4, 8) for d, c in ((4, 0), (2, 0), (4, 4), (4, 8))
+]
+
+
+def cuda_gate_up_only(x, w, tw, ids, first, config=None):
+    """The CUDA GEMV's first kernel alone (gate/up with SiLU): the split of its time."""
+    from moeserve.kernels import int4_gemv_cuda as cg
+
+    w13, s13 = w[0], w[1]
+    T, K = ids.shape
+    cfg = {**cg.default_config(T, x.shape[1], w13.shape[1] // 2, K), **(config or {})}
+    ids32 = ids.reshape(-1).to(torch.int32)
+    gate_up, _, gate_smem, _ = cg._kernels(
+        True,
+        "int",
+        x.shape[1],
+        w13.shape[1] // 2,
+        K,
+        cfg["WARPS"],
+        cfg["GATE_ROWS"],
+        cfg["DOWN_ROWS"],
+        cfg["DOWN_CHUNK"],
+        cfg["GATE_STAGE"],
+        cfg["EARLY"],
+        0,
+        x.device.index or 0,
+    )
+    inter = torch.empty(T * K, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
+    gate_up(
+        grid=(-(-(w13.shape[1] // 2) // (cfg["WARPS"] * cfg["GATE_ROWS"])), T * K, 1),
+        block=(cfg["WARPS"] * 32, 1, 1),
+        args=[x, w13, s13, ids32, inter, x.stride(0), int(first), w13.shape[0], None, T],
+        shared_mem=gate_smem,
+    )
+    return inter
 
 
 def cuda_gemv(x, w, tw, ids, first, config=None):
@@ -456,6 +492,9 @@ def main() -> int:
                     if cus is not None and ref_out is not None:
                         rows[-1]["rel_err_vs_ref"] = rel_err(cuda_gemv(*inputs[0]), ref_out)
                         line += f" err vs ref {rows[-1]['rel_err_vs_ref']:.2e}"
+                    gus = point("cuda-gate-up-only", cuda_gate_up_only)  # not a whole op: kept out of the table
+                    eus = point("cuda-gate-up-only", lambda *a: cuda_gate_up_only(*a, {"EARLY": 1}), {"EARLY": 1})
+                    line += f" (gate/up {gus or float('nan'):.1f}, early {eus or float('nan'):.1f})"
                     if args.cuda_gemv == "sweep" and T <= args.sweep_gemv_max_tokens and deadline.left() > 30:
                         best = cus
                         for cfg in CUDA_GEMV_GRID:

@@ -65,8 +65,16 @@ def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, share
     "config",
     [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr} for w in (4, 8) for gr in (1, 2) for dr in (1, 2, 4)]
     + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": dr, "DOWN_CHUNK": c} for dr in (4, 8) for c in (1, 2)]
-    + [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for gr in (1, 2)],
-    ids=lambda c: f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}-c{c.get('DOWN_CHUNK', 0)}-s{c.get('GATE_STAGE', 0)}",
+    + [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for gr in (1, 2)]
+    + [
+        {"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr, "DOWN_CHUNK": c, "EARLY": 1}
+        for w in (4, 8)
+        for gr in (1, 2)
+        for dr, c in ((4, 0), (2, 1), (8, 2))
+    ],
+    ids=lambda c: (
+        f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}-c{c.get('DOWN_CHUNK', 0)}-s{c.get('GATE_STAGE', 0)}-e{c.get('EARLY', 0)}"
+    ),
 )
 def test_cuda_gemv_tiles(config):
     """Every tile the bench sweeps, on a shape whose rows do not fill the last block and whose down
@@ -82,6 +90,7 @@ def test_cuda_gemv_no_local_expert_gives_zeros_and_reads_a_strided_row():
     weights, ids = routing(2, 2, 12, torch.Generator().manual_seed(3), only=[0, 1, 2, 3])  # this rank holds 8..11
     out = int4_moe_gemv_cuda(x, *rest[:4], weights, ids, 8)
     assert torch.count_nonzero(out) == 0
+    assert torch.count_nonzero(int4_moe_gemv_cuda(x, *rest[:4], weights, ids, 8, config={"EARLY": 1})) == 0
     wide = torch.randn(2, 192, device=DEV, dtype=torch.bfloat16)  # a view whose rows are 192 apart
     args, _ = _gemv_case(2, 2, 4, 0, 4, 64, 32, torch.bfloat16)
     strided = wide[:, 32:96].copy_(args[0])

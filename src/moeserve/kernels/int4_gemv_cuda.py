@@ -11,7 +11,8 @@ and its layout, are in the source's header. :func:`available` says whether this 
 Tiles (``config``): ``WARPS`` a block, ``GATE_ROWS`` gate/up row pairs a warp, ``DOWN_ROWS`` output
 rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K), ``GATE_STAGE``
 1: the gate/up words copied into shared memory asynchronously before the activations' conversion
-(all of a warp's rows in flight at once; not measured yet). A gate/up warp
+(all of a warp's rows in flight at once; not measured yet), ``EARLY`` 1: a warp's first words
+requested before its block's prologue (the activations' conversion and barrier; not measured yet). A gate/up warp
 holds its rows' whole K (the hidden size: 7 uint4 a lane a row for K2.6) in registers. The
 defaults are the fastest of the one-token sweep on an H200 (BENCHMARKS.md, 2026-12-07); there a
 TP1 rank's down warp (4 rows x 16 uint4 a lane) spills registers, which ``DOWN_CHUNK`` avoids (not
@@ -48,7 +49,7 @@ def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
     """The tiles measured fastest at one token on an H200 for every K2.6 layout (BENCHMARKS.md,
     2026-12-07): four output rows a down warp (a TP1 rank: 93 against 101 us with one), one
     gate/up row pair a warp (two: 10-50 % slower)."""
-    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 0, "GATE_STAGE": 0}
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 0, "GATE_STAGE": 0, "EARLY": 0}
 
 
 @functools.cache
@@ -63,6 +64,7 @@ def _kernels(
     down_rows: int,
     down_chunk: int,
     gate_stage: int,
+    early: int,
     shared: int,
     device_index: int,
 ):
@@ -83,6 +85,7 @@ def _kernels(
         DOWN_ROWS=down_rows,
         DOWN_CHUNK=down_chunk,
         GATE_STAGE=gate_stage,
+        EARLY=early,
         SHARED=shared,
     )
     options = [f"-D{k}={v}" for k, v in defines.items()]
@@ -152,6 +155,7 @@ def int4_moe_gemv_cuda(
         cfg["DOWN_ROWS"],
         cfg.get("DOWN_CHUNK", 0),
         cfg.get("GATE_STAGE", 0),
+        cfg.get("EARLY", 0),
         shared,
         x.device.index if x.device.index is not None else torch.cuda.current_device(),
     )

@@ -20,6 +20,8 @@
 // HIDDEN, INTER, TOPK, WARPS (a block's warps), GATE_ROWS (gate/up row pairs a warp),
 // DOWN_ROWS (output rows a warp), DOWN_CHUNK (a down lane's groups loaded at once; 0: all),
 // GATE_STAGE (1: the gate/up words copied to shared memory asynchronously, then read there),
+// EARLY (1: a warp's first words are requested before the block converts its activations, so
+// the memory is busy during that prologue and its barrier),
 // SHARED (the shared experts' width, in the activation dtype; 0: none).
 
 typedef unsigned int u32;
@@ -210,6 +212,28 @@ __device__ void shared_gate_up(const u16* __restrict__ x, const uint4* __restric
 }
 #endif
 
+// A gate/up warp's row pairs (gate row r, up row INTER + r of its expert), a lane's groups of each,
+// into registers: words and scales.
+__device__ __forceinline__ void load_gate_rows(const uint4* __restrict__ w13, const u16* __restrict__ s13, long long expert_rows,
+                                               int first_row, int lane, uint4 (&w)[2 * GATE_ROWS][GATE_ITERS],
+                                               u16 (&s)[2 * GATE_ROWS][GATE_ITERS]) {
+#pragma unroll
+  for (int k = 0; k < 2 * GATE_ROWS; ++k) {
+    const int r = first_row + (k >> 1);
+    const long long row = expert_rows + (k & 1) * INTER + (r < INTER ? r : INTER - 1);
+    const uint4* wr = w13 + row * H_GROUPS;
+    const u16* sr = s13 + row * H_GROUPS;
+#pragma unroll
+    for (int it = 0; it < GATE_ITERS; ++it) {
+      const int g = it * 32 + lane;
+      if (H_GROUPS % 32 == 0 || g < H_GROUPS) {
+        w[k][it] = load_words(wr + g);
+        s[k][it] = load_scale(sr + g);
+      }
+    }
+  }
+}
+
 // grid (ceil(INTER / (WARPS * GATE_ROWS)), T * (TOPK + SHARED_SLOTS)); a block: one (token, slot), WARPS * GATE_ROWS
 // row pairs (gate row i, up row INTER + i) -> inter[pair, i] = silu(gate) * up. Another rank's
 // expert: the block returns at once (the down kernel skips the slot). The shared experts' slots
@@ -264,6 +288,9 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
   }
 #endif
 
+#if !GATE_STAGE && EARLY
+  if (first_row < INTER) load_gate_rows(w13, s13, expert_rows, first_row, lane, w, s);
+#endif
   activations_to_shared(x + (long long)token * x_stride, xs);
   __syncthreads();
   if (first_row >= INTER) return;
@@ -275,22 +302,8 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
 #pragma unroll
     for (int it = 0; it < GATE_ITERS; ++it)
       if (H_GROUPS % 32 == 0 || it * 32 + lane < H_GROUPS) w[k][it] = staged[(k * GATE_ITERS + it) * 32 + lane];
-#else
-#pragma unroll
-  for (int k = 0; k < 2 * GATE_ROWS; ++k) {
-    const int r = first_row + (k >> 1);
-    const long long row = expert_rows + (k & 1) * INTER + (r < INTER ? r : INTER - 1);
-    const uint4* wr = w13 + row * H_GROUPS;
-    const u16* sr = s13 + row * H_GROUPS;
-#pragma unroll
-    for (int it = 0; it < GATE_ITERS; ++it) {
-      const int g = it * 32 + lane;
-      if (H_GROUPS % 32 == 0 || g < H_GROUPS) {
-        w[k][it] = load_words(wr + g);
-        s[k][it] = load_scale(sr + g);
-      }
-    }
-  }
+#elif !EARLY
+  load_gate_rows(w13, s13, expert_rows, first_row, lane, w, s);
 #endif
 
   float acc[2 * GATE_ROWS];
@@ -313,6 +326,19 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
   }
 }
 
+// A down warp's rows (first_row.., of the expert whose rows start at ``expert_rows``), group c of
+// each, into chunk slot j of the registers.
+__device__ __forceinline__ void load_down_rows(const uint4* __restrict__ w2, const u16* __restrict__ s2, long long expert_rows,
+                                               int first_row, int c, int j, uint4 (&w)[DOWN_ROWS][DOWN_CHUNK_ITERS],
+                                               u16 (&s)[DOWN_ROWS][DOWN_CHUNK_ITERS]) {
+#pragma unroll
+  for (int rr = 0; rr < DOWN_ROWS; ++rr) {
+    const int h = first_row + rr < HIDDEN ? first_row + rr : HIDDEN - 1;
+    w[rr][j] = load_words(w2 + (expert_rows + h) * I_GROUPS + c);
+    s[rr][j] = load_scale(s2 + (expert_rows + h) * I_GROUPS + c);
+  }
+}
+
 // grid (ceil(HIDDEN / (WARPS * DOWN_ROWS)), T); a block: DOWN_ROWS output rows a warp of one token,
 // each summing its local slots' rows: out[token, h] = sum_slots weight * (w2[e, h] . inter[slot]).
 // The route weights ride on the activations (multiplied before their fp16 rounding). With shared
@@ -325,6 +351,39 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
   extern __shared__ uint4 as[];
   __shared__ int local_slot[TOPK], local_expert[TOPK], local_count;
   const int token = blockIdx.y;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int first_row = (blockIdx.x * WARPS + warp) * DOWN_ROWS;
+  uint4 w[DOWN_ROWS][DOWN_CHUNK_ITERS];
+  u16 s[DOWN_ROWS][DOWN_CHUNK_ITERS];
+#if EARLY
+  // The first chunk's words before the block's bookkeeping and activations: each lane finds its
+  // groups' experts itself, from the token's ids in registers.
+  if (first_row < HIDDEN) {
+    long long local[TOPK];
+    int count = 0;
+#pragma unroll
+    for (int j = 0; j < TOPK; ++j) {
+      local[j] = (long long)ids[token * TOPK + j] - first_expert;
+      count += local[j] >= 0 && local[j] < num_local;
+    }
+#pragma unroll
+    for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
+      const int u = j * 32 + lane;
+      if (j < DOWN_ITERS && u < count * I_GROUPS) {
+        const int l = u / I_GROUPS, c = u % I_GROUPS;
+        long long e = 0;
+        int n = 0;
+#pragma unroll
+        for (int q = 0; q < TOPK; ++q) {
+          const bool mine = local[q] >= 0 && local[q] < num_local;
+          e = mine && n == l ? local[q] : e;
+          n += mine;
+        }
+        load_down_rows(w2, s2, e * HIDDEN, first_row, c, j, w, s);
+      }
+    }
+  }
+#endif
   if (threadIdx.x == 0) {
     int n = 0;
     for (int j = 0; j < TOPK; ++j) {
@@ -359,8 +418,6 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
 #endif
   __syncthreads();
 
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int first_row = (blockIdx.x * WARPS + warp) * DOWN_ROWS;
   if (first_row >= HIDDEN) return;
 
   // The flattened (local slot, group) list in chunks of DOWN_CHUNK groups a lane (0: all at once):
@@ -370,21 +427,11 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
   for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] = 0.f;
 #pragma unroll
   for (int first_it = 0; first_it < DOWN_ITERS; first_it += DOWN_CHUNK_ITERS) {
-    uint4 w[DOWN_ROWS][DOWN_CHUNK_ITERS];
-    u16 s[DOWN_ROWS][DOWN_CHUNK_ITERS];
 #pragma unroll
     for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
       const int u = (first_it + j) * 32 + lane;
-      if (first_it + j < DOWN_ITERS && u < n_groups) {
-        const int l = u / I_GROUPS, c = u % I_GROUPS;
-        const long long base = (long long)local_expert[l] * HIDDEN;
-#pragma unroll
-        for (int rr = 0; rr < DOWN_ROWS; ++rr) {
-          const int h = first_row + rr < HIDDEN ? first_row + rr : HIDDEN - 1;
-          w[rr][j] = load_words(w2 + (base + h) * I_GROUPS + c);
-          s[rr][j] = load_scale(s2 + (base + h) * I_GROUPS + c);
-        }
-      }
+      if ((!EARLY || first_it > 0) && first_it + j < DOWN_ITERS && u < n_groups)
+        load_down_rows(w2, s2, (long long)local_expert[u / I_GROUPS] * HIDDEN, first_row, u % I_GROUPS, j, w, s);
     }
 #pragma unroll
     for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
