@@ -270,12 +270,21 @@ FORMATS = {"int4": (Int4, 384), "fp8": (Fp8, 256)}
 
 
 # The CUDA GEMV's tiles (kernels/int4_gemv_cuda.default_config's neighbours)
-CUDA_GEMV_GRID = [
-    {"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": d} for w in (4, 8) for g in (1, 2) for d in (1, 2, 4) if not (w == 4 and g == 2)
-] + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": d, "DOWN_CHUNK": c} for d in (4, 8) for c in (2, 4, 8)]
-CUDA_GEMV_GRID += [{"WARPS": w, "GATE_ROWS": g, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for g in (1, 2)]
-CUDA_GEMV_GRID += [
-    {"WARPS": w, "GATE_ROWS": 1, "DOWN_ROWS": d, "DOWN_CHUNK": c, "EARLY": 1} for w in (4, 8) for d, c in ((4, 0), (2, 0), (4, 4), (4, 8))
+CUDA_GEMV_GRID = [  # one or two knobs away from the default (int4_gemv_cuda.default_config)
+    {"DOWN_CHUNK": 1},
+    {"DOWN_CHUNK": 3},
+    {"DOWN_CHUNK": 4},
+    {"DOWN_ROWS": 2, "DOWN_CHUNK": 2},
+    {"DOWN_ROWS": 2, "DOWN_CHUNK": 4},
+    {"DOWN_ROWS": 8, "DOWN_CHUNK": 1},
+    {"WARPS": 4},
+    {"GATE_ROWS": 2},
+    {"GATE_STAGE": 1},
+    {"EARLY": 1},
+    {"PDL": 1},
+    {"EARLY": 1, "PDL": 1},
+    {"EARLY": 1, "PDL": 1, "DOWN_ROWS": 2, "DOWN_CHUNK": 4},
+    {"EARLY": 1, "PDL": 1, "WARPS": 4},
 ]
 
 
@@ -300,13 +309,14 @@ def cuda_gate_up_only(x, w, tw, ids, first, config=None):
         cfg["GATE_STAGE"],
         cfg["EARLY"],
         0,
+        0,
         x.device.index or 0,
     )
     inter = torch.empty(T * K, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     gate_up(
         grid=(-(-(w13.shape[1] // 2) // (cfg["WARPS"] * cfg["GATE_ROWS"])), T * K, 1),
         block=(cfg["WARPS"] * 32, 1, 1),
-        args=[x, w13, s13, ids32, inter, x.stride(0), int(first), w13.shape[0], None, T],
+        args=[x, w13, s13, ids32, inter, x.stride(0), int(first), w13.shape[0], x, T],  # x: no shared experts
         shared_mem=gate_smem,
     )
     return inter

@@ -60,21 +60,25 @@ def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, share
     assert_bf16_close(out, ref)
 
 
+TILE_KEYS = ("WARPS", "GATE_ROWS", "DOWN_ROWS", "DOWN_CHUNK", "GATE_STAGE", "EARLY", "PDL")
+TILES = [  # each knob the bench sweeps, with the others around it
+    (4, 1, 1, 0, 0, 0, 0),
+    (8, 2, 2, 0, 0, 0, 0),
+    (8, 1, 4, 1, 0, 0, 0),
+    (8, 1, 8, 2, 0, 0, 0),
+    (4, 1, 4, 0, 1, 0, 0),
+    (8, 2, 4, 0, 1, 0, 0),
+    (4, 2, 2, 1, 0, 1, 0),
+    (8, 1, 4, 0, 0, 1, 0),
+    (8, 2, 8, 2, 0, 1, 0),
+    (8, 1, 4, 2, 0, 1, 1),
+    (4, 2, 2, 1, 0, 0, 1),
+]
+
+
 @needs_nvrtc
 @pytest.mark.parametrize(
-    "config",
-    [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr} for w in (4, 8) for gr in (1, 2) for dr in (1, 2, 4)]
-    + [{"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": dr, "DOWN_CHUNK": c} for dr in (4, 8) for c in (1, 2)]
-    + [{"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": 4, "GATE_STAGE": 1} for w in (4, 8) for gr in (1, 2)]
-    + [
-        {"WARPS": w, "GATE_ROWS": gr, "DOWN_ROWS": dr, "DOWN_CHUNK": c, "EARLY": 1}
-        for w in (4, 8)
-        for gr in (1, 2)
-        for dr, c in ((4, 0), (2, 1), (8, 2))
-    ],
-    ids=lambda c: (
-        f"w{c['WARPS']}-g{c['GATE_ROWS']}-d{c['DOWN_ROWS']}-c{c.get('DOWN_CHUNK', 0)}-s{c.get('GATE_STAGE', 0)}-e{c.get('EARLY', 0)}"
-    ),
+    "config", [dict(zip(TILE_KEYS, t)) for t in TILES], ids=lambda c: "-".join(f"{k[0].lower()}{v}" for k, v in c.items())
 )
 def test_cuda_gemv_tiles(config):
     """Every tile the bench sweeps, on a shape whose rows do not fill the last block and whose down
@@ -99,14 +103,16 @@ def test_cuda_gemv_no_local_expert_gives_zeros_and_reads_a_strided_row():
 
 
 @needs_nvrtc
-def test_cuda_gemv_in_a_cuda_graph():
-    """Captured once, replayed on new inputs written into the captured tensors."""
+@pytest.mark.parametrize("config", [None, {"EARLY": 1, "PDL": 1}], ids=["default", "early-pdl"])
+def test_cuda_gemv_in_a_cuda_graph(config):
+    """Captured once, replayed on new inputs written into the captured tensors (the down kernel
+    a programmatic dependent too: its edge in the graph)."""
     args, _ = _gemv_case(1, 4, 8, 0, 8, 256, 64, torch.bfloat16)
     x, p13, s13, p2, s2, weights, ids, first = args
-    int4_moe_gemv_cuda(*args)  # compile outside the capture
+    int4_moe_gemv_cuda(*args, config=config)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = int4_moe_gemv_cuda(*args)
+        out = int4_moe_gemv_cuda(*args, config=config)
     g = torch.Generator().manual_seed(5)
     new_weights, new_ids = routing(1, 4, 8, g)
     x.copy_(torch.randn(1, 256, generator=g).to(DEV, torch.bfloat16))

@@ -12,15 +12,15 @@ Tiles (``config``): ``WARPS`` a block, ``GATE_ROWS`` gate/up row pairs a warp, `
 rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K), ``GATE_STAGE``
 1: the gate/up words copied into shared memory asynchronously before the activations' conversion
 (all of a warp's rows in flight at once; not measured yet), ``EARLY`` 1: a warp's first words
-requested before its block's prologue (the activations' conversion and barrier; not measured yet). A gate/up warp
+requested before its block's prologue (the activations' conversion and barrier), ``PDL`` 1: the
+down kernel launched as a programmatic dependent of the gate/up one (sm_90+; not measured yet). A gate/up warp
 holds its rows' whole K (the hidden size: 7 uint4 a lane a row for K2.6) in registers. The
-defaults are the fastest of the one-token sweep on an H200 (BENCHMARKS.md, 2026-12-07); there a
-TP1 rank's down warp (4 rows x 16 uint4 a lane) spills registers, which ``DOWN_CHUNK`` avoids (not
-measured yet).
+defaults are the fastest of the one-token sweeps (BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from pathlib import Path
 
@@ -46,10 +46,50 @@ def available() -> bool:
 
 
 def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
-    """The tiles measured fastest at one token on an H200 for every K2.6 layout (BENCHMARKS.md,
-    2026-12-07): four output rows a down warp (a TP1 rank: 93 against 101 us with one), one
-    gate/up row pair a warp (two: 10-50 % slower)."""
-    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 0, "GATE_STAGE": 0, "EARLY": 0}
+    """The tiles measured fastest at one token for every K2.6 layout (BENCHMARKS.md): four output
+    rows a down warp (a TP1 rank on an H200: 93 against 101 us with one), loaded two groups a lane
+    at a time (on an H100, 2026-12-08: TP1 81 against 107 us with all at once, which spills
+    registers; EP8's lone expert 17.0 against 21.2), one gate/up row pair a warp (two: 10-50 %
+    slower)."""
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 2, "GATE_STAGE": 0, "EARLY": 0, "PDL": 0}
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [
+        ("grid", ctypes.c_uint * 3),
+        ("block", ctypes.c_uint * 3),
+        ("shared_mem", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.POINTER(_LaunchAttribute)),
+        ("num_attrs", ctypes.c_uint),
+    ]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def _launch_dependent(kernel, grid: tuple[int, int, int], block: tuple[int, int, int], args: list, shared_mem: int) -> None:
+    """Launch ``kernel`` (a ``torch.cuda._utils._CudaKernel``) on the current stream as a
+    programmatic dependent of the kernel before it (sm_90+): its blocks may start while that
+    kernel's last ones run, and wait for its results at ``griddepcontrol.wait``."""
+    from torch.cuda._utils import _check_cuda, _get_gpu_runtime_library
+
+    keep = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+    c_args = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
+    attr = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+    config = _LaunchConfig(
+        grid=(ctypes.c_uint * 3)(*grid),
+        block=(ctypes.c_uint * 3)(*block),
+        shared_mem=shared_mem,
+        stream=torch.cuda.current_stream().cuda_stream,
+        attrs=ctypes.pointer(attr),
+        num_attrs=1,
+    )
+    _check_cuda(_get_gpu_runtime_library().cuLaunchKernelEx(ctypes.byref(config), kernel.func, c_args, None))
 
 
 @functools.cache
@@ -65,6 +105,7 @@ def _kernels(
     down_chunk: int,
     gate_stage: int,
     early: int,
+    pdl: int,
     shared: int,
     device_index: int,
 ):
@@ -86,6 +127,7 @@ def _kernels(
         DOWN_CHUNK=down_chunk,
         GATE_STAGE=gate_stage,
         EARLY=early,
+        PDL=pdl,
         SHARED=shared,
     )
     options = [f"-D{k}={v}" for k, v in defines.items()]
@@ -144,6 +186,8 @@ def int4_moe_gemv_cuda(
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
+    device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    pdl = int(bool(cfg.get("PDL", 0)) and torch.cuda.get_device_capability(device_index)[0] >= 9)
     gate_up, down, gate_smem, down_smem = _kernels(
         x.dtype == torch.bfloat16,
         _IDX_C_TYPE[ids.dtype],
@@ -156,8 +200,9 @@ def int4_moe_gemv_cuda(
         cfg.get("DOWN_CHUNK", 0),
         cfg.get("GATE_STAGE", 0),
         cfg.get("EARLY", 0),
+        pdl,
         shared,
-        x.device.index if x.device.index is not None else torch.cuda.current_device(),
+        device_index,
     )
     inter_act = torch.empty(T * (K + shared_slots), inter, dtype=x.dtype, device=x.device)
     threads = cfg["WARPS"] * 32
@@ -168,12 +213,12 @@ def int4_moe_gemv_cuda(
             args=[x, w13_packed, w13_scale, ids, inter_act, x.stride(0), int(first_expert), E, sw13, T],
             shared_mem=gate_smem,
         )
-        down(
-            grid=(-(-hidden // (cfg["WARPS"] * cfg["DOWN_ROWS"])), T, 1),
-            block=(threads, 1, 1),
-            args=[inter_act, w2_packed, w2_scale, ids, weights, out, out.stride(0), int(first_expert), E, sw2, T],
-            shared_mem=down_smem,
-        )
+        down_grid = (-(-hidden // (cfg["WARPS"] * cfg["DOWN_ROWS"])), T, 1)
+        down_args = [inter_act, w2_packed, w2_scale, ids, weights, out, out.stride(0), int(first_expert), E, sw2, T]
+        if pdl:
+            _launch_dependent(down, down_grid, (threads, 1, 1), down_args, down_smem)
+        else:
+            down(grid=down_grid, block=(threads, 1, 1), args=down_args, shared_mem=down_smem)
     return out
 
 

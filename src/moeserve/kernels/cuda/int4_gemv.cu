@@ -22,6 +22,8 @@
 // GATE_STAGE (1: the gate/up words copied to shared memory asynchronously, then read there),
 // EARLY (1: a warp's first words are requested before the block converts its activations, so
 // the memory is busy during that prologue and its barrier),
+// PDL (1: the down kernel is launched as a programmatic dependent of the gate/up one, sm_90+: its
+// blocks start during the gate/up kernel's last wave, request their words, then wait for it),
 // SHARED (the shared experts' width, in the activation dtype; 0: none).
 
 typedef unsigned int u32;
@@ -251,6 +253,9 @@ int4_gate_up(const u16* __restrict__ x, const uint4* __restrict__ w13, const u16
   __shared__ uint4 xs[H_GROUPS * 4];
 #endif
   const int pair = blockIdx.y;
+#if PDL
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");  // the down kernel may launch
+#endif
 #if SHARED
   if (pair >= tokens * TOPK) {
     shared_gate_up(x, sw13, inter, x_stride, pair, (pair - tokens * TOPK) / SHARED_SLOTS, (pair - tokens * TOPK) % SHARED_SLOTS, xs);
@@ -396,6 +401,9 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
     }
     local_count = n;
   }
+#if PDL
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the gate/up kernel's results, complete
+#endif
   __syncthreads();
   const int n_local = local_count, n_groups = n_local * I_GROUPS;
 
