@@ -345,7 +345,7 @@ def test_int4_gemv_auto_takes_the_cuda_kernels_where_they_build(monkeypatch):
     method = Int4Experts(32, 384)
     assert method.kernels == ("int4_moe", "int4_gemv_cuda")
     method.use_kernels({"int4_moe", "int4_gemv_cuda"})
-    assert method.gemv_variant == "cuda" and method.gemv_auto
+    assert method.gemv_variant == "cuda"
     method = Int4Experts(32, 384)
     method.use_kernels({"int4_moe"})  # its check failed
     assert method.gemv_variant == "triton"
@@ -358,31 +358,43 @@ class _FakeCudaTensor:
         self.dtype, self.is_cuda = dtype, is_cuda
 
 
-def test_cuda_gemv_auto_takes_the_token_counts_it_won(monkeypatch):
-    """``auto``: up to 4 tokens on a rank whose token expects one local expert (an EP8 rank of
-    K2.6, where 8 and 16 tokens measured slower), up to 16 where it expects two or more (a TP rank,
-    EP2); never for float32 or CPU tensors; an explicit ``cuda`` up to the GEMV's limit."""
+def test_cuda_gemv_takes_decode_steps_of_16_bit_gpu_activations_and_the_shared_experts_at_one_token(monkeypatch):
+    """The CUDA GEMV runs up to the GEMV's limit (16 tokens of K2.6), never for float32 or CPU
+    tensors; with shared experts only at one token (from two on they run as their own layers)."""
     from types import SimpleNamespace
 
+    import moeserve.kernels.int4_gemv_cuda as cuda_gemv
     from moeserve.quant.experts import Int4Experts
 
     monkeypatch.delenv("MOESERVE_INT4_GEMV", raising=False)
     method = Int4Experts(32, 384)
     method.use_kernels({"int4_moe", "int4_gemv_cuda"})
-    method.gemv_variant, method.gemv_auto = "cuda", True
+    method.gemv_variant = "cuda"
 
-    def layer(local_experts):
-        return SimpleNamespace(w13_packed=torch.empty(local_experts, 0, 0))
+    def takes(tokens, x=None):
+        return method._cuda_gemv(x or _FakeCudaTensor(), torch.zeros(tokens, 8, dtype=torch.int64))
 
-    def takes(tokens, local_experts, x=None):
-        return method._cuda_gemv(layer(local_experts), x or _FakeCudaTensor(), torch.zeros(tokens, 8, dtype=torch.int64))
+    assert takes(1) and takes(16) and not takes(17)
+    assert not takes(1, _FakeCudaTensor(torch.float32)) and not takes(1, _FakeCudaTensor(is_cuda=False))
 
-    assert takes(4, 48) and not takes(5, 48)  # EP8: 8 x 48 / 384 = 1 local slot a token
-    assert takes(16, 96) and not takes(17, 96)  # EP4: 2
-    assert takes(16, 384) and not takes(17, 384)  # TP: 8
-    assert not takes(1, 384, _FakeCudaTensor(torch.float32)) and not takes(1, 384, _FakeCudaTensor(is_cuda=False))
-    method.gemv_auto = False  # MOESERVE_INT4_GEMV=cuda
-    assert takes(16, 48) and not takes(17, 48)
+    calls = []
+    monkeypatch.setattr(cuda_gemv, "int4_moe_gemv_cuda", lambda *a: calls.append(len(a)) or "fused")
+    monkeypatch.setattr(method, "_weights", lambda layer: ())
+    shared = torch.zeros(4, 64, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.bfloat16)
+    monkeypatch.setattr("moeserve.quant.experts.plain_shared_weights", lambda mlp: shared)
+    layer = SimpleNamespace(first_expert=0)
+
+    class _Activations(_FakeCudaTensor):
+        def __init__(self, tokens):
+            super().__init__()
+            self.shape = (tokens, 64)
+
+    ids = torch.zeros(1, 8, dtype=torch.int64)
+    assert method.apply_with_shared(layer, _Activations(1), ids.float(), ids, object()) == "fused" and calls == [
+        6
+    ]  # x, weights, ids, first expert, the shared gate/up and down
+    ids = torch.zeros(2, 8, dtype=torch.int64)
+    assert method.apply_with_shared(layer, _Activations(2), ids.float(), ids, object()) is None and calls == [6]
 
 
 # ---- grouped GEMM ----

@@ -189,8 +189,9 @@ def int4_gemv_variant() -> str:
     ``triton``: the Triton kernels of ``kernels/int4_moe.py``; ``spread``: their spread variant
     (``kernels/int4_spread.py``); ``cuda``: the CUDA C kernels (``kernels/int4_gemv_cuda.py``,
     16-bit activations);
-    ``auto`` (unset): the CUDA kernels where they measured faster (:data:`CUDA_GEMV_AUTO_TOKENS`),
-    on a GPU where they build and pass their check, else Triton's. An opt-in whose check fails
+    ``auto`` (unset): the CUDA kernels on a GPU where they build and pass their check (measured
+    faster than Triton's at every point from 1 to 16 tokens on K2.6's layouts, BENCHMARKS.md,
+    2026-12-08), else Triton's. An opt-in whose check fails
     falls back to Triton's."""
     value = os.environ.get("MOESERVE_INT4_GEMV", "auto") or "auto"
     if value not in INT4_GEMV_VARIANTS:
@@ -206,19 +207,10 @@ def _int4_gemv_kernels(variant: str) -> tuple[str, ...]:
     return {"triton": ("int4_moe",), "spread": ("int4_moe", "int4_spread"), "cuda": ("int4_moe", "int4_gemv_cuda")}[variant]
 
 
-# ``auto``: the most tokens a step the CUDA GEMV takes, by the local slots a token expects on this
-# rank (top-k x local experts / experts). Measured on an H200 (BENCHMARKS.md, 2026-12-07, K2.6):
-# 1.02-1.69x Triton's at 1-4 tokens on every layout; at 8-16 tokens 1.01-1.20x where a token
-# expects 2 or more local slots (TP ranks, EP8 with 2, EP2 with 4) and 0.90-0.94x with one (EP8).
-CUDA_GEMV_AUTO_TOKENS = {"few local slots": 4, "several local slots": 16}
-
-
-def cuda_gemv_auto_takes(tokens: int, topk: int, local_experts: int, total_experts: int) -> bool:
-    """Whether ``auto`` runs a decode step of ``tokens`` on the CUDA GEMV, for a rank holding
-    ``local_experts`` of ``total_experts`` (the rule of :data:`CUDA_GEMV_AUTO_TOKENS`)."""
-    local_slots = topk * local_experts / total_experts
-    most = CUDA_GEMV_AUTO_TOKENS["several local slots" if local_slots >= 2 else "few local slots"]
-    return tokens * topk <= min(most * topk, INT4_GEMV_MAX_PAIRS)
+# The CUDA GEMV keeps the shared experts inside only at one token: it reads their 16-bit weights
+# once a token and multiplies them in fp32, so from two tokens on they run as their own layers
+# (whose GEMV reads them once for all the step's tokens).
+CUDA_GEMV_SHARED_MAX_TOKENS = 1
 
 
 class Int4Experts(ExpertsMethod):
@@ -237,7 +229,6 @@ class Int4Experts(ExpertsMethod):
         self.fused = False  # moeserve.kernels.int4_moe grouped GEMM
         self.gemv = False  # moeserve.kernels.int4_moe GEMV (decode), with the shared experts
         self.gemv_variant = int4_gemv_variant()  # MOESERVE_INT4_GEMV, once its check passed
-        self.gemv_auto = self.gemv_variant == "auto"
         self.kernels = _int4_gemv_kernels(self.gemv_variant)
         self.humming = None  # kernels.humming_moe.HummingInt4Experts once use_humming has run (--moe-backend)
 
@@ -351,22 +342,17 @@ class Int4Experts(ExpertsMethod):
     def _weights(self, layer):
         return layer.w13_packed, layer.w13_scale, layer.w2_packed, layer.w2_scale
 
-    def _cuda_gemv(self, layer, x, topk_ids) -> bool:
-        """Whether this call runs the CUDA GEMV: decode-sized, 16-bit, on a GPU; under ``auto`` only
-        up to the tokens where it measured faster for this rank's share of the experts."""
+    def _cuda_gemv(self, x, topk_ids) -> bool:
+        """Whether this call runs the CUDA GEMV: decode-sized, 16-bit, on a GPU."""
         if self.gemv_variant != "cuda" or x.dtype not in (torch.bfloat16, torch.float16) or not x.is_cuda:
             return False
-        if not self.gemv_auto:
-            return topk_ids.numel() <= INT4_GEMV_MAX_PAIRS
-        T, K = topk_ids.shape
-        local = layer.w13_packed.shape[0]
-        return cuda_gemv_auto_takes(T, K, local, self.num_experts or local)
+        return topk_ids.numel() <= INT4_GEMV_MAX_PAIRS
 
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.humming is not None:
             return self.humming(x, topk_weights, topk_ids, layer.first_expert)
         if self.fused:
-            if self._cuda_gemv(layer, x, topk_ids):
+            if self._cuda_gemv(x, topk_ids):
                 from moeserve.kernels.int4_gemv_cuda import int4_moe_gemv_cuda
 
                 return int4_moe_gemv_cuda(x, *self._weights(layer), topk_weights, topk_ids, layer.first_expert)
@@ -397,8 +383,8 @@ class Int4Experts(ExpertsMethod):
         weights = plain_shared_weights(shared)
         if not self.gemv or topk_ids.numel() > INT4_GEMV_MAX_PAIRS or weights is None:
             return None
-        if self._cuda_gemv(layer, x, topk_ids):
-            if weights[1].shape[1] % 8 or any(w.dtype != x.dtype for w in weights):
+        if self._cuda_gemv(x, topk_ids):
+            if x.shape[0] > CUDA_GEMV_SHARED_MAX_TOKENS or weights[1].shape[1] % 8 or any(w.dtype != x.dtype for w in weights):
                 return None  # the shared experts then run as their own layers
             from moeserve.kernels.int4_gemv_cuda import int4_moe_gemv_cuda
 
