@@ -283,8 +283,11 @@ CUDA_GEMV_GRID = [  # one or two knobs away from the default (int4_gemv_cuda.def
     {"EARLY": 1},
     {"PDL": 1},
     {"EARLY": 1, "PDL": 1},
-    {"EARLY": 1, "PDL": 1, "DOWN_ROWS": 2, "DOWN_CHUNK": 4},
-    {"EARLY": 1, "PDL": 1, "WARPS": 4},
+    {"DOWN_PREFETCH": 1},
+    {"DOWN_PREFETCH": 1, "DOWN_CHUNK": 1},
+    {"DOWN_PREFETCH": 1, "DOWN_CHUNK": 4},
+    {"DOWN_PREFETCH": 1, "DOWN_ROWS": 2, "DOWN_CHUNK": 4},
+    {"DOWN_PREFETCH": 1, "DOWN_ROWS": 1, "DOWN_CHUNK": 4},
 ]
 
 
@@ -297,20 +300,7 @@ def cuda_gate_up_only(x, w, tw, ids, first, config=None):
     cfg = {**cg.default_config(T, x.shape[1], w13.shape[1] // 2, K), **(config or {})}
     ids32 = ids.reshape(-1).to(torch.int32)
     gate_up, _, gate_smem, _ = cg._kernels(
-        True,
-        "int",
-        x.shape[1],
-        w13.shape[1] // 2,
-        K,
-        cfg["WARPS"],
-        cfg["GATE_ROWS"],
-        cfg["DOWN_ROWS"],
-        cfg["DOWN_CHUNK"],
-        cfg["GATE_STAGE"],
-        cfg["EARLY"],
-        0,
-        0,
-        x.device.index or 0,
+        True, "int", x.shape[1], w13.shape[1] // 2, K, 0, x.device.index or 0, tuple(sorted(cfg.items()))
     )
     inter = torch.empty(T * K, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
     gate_up(

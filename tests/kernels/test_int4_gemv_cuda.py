@@ -60,7 +60,7 @@ def test_cuda_gemv_matches_reference(T, K, E, first, total, hidden, inter, share
     assert_bf16_close(out, ref)
 
 
-TILE_KEYS = ("WARPS", "GATE_ROWS", "DOWN_ROWS", "DOWN_CHUNK", "GATE_STAGE", "EARLY", "PDL")
+TILE_KEYS = ("WARPS", "GATE_ROWS", "DOWN_ROWS", "DOWN_CHUNK", "GATE_STAGE", "EARLY", "PDL", "DOWN_PREFETCH")
 TILES = [  # each knob the bench sweeps, with the others around it
     (4, 1, 1, 0, 0, 0, 0),
     (8, 2, 2, 0, 0, 0, 0),
@@ -73,6 +73,8 @@ TILES = [  # each knob the bench sweeps, with the others around it
     (8, 2, 8, 2, 0, 1, 0),
     (8, 1, 4, 2, 0, 1, 1),
     (4, 2, 2, 1, 0, 0, 1),
+    (8, 1, 4, 1, 0, 0, 0, 1),
+    (4, 1, 2, 2, 0, 1, 1, 1),
 ]
 
 
@@ -94,7 +96,8 @@ def test_cuda_gemv_no_local_expert_gives_zeros_and_reads_a_strided_row():
     weights, ids = routing(2, 2, 12, torch.Generator().manual_seed(3), only=[0, 1, 2, 3])  # this rank holds 8..11
     out = int4_moe_gemv_cuda(x, *rest[:4], weights, ids, 8)
     assert torch.count_nonzero(out) == 0
-    assert torch.count_nonzero(int4_moe_gemv_cuda(x, *rest[:4], weights, ids, 8, config={"EARLY": 1})) == 0
+    for config in ({"EARLY": 1}, {"DOWN_PREFETCH": 1, "DOWN_CHUNK": 1}):
+        assert torch.count_nonzero(int4_moe_gemv_cuda(x, *rest[:4], weights, ids, 8, config=config)) == 0
     wide = torch.randn(2, 192, device=DEV, dtype=torch.bfloat16)  # a view whose rows are 192 apart
     args, _ = _gemv_case(2, 2, 4, 0, 4, 64, 32, torch.bfloat16)
     strided = wide[:, 32:96].copy_(args[0])
@@ -103,7 +106,9 @@ def test_cuda_gemv_no_local_expert_gives_zeros_and_reads_a_strided_row():
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("config", [None, {"EARLY": 1, "PDL": 1}], ids=["default", "early-pdl"])
+@pytest.mark.parametrize(
+    "config", [None, {"EARLY": 1, "PDL": 1, "DOWN_PREFETCH": 1, "DOWN_CHUNK": 1}], ids=["default", "early-pdl-prefetch"]
+)
 def test_cuda_gemv_in_a_cuda_graph(config):
     """Captured once, replayed on new inputs written into the captured tensors (the down kernel
     a programmatic dependent too: its edge in the graph)."""
@@ -170,6 +175,8 @@ def test_cuda_gemv_refuses_float32_and_strided_weights():
     cut = torch.cat([p13, p13], dim=1)[:, ::2]  # the right shape, rows two apart
     with pytest.raises(ValueError, match="contiguous"):
         int4_moe_gemv_cuda(x.bfloat16(), cut, s13, p2, s2, weights, ids, 0)
+    with pytest.raises(ValueError, match="unknown CUDA INT4 GEMV tile keys: \\['DOWN_ROW'\\]"):
+        int4_moe_gemv_cuda(x.bfloat16(), p13, s13, p2, s2, weights, ids, 0, config={"DOWN_ROW": 2})
 
 
 def test_cuda_gemv_available_only_with_a_device(monkeypatch):

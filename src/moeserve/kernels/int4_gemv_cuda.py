@@ -13,7 +13,8 @@ rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K
 1: the gate/up words copied into shared memory asynchronously before the activations' conversion
 (all of a warp's rows in flight at once; not measured yet), ``EARLY`` 1: a warp's first words
 requested before its block's prologue (the activations' conversion and barrier), ``PDL`` 1: the
-down kernel launched as a programmatic dependent of the gate/up one (sm_90+; not measured yet). A gate/up warp
+down kernel launched as a programmatic dependent of the gate/up one (sm_90+), ``DOWN_PREFETCH`` 1:
+a down lane's next chunk requested before this chunk's products (not measured yet). A gate/up warp
 holds its rows' whole K (the hidden size: 7 uint4 a lane a row for K2.6) in registers. The
 defaults are the fastest of the one-token sweeps (BENCHMARKS.md).
 """
@@ -51,7 +52,7 @@ def default_config(tokens: int, hidden: int, inter: int, topk: int) -> dict:
     at a time (on an H100, 2026-12-08: TP1 81 against 107 us with all at once, which spills
     registers; EP8's lone expert 17.0 against 21.2), one gate/up row pair a warp (two: 10-50 %
     slower)."""
-    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 2, "GATE_STAGE": 0, "EARLY": 0, "PDL": 0}
+    return {"WARPS": 8, "GATE_ROWS": 1, "DOWN_ROWS": 4, "DOWN_CHUNK": 2, "GATE_STAGE": 0, "EARLY": 0, "DOWN_PREFETCH": 0, "PDL": 0}
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding, a 64-byte value
@@ -93,50 +94,24 @@ def _launch_dependent(kernel, grid: tuple[int, int, int], block: tuple[int, int,
 
 
 @functools.cache
-def _kernels(
-    act_bf16: bool,
-    idx_c: str,
-    hidden: int,
-    inter: int,
-    topk: int,
-    warps: int,
-    gate_rows: int,
-    down_rows: int,
-    down_chunk: int,
-    gate_stage: int,
-    early: int,
-    pdl: int,
-    shared: int,
-    device_index: int,
-):
-    """The two kernels compiled for one shape and tile, for ``device_index``'s architecture, and
-    loaded into its context (a module belongs to the device it was loaded on)."""
+def _kernels(act_bf16: bool, idx_c: str, hidden: int, inter: int, topk: int, shared: int, device_index: int, tile: tuple):
+    """The two kernels compiled for one shape and tile (``tile``: the config's sorted items), for
+    ``device_index``'s architecture, and loaded into its context (a module belongs to the device
+    it was loaded on)."""
     from torch.cuda._utils import _cuda_load_module, _nvrtc_compile
 
     major, minor = torch.cuda.get_device_capability(device_index)
     arch = f"{major}{minor}"
-    defines = dict(
-        ACT_BF16=int(act_bf16),
-        IDX_T=idx_c,
-        HIDDEN=hidden,
-        INTER=inter,
-        TOPK=topk,
-        WARPS=warps,
-        GATE_ROWS=gate_rows,
-        DOWN_ROWS=down_rows,
-        DOWN_CHUNK=down_chunk,
-        GATE_STAGE=gate_stage,
-        EARLY=early,
-        PDL=pdl,
-        SHARED=shared,
-    )
+    cfg = dict(tile)
+    defines = dict(ACT_BF16=int(act_bf16), IDX_T=idx_c, HIDDEN=hidden, INTER=inter, TOPK=topk, SHARED=shared, **cfg)
     options = [f"-D{k}={v}" for k, v in defines.items()]
     binary, _ = _nvrtc_compile(SOURCE.read_text(), "int4_gate_up", arch, None, options)
     with torch.cuda.device(device_index):
         kernels = _cuda_load_module(binary, ["int4_gate_up", "int4_down"])
     down_smem = (topk * inter + shared) * 2
     gate_iters = -(-hidden // GROUP // 32)
-    gate_smem = (hidden * 2 + warps * 2 * gate_rows * gate_iters * 32 * 16) if gate_stage else 0  # else static
+    staged = cfg["WARPS"] * 2 * cfg["GATE_ROWS"] * gate_iters * 32 * 16
+    gate_smem = hidden * 2 + staged if cfg["GATE_STAGE"] else 0  # else static
     for name, size in (("int4_down", down_smem), ("int4_gate_up", gate_smem)):
         if size >= _DEFAULT_SMEM:
             kernels[name].set_shared_memory_config(size)
@@ -179,6 +154,8 @@ def int4_moe_gemv_cuda(
     if T == 0:
         return out
     cfg = {**default_config(T, hidden, inter, K), **(config or {})}
+    if set(cfg) != set(default_config(T, hidden, inter, K)):
+        raise ValueError(f"unknown CUDA INT4 GEMV tile keys: {sorted(set(cfg) - set(default_config(T, hidden, inter, K)))}")
     ids = topk_ids.reshape(-1)
     if ids.dtype not in _IDX_C_TYPE:
         ids = ids.to(torch.int32)
@@ -187,22 +164,9 @@ def int4_moe_gemv_cuda(
     if x.stride(0) % 2 or x.data_ptr() % 4:
         x = x.contiguous()
     device_index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    pdl = int(bool(cfg.get("PDL", 0)) and torch.cuda.get_device_capability(device_index)[0] >= 9)
+    cfg["PDL"] = pdl = int(bool(cfg["PDL"]) and torch.cuda.get_device_capability(device_index)[0] >= 9)
     gate_up, down, gate_smem, down_smem = _kernels(
-        x.dtype == torch.bfloat16,
-        _IDX_C_TYPE[ids.dtype],
-        hidden,
-        inter,
-        K,
-        cfg["WARPS"],
-        cfg["GATE_ROWS"],
-        cfg["DOWN_ROWS"],
-        cfg.get("DOWN_CHUNK", 0),
-        cfg.get("GATE_STAGE", 0),
-        cfg.get("EARLY", 0),
-        pdl,
-        shared,
-        device_index,
+        x.dtype == torch.bfloat16, _IDX_C_TYPE[ids.dtype], hidden, inter, K, shared, device_index, tuple(sorted(cfg.items()))
     )
     inter_act = torch.empty(T * (K + shared_slots), inter, dtype=x.dtype, device=x.device)
     threads = cfg["WARPS"] * 32

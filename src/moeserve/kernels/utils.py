@@ -48,9 +48,14 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+# Off the GPU, the SMs the split heuristics plan for: an H100's or H200's, so that they behave the
+# same under the CPU interpreter as on the target machine. A test whose subject is not the splits
+# may lower it: the interpreter's time grows with the programs a launch has.
+CPU_SMS = 132
+
+
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors on ``device``; 132 (an H100/H200) off the GPU, so the split
-    heuristics behave the same under the CPU interpreter as on the target machine."""
+    """Streaming multiprocessors on ``device`` (off the GPU: :data:`CPU_SMS`)."""
     if device.type == "cuda":
         return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-    return 132
+    return CPU_SMS

@@ -22,6 +22,7 @@
 // GATE_STAGE (1: the gate/up words copied to shared memory asynchronously, then read there),
 // EARLY (1: a warp's first words are requested before the block converts its activations, so
 // the memory is busy during that prologue and its barrier),
+// DOWN_PREFETCH (1: a down lane requests its next chunk's words before this chunk's products),
 // PDL (1: the down kernel is launched as a programmatic dependent of the gate/up one, sm_90+: its
 // blocks start during the gate/up kernel's last wave, request their words, then wait for it),
 // SHARED (the shared experts' width, in the activation dtype; 0: none).
@@ -429,17 +430,27 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
   if (first_row >= HIDDEN) return;
 
   // The flattened (local slot, group) list in chunks of DOWN_CHUNK groups a lane (0: all at once):
-  // a chunk's loads, then its products, so the registers hold one chunk's words.
+  // a chunk's loads, then its products, so the registers hold one chunk's words (DOWN_PREFETCH:
+  // two chunks', the next one's loads in flight during this one's products).
   float acc[DOWN_ROWS];
 #pragma unroll
   for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] = 0.f;
+#if DOWN_PREFETCH
+  uint4 w_next[DOWN_ROWS][DOWN_CHUNK_ITERS];
+  u16 s_next[DOWN_ROWS][DOWN_CHUNK_ITERS];
+#endif
 #pragma unroll
   for (int first_it = 0; first_it < DOWN_ITERS; first_it += DOWN_CHUNK_ITERS) {
 #pragma unroll
     for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
       const int u = (first_it + j) * 32 + lane;
-      if ((!EARLY || first_it > 0) && first_it + j < DOWN_ITERS && u < n_groups)
+      if ((!EARLY || first_it > 0) && (!DOWN_PREFETCH || first_it == 0) && first_it + j < DOWN_ITERS && u < n_groups)
         load_down_rows(w2, s2, (long long)local_expert[u / I_GROUPS] * HIDDEN, first_row, u % I_GROUPS, j, w, s);
+#if DOWN_PREFETCH
+      const int next = first_it + DOWN_CHUNK_ITERS + j, un = next * 32 + lane;
+      if (next < DOWN_ITERS && un < n_groups)
+        load_down_rows(w2, s2, (long long)local_expert[un / I_GROUPS] * HIDDEN, first_row, un % I_GROUPS, j, w_next, s_next);
+#endif
     }
 #pragma unroll
     for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) {
@@ -450,6 +461,12 @@ int4_down(const u16* __restrict__ inter, const uint4* __restrict__ w2, const u16
         for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] += dot_group(w[rr][j], a0, a1, a2, a3) * act_to_float(s[rr][j]);
       }
     }
+#if DOWN_PREFETCH
+#pragma unroll
+    for (int rr = 0; rr < DOWN_ROWS; ++rr)
+#pragma unroll
+      for (int j = 0; j < DOWN_CHUNK_ITERS; ++j) w[rr][j] = w_next[rr][j], s[rr][j] = s_next[rr][j];
+#endif
   }
 #pragma unroll
   for (int rr = 0; rr < DOWN_ROWS; ++rr) acc[rr] *= 256.f;
