@@ -11,6 +11,9 @@ try:
 
     if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:  # pytest -n: the cores shared among the workers, not each taking them all
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 except ImportError:
     pass
 
