@@ -32,8 +32,8 @@ module                 kernel (wrapper)                            reference
 ``int4_gemv_cuda``     the INT4 decode GEMV in CUDA C              ``int4_moe_ref``
                        (``cuda/int4_gemv.cu``, compiled by NVRTC;
                        ``int4_moe_gemv_cuda``, with the shared experts;
-                       the default decode GEMV where it measured
-                       faster, ``MOESERVE_INT4_GEMV``)
+                       the default decode GEMV,
+                       ``MOESERVE_INT4_GEMV``)
 ``rmsnorm``            RMSNorm, and residual add + RMSNorm in one  ``rmsnorm_ref``,
                        pass (``rmsnorm``, ``fused_add_rmsnorm``)   ``fused_add_rmsnorm_ref``
 ``router``             expert choice: router GEMV, scores, bias,   ``layers.moe.Router`` (torch)
