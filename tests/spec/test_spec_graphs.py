@@ -180,7 +180,7 @@ def test_demo_model_greedy_equal_and_accepts_drafts_through_graphs(monkeypatch, 
 
     prompt = cf.render_chat([{"role": "user", "content": "Hi there!"}], None, True)
     params = SamplingParams(temperature=0.0, max_tokens=6)
-    kw = dict(max_num_batched_tokens=32, max_model_len=40)
+    kw = dict(max_model_len=40)  # 16 tokens a step: the prompt in chunks
     with LLM(None, **{**SETTINGS, **kw}) as llm:
         want = _tokens(llm, [prompt], params)
     llm, steps = _graphed(None, _spec(method, 2), monkeypatch, **kw)
