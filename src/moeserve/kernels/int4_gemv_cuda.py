@@ -11,10 +11,11 @@ and its layout, are in the source's header. :func:`available` says whether this 
 Tiles (``config``): ``WARPS`` a block, ``GATE_ROWS`` gate/up row pairs a warp, ``DOWN_ROWS`` output
 rows a warp, ``DOWN_CHUNK`` the groups a down lane loads at once (0: its whole K), ``GATE_STAGE``
 1: the gate/up words copied into shared memory asynchronously before the activations' conversion
-(all of a warp's rows in flight at once; not measured yet), ``EARLY`` 1: a warp's first words
-requested before its block's prologue (the activations' conversion and barrier), ``PDL`` 1: the
-down kernel launched as a programmatic dependent of the gate/up one (sm_90+), ``DOWN_PREFETCH`` 1:
-a down lane's next chunk requested before this chunk's products (not measured yet). A gate/up warp
+(all of a warp's rows in flight at once), ``EARLY`` 1: a warp's first words requested before its
+block's prologue (the activations' conversion and barrier), ``PDL`` 1: the down kernel launched as
+a programmatic dependent of the gate/up one (sm_90+); those three measured no faster (BENCHMARKS.md,
+2026-12-08). ``DOWN_PREFETCH`` 1: a down lane's next chunk requested before this chunk's products
+(not measured yet). A gate/up warp
 holds its rows' whole K (the hidden size: 7 uint4 a lane a row for K2.6) in registers. The
 defaults are the fastest of the one-token sweeps (BENCHMARKS.md).
 """
@@ -153,9 +154,10 @@ def int4_moe_gemv_cuda(
     out = torch.empty_like(x)
     if T == 0:
         return out
-    cfg = {**default_config(T, hidden, inter, K), **(config or {})}
-    if set(cfg) != set(default_config(T, hidden, inter, K)):
-        raise ValueError(f"unknown CUDA INT4 GEMV tile keys: {sorted(set(cfg) - set(default_config(T, hidden, inter, K)))}")
+    default = default_config(T, hidden, inter, K)
+    cfg = {**default, **(config or {})}
+    if set(cfg) != set(default):
+        raise ValueError(f"unknown CUDA INT4 GEMV tile keys: {sorted(set(cfg) - set(default))}")
     ids = topk_ids.reshape(-1)
     if ids.dtype not in _IDX_C_TYPE:
         ids = ids.to(torch.int32)
